@@ -1,0 +1,462 @@
+"""The sans-I/O broker: routing, credit, deadlines and liveness.
+
+``Broker`` never touches a socket or a clock. The I/O loop feeds it frames and
+the current monotonic time, and drains what it wants sent from ``outbox``:
+that is what lets deadlines, credit and liveness be tested with a fake clock.
+
+Invariant: every accepted client request gets exactly one final reply
+(``ok`` or ``error``), whatever happens to its worker.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker import protocol as p
+from broker.deadlines import DeadlineHeap
+from broker.errors import EdgeNodeError, ErrorCode, ProtocolError
+from broker.protocol import ClientRequest, WorkerCommand
+from broker.stats import Stats
+from broker.workers import WorkerRegistry, WorkerState, parse_ready
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    """Broker knobs; times in milliseconds.
+
+    ``heartbeat_interval_ms`` x ``heartbeat_liveness`` of silence marks a worker
+    dead (Paranoid Pirate, zguide ch. 4: 1000 ms x 3). A busy worker whose
+    progress counter has not moved for ``stall_timeout_ms`` is stalled.
+    ``cancel_grace_ms`` is how long a cancelled worker has to ack before it is
+    treated as hung.
+    """
+
+    max_body_bytes: int = p.DEFAULT_MAX_BODY_BYTES
+    max_queue: int = 64
+    default_timeout_ms: int = 60_000
+    max_timeout_ms: int = 600_000
+    default_max_tokens: int = 128
+    heartbeat_interval_ms: int = 1000
+    heartbeat_liveness: int = 3
+    stall_timeout_ms: int = 15_000
+    cancel_grace_ms: int = 2000
+
+
+@dataclass
+class Job:
+    """One accepted client request while the broker owns it."""
+
+    rid: int
+    client: bytes
+    req: ClientRequest
+    accepted_at: float
+    deadline: float
+    worker: bytes | None = None
+    dispatched_at: float | None = None
+    first_token_at: float | None = None
+    chunks: list[str] = field(default_factory=list)
+    replied: bool = False
+    attempts: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    """Something the supervisor must act on: ``kind`` is ``ready`` or ``lost``."""
+
+    kind: str
+    worker_id: str
+    pid: int | None
+    reason: str = ""
+
+
+StatusHook = Callable[[], dict[str, Any]]
+
+
+class Broker:
+    """Routes client requests to workers with credit, deadlines and liveness.
+
+    Args:
+        settings: the knobs above.
+        status_hook: returns extra fields merged into ``status`` (the
+            supervisor's view of processes); the broker never imports it.
+    """
+
+    def __init__(self, settings: BrokerSettings, status_hook: StatusHook | None = None) -> None:
+        self.settings = settings
+        self.workers = WorkerRegistry()
+        self.stats = Stats()
+        self.to_clients: list[list[bytes]] = []
+        self.to_workers: list[list[bytes]] = []
+        self.events: list[WorkerEvent] = []
+        self._status_hook = status_hook
+        self._jobs: dict[int, Job] = {}
+        self._queue: OrderedDict[int, Job] = OrderedDict()
+        self._by_client_id: dict[tuple[bytes, str | int], int] = {}
+        self._deadlines: DeadlineHeap[tuple[str, int]] = DeadlineHeap()
+        self._next_rid = 1
+        self._next_heartbeat = 0.0
+        self.draining = False
+
+    # ------------------------------------------------------------------ clients
+
+    def handle_client(self, frames: list[bytes], now: float) -> None:
+        """Handle one frontend message ``[identity, "", "EDGE/C1", body]``."""
+        if not frames:
+            return
+        identity = frames[0]
+        msg: dict[str, Any] = {}
+        try:
+            _, body = p.split_client_frames(frames)
+            p.check_body_size(body, self.settings.max_body_bytes)
+            msg = p.unpack_map(body)
+            req = p.parse_client_request(msg)
+        except EdgeNodeError as exc:
+            self.stats.count("rejected_bad_request")
+            self._send_client(identity, p.error_reply(p.request_id_of(msg), exc.code, exc.message))
+            return
+        if req.op == "ping":
+            self._send_client(identity, p.ok_reply(req.id, pong=True, version=p.PROTOCOL_VERSION))
+        elif req.op == "status":
+            self._send_client(identity, p.ok_reply(req.id, node=self.status(now)))
+        elif req.op == "cancel":
+            self._cancel_by_client(identity, req, now)
+        else:
+            self._accept(identity, req, now)
+
+    def _accept(self, identity: bytes, req: ClientRequest, now: float) -> None:
+        key = (identity, req.id)
+        if key in self._by_client_id:
+            self._send_client(
+                identity,
+                p.error_reply(req.id, ErrorCode.BAD_REQUEST, f"id {req.id!r} is already in flight"),
+            )
+            return
+        if self.draining:
+            self._reject(identity, req.id, ErrorCode.UNAVAILABLE, "node is shutting down", 1000)
+            return
+        if len(self._queue) >= self.settings.max_queue:
+            retry = self.stats.retry_after_ms(len(self._queue), max(1, len(self.workers)))
+            self._reject(identity, req.id, ErrorCode.UNAVAILABLE, "queue is full", retry)
+            return
+        timeout_ms = min(req.timeout_ms or self.settings.default_timeout_ms,
+                         self.settings.max_timeout_ms)
+        job = Job(self._next_rid, identity, req, now, now + timeout_ms / 1000)
+        self._next_rid += 1
+        self._jobs[job.rid] = job
+        self._by_client_id[key] = job.rid
+        self._queue[job.rid] = job
+        self._deadlines.set(("job", job.rid), job.deadline)
+        self.stats.count("accepted")
+        self._dispatch(now)
+
+    def _reject(
+        self, identity: bytes, rid: str | int, code: ErrorCode, message: str, retry: int
+    ) -> None:
+        self.stats.count(f"shed_{code.name.lower()}")
+        self._send_client(identity, p.error_reply(rid, code, message, retry_after_ms=retry))
+
+    def _cancel_by_client(self, identity: bytes, req: ClientRequest, now: float) -> None:
+        assert req.target is not None
+        rid = self._by_client_id.get((identity, req.target))
+        job = self._jobs.get(rid) if rid is not None else None
+        if job is None or job.replied:
+            self._send_client(
+                identity,
+                p.error_reply(req.id, ErrorCode.NOT_FOUND, f"no request {req.target!r} in flight"),
+            )
+            return
+        self._finish_early(job, ErrorCode.CANCELLED, "cancelled by client", now)
+        self._send_client(identity, p.ok_reply(req.id, cancelled=req.target))
+
+    # ------------------------------------------------------------------ workers
+
+    def handle_worker(self, frames: list[bytes], now: float) -> None:
+        """Handle one backend message ``[identity, "", "EDGE/W1", command, body]``."""
+        if len(frames) < 2:
+            return
+        identity = frames[0]
+        try:
+            command, body = p.parse_worker_frames(frames[1:])
+        except ProtocolError:
+            self.stats.count("worker_protocol_errors")
+            self._send_worker(identity, WorkerCommand.DISCONNECT, {"reason": "protocol error"})
+            return
+        worker = self.workers.get(identity)
+        if command is WorkerCommand.READY:
+            self._register(identity, body, now)
+            return
+        if worker is None:
+            # Unknown peer (e.g. the broker restarted): make it re-register.
+            if command is not WorkerCommand.DISCONNECT:
+                self._send_worker(identity, WorkerCommand.DISCONNECT, {"reason": "not registered"})
+            return
+        worker.last_seen = now
+        if command is WorkerCommand.HEARTBEAT:
+            self._note_progress(worker, body.get("progress"), now)
+        elif command is WorkerCommand.PARTIAL:
+            self._on_partial(worker, body, now)
+        elif command is WorkerCommand.FINAL:
+            self._on_final(worker, body, now)
+        elif command is WorkerCommand.CREDIT:
+            slots = body.get("slots")
+            if isinstance(slots, int) and not isinstance(slots, bool) and 0 <= slots <= 256:
+                worker.slots = slots
+                self._dispatch(now)
+        elif command is WorkerCommand.DISCONNECT:
+            self._lose_worker(worker, "disconnected", now, notify=False)
+
+    def _register(self, identity: bytes, body: dict[str, Any], now: float) -> None:
+        if self.workers.get(identity) is not None:
+            return  # a duplicate READY changes nothing: credit is not re-granted
+        try:
+            worker = parse_ready(identity, body, now)
+        except ProtocolError as exc:
+            self._send_worker(identity, WorkerCommand.DISCONNECT, {"reason": exc.message})
+            return
+        stale = self.workers.by_worker_id(worker.worker_id)
+        if stale is not None:
+            self._lose_worker(stale, "replaced by a new incarnation", now, notify=False)
+        self.workers.add(worker)
+        self.events.append(WorkerEvent("ready", worker.worker_id, worker.info.get("pid")))
+        self._dispatch(now)
+
+    def _note_progress(self, worker: WorkerState, progress: Any, now: float) -> None:
+        if isinstance(progress, int) and progress != worker.progress:
+            worker.progress = progress
+            worker.progress_at = now
+
+    def _owned_job(self, worker: WorkerState, body: dict[str, Any]) -> Job | None:
+        rid = body.get("rid")
+        if not isinstance(rid, int) or rid not in worker.active:
+            return None
+        return self._jobs.get(rid)
+
+    def _on_partial(self, worker: WorkerState, body: dict[str, Any], now: float) -> None:
+        self._note_progress(worker, body.get("progress"), now)
+        job = self._owned_job(worker, body)
+        text = body.get("text")
+        if job is None or job.replied or not isinstance(text, str):
+            return
+        if job.first_token_at is None:
+            job.first_token_at = now
+        if job.req.stream:
+            self._send_client(job.client, p.partial_reply(job.req.id, text, len(job.chunks)))
+        job.chunks.append(text)
+
+    def _on_final(self, worker: WorkerState, body: dict[str, Any], now: float) -> None:
+        rid = body.get("rid")
+        job = self._owned_job(worker, body)
+        if isinstance(rid, int):
+            worker.active.discard(rid)  # the credit returns with the ack, never earlier
+        if job is not None:
+            self._deadlines.discard(("ack", job.rid))
+            if not job.replied:
+                self._reply_final(job, worker, body, now)
+            self._forget(job)
+        self._dispatch(now)
+
+    def _reply_final(
+        self, job: Job, worker: WorkerState, body: dict[str, Any], now: float
+    ) -> None:
+        status = body.get("status")
+        text = body.get("text") if isinstance(body.get("text"), str) else "".join(job.chunks)
+        if status == "ok":
+            started = job.dispatched_at or now
+            ttft = (job.first_token_at or now) - started
+            reply = p.ok_reply(
+                job.req.id,
+                text=text,
+                finish_reason=body.get("finish_reason", "stop"),
+                usage=body.get("usage", {}),
+                served_by=worker.kind,
+                worker=worker.worker_id,
+                degraded=False,
+                queue_ms=_ms(started - job.accepted_at),
+                ttft_ms=_ms(ttft),
+                total_ms=_ms(now - job.accepted_at),
+            )
+            self.stats.observe_service(now - started)
+            self.stats.count("ok")
+        else:
+            raw_code = body.get("code")
+            code = ErrorCode.INTERNAL
+            if isinstance(raw_code, int) and raw_code in ErrorCode._value2member_map_:
+                code = ErrorCode(raw_code)
+            message = str(body.get("message") or "worker reported an error")
+            reply = p.error_reply(job.req.id, code, message, text=text or "")
+            self.stats.count(f"error_{code.name.lower()}")
+        job.replied = True
+        self._send_client(job.client, reply)
+
+    # ------------------------------------------------------------------ time
+
+    def tick(self, now: float) -> None:
+        """Expire deadlines, check liveness and send heartbeats due at ``now``."""
+        for key in self._deadlines.pop_expired(now):
+            kind, rid = key
+            job = self._jobs.get(rid)
+            if job is None:
+                continue
+            if kind == "job" and not job.replied:
+                self.stats.count("deadline_exceeded")
+                self._finish_early(job, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded", now)
+            elif kind == "ack" and job.worker is not None:
+                worker = self.workers.get(job.worker)
+                if worker is not None:
+                    self._lose_worker(worker, "no ack to CANCEL (hung)", now)
+        self._check_liveness(now)
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.settings.heartbeat_interval_ms / 1000
+            for worker in self.workers:
+                self._send_worker(worker.identity, WorkerCommand.HEARTBEAT, {})
+
+    def next_wakeup(self, now: float) -> float:
+        """Seconds until the next ``tick`` is due (the I/O loop's poll timeout)."""
+        due = [self._next_heartbeat]
+        deadline = self._deadlines.next_deadline()
+        if deadline is not None:
+            due.append(deadline)
+        return max(0.0, min(due) - now)
+
+    def _check_liveness(self, now: float) -> None:
+        s = self.settings
+        dead_after = s.heartbeat_interval_ms * s.heartbeat_liveness / 1000
+        for worker in self.workers:
+            if now - worker.last_seen > dead_after:
+                self._lose_worker(worker, "dead: missed heartbeats", now)
+            elif worker.active and now - worker.progress_at > s.stall_timeout_ms / 1000:
+                self._lose_worker(worker, "stalled: no progress while busy", now)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def worker_exited(self, worker_id: str, reason: str, now: float) -> None:
+        """The supervisor reaped this worker's process: fail over without waiting."""
+        worker = self.workers.by_worker_id(worker_id)
+        if worker is not None:
+            self._lose_worker(worker, reason, now, notify=False)
+
+    def _lose_worker(
+        self, worker: WorkerState, reason: str, now: float, *, notify: bool = True
+    ) -> None:
+        self.workers.remove(worker.identity)
+        self.stats.count("workers_lost")
+        if notify:
+            pid = worker.info.get("pid")
+            self.events.append(WorkerEvent("lost", worker.worker_id, pid, reason))
+        # If it is merely slow it must not keep the requests: make it re-register.
+        self._send_worker(worker.identity, WorkerCommand.DISCONNECT, {"reason": reason})
+        for rid in sorted(worker.active):
+            job = self._jobs.get(rid)
+            if job is None:
+                continue
+            self._deadlines.discard(("ack", rid))
+            if job.replied:
+                self._forget(job)
+            elif not job.chunks and job.attempts == 0 and job.deadline > now:
+                job.attempts += 1
+                job.worker = None
+                self._queue[rid] = job
+                self._queue.move_to_end(rid, last=False)  # it waited longest
+            else:
+                self.stats.count("worker_lost")
+                job.replied = True
+                self._send_client(job.client, p.error_reply(
+                    job.req.id, ErrorCode.UNAVAILABLE, f"worker lost: {reason}",
+                    text="".join(job.chunks), reason="worker_lost", retry_after_ms=1000))
+                self._forget(job)
+        self._dispatch(now)
+
+    def _finish_early(self, job: Job, code: ErrorCode, message: str, now: float) -> None:
+        """Answer ``job`` now with ``code``; a running job is cancelled on its worker."""
+        job.replied = True
+        self._send_client(job.client, p.error_reply(job.req.id, code, message,
+                                                    text="".join(job.chunks)))
+        if job.worker is None:
+            self._queue.pop(job.rid, None)
+            self._forget(job)
+            return
+        self._send_worker(job.worker, WorkerCommand.CANCEL, {"rid": job.rid})
+        self._deadlines.set(("ack", job.rid), now + self.settings.cancel_grace_ms / 1000)
+
+    def _forget(self, job: Job) -> None:
+        self._jobs.pop(job.rid, None)
+        self._queue.pop(job.rid, None)
+        self._deadlines.discard(("job", job.rid))
+        self._by_client_id.pop((job.client, job.req.id), None)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _dispatch(self, now: float) -> None:
+        """Send queued requests, oldest first, while any worker has credit."""
+        for rid in list(self._queue):
+            job = self._queue[rid]
+            kind = "rules" if job.req.route == "rules" else "llm"
+            worker = self.workers.pick(kind)
+            if worker is None:
+                if self.workers.total_credit() == 0:
+                    return
+                continue  # another kind of worker may still take later requests
+            del self._queue[rid]
+            worker.active.add(rid)
+            if len(worker.active) == 1:
+                worker.progress_at = now  # the stall clock starts when work starts
+            worker.last_dispatch = now
+            job.worker = worker.identity
+            job.dispatched_at = now
+            body = {"rid": rid, **job.req.engine_fields()}
+            body.setdefault("max_tokens", self.settings.default_max_tokens)
+            body["timeout_ms"] = max(1, int((job.deadline - now) * 1000))
+            self._send_worker(worker.identity, WorkerCommand.REQUEST, body)
+
+    # ------------------------------------------------------------------ output
+
+    def _send_client(self, identity: bytes, body: dict[str, Any]) -> None:
+        self.to_clients.append(p.client_frames(identity, body))
+
+    def _send_worker(
+        self, identity: bytes, command: WorkerCommand, body: dict[str, Any]
+    ) -> None:
+        self.to_workers.append(p.to_worker_frames(identity, command, body))
+
+    def status(self, now: float) -> dict[str, Any]:
+        """A msgpack-ready snapshot: workers, queue, in-flight, counters."""
+        workers = [
+            {"worker_id": w.worker_id, "kind": w.kind, "state": w.state, "credit": w.credit,
+             "slots": w.slots, "active": len(w.active),
+             "last_seen_ms": _ms(now - w.last_seen), **w.info}
+            for w in sorted(self.workers, key=lambda w: w.worker_id)
+        ]
+        node: dict[str, Any] = {
+            "protocol": p.PROTOCOL_VERSION,
+            "queue_depth": len(self._queue),
+            "queue_bound": self.settings.max_queue,
+            "in_flight": sum(1 for j in self._jobs.values() if j.worker and not j.replied),
+            "credit": self.workers.total_credit(),
+            "draining": self.draining,
+            "workers": workers,
+            "counters": dict(self.stats.counters),
+        }
+        if self._status_hook is not None:
+            node.update(self._status_hook())
+        return node
+
+    def abort_all(self, message: str) -> None:
+        """Answer every request still without a final reply with 503 (shutdown)."""
+        for job in list(self._jobs.values()):
+            if not job.replied:
+                job.replied = True
+                self._send_client(job.client, p.error_reply(
+                    job.req.id, ErrorCode.UNAVAILABLE, message, text="".join(job.chunks),
+                    reason="shutdown"))
+            self._forget(job)
+
+    def pending_jobs(self) -> int:
+        """Accepted requests without a final reply yet (0 means drained)."""
+        return sum(1 for j in self._jobs.values() if not j.replied)
+
+
+def _ms(seconds: float) -> int:
+    return max(0, round(seconds * 1000))

@@ -1,0 +1,135 @@
+"""The broker's view of its workers: registration, credit and liveness.
+
+Two state machines are kept apart on purpose (the Paranoid Pirate queue mixed
+them up and dispatched to busy workers): *alive* is driven by any traffic and
+the progress counter in heartbeats; *credit* is driven only by READY, REQUEST,
+FINAL and CREDIT. A heartbeat never grants credit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.errors import ProtocolError
+
+
+@dataclass
+class WorkerState:
+    """One registered worker incarnation, keyed by its socket identity.
+
+    Attributes:
+        identity: the DEALER's routing id (fresh per incarnation).
+        worker_id: the logical name the supervisor gave it (e.g. ``llm-0``).
+        kind: engine kind, ``llm`` or ``rules``; routing filters on it.
+        slots: credit limit, i.e. how many sequences it runs at once.
+        active: broker request ids dispatched to it and not yet acked by FINAL.
+        last_seen: monotonic seconds of its last message of any kind.
+        progress: the last progress counter it reported (tokens processed).
+        progress_at: monotonic seconds when ``progress`` last changed or it went busy.
+        info: READY fields shown in ``status`` (pid, model, n_ctx, cpus, cgroup).
+    """
+
+    identity: bytes
+    worker_id: str
+    kind: str
+    slots: int
+    last_seen: float
+    progress: int = 0
+    progress_at: float = 0.0
+    last_dispatch: float = 0.0
+    active: set[int] = field(default_factory=set)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def credit(self) -> int:
+        """Free credit: how many more requests may be dispatched to it now."""
+        return max(0, self.slots - len(self.active))
+
+    @property
+    def state(self) -> str:
+        """``busy`` while it holds any request, else ``ready``."""
+        return "busy" if self.active else "ready"
+
+
+def parse_ready(identity: bytes, body: dict[str, Any], now: float) -> WorkerState:
+    """Build a ``WorkerState`` from a READY body.
+
+    Raises:
+        ProtocolError: a required field (``worker_id``, ``engine``, ``slots``) is
+            missing or mistyped.
+    """
+    worker_id = body.get("worker_id")
+    kind = body.get("engine")
+    slots = body.get("slots")
+    if not isinstance(worker_id, str) or not worker_id:
+        raise ProtocolError("READY needs a non-empty string 'worker_id'")
+    if kind not in ("llm", "rules", "test"):
+        raise ProtocolError("READY 'engine' must be llm, rules or test")
+    if not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots <= 256:
+        raise ProtocolError("READY 'slots' must be an integer in [1, 256]")
+    shown = ("pid", "model", "n_ctx", "cpus", "cgroup", "threads")
+    info: dict[str, Any] = {k: body[k] for k in shown if k in body}
+    return WorkerState(
+        identity=identity,
+        worker_id=worker_id,
+        # A test engine stands in for the model in integration tests: route it as llm.
+        kind="rules" if kind == "rules" else "llm",
+        slots=slots,
+        last_seen=now,
+        progress_at=now,
+        info={"engine": kind, **info},
+    )
+
+
+class WorkerRegistry:
+    """Registered workers by identity, and the choice of who gets the next request."""
+
+    def __init__(self) -> None:
+        self._by_identity: dict[bytes, WorkerState] = {}
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(list(self._by_identity.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_identity)
+
+    def get(self, identity: bytes) -> WorkerState | None:
+        """The worker with this socket identity, if registered."""
+        return self._by_identity.get(identity)
+
+    def by_worker_id(self, worker_id: str) -> WorkerState | None:
+        """The registered incarnation of a logical worker, if any."""
+        for w in self._by_identity.values():
+            if w.worker_id == worker_id:
+                return w
+        return None
+
+    def add(self, worker: WorkerState) -> None:
+        """Register an incarnation (the caller removes any older one first)."""
+        self._by_identity[worker.identity] = worker
+
+    def remove(self, identity: bytes) -> WorkerState | None:
+        """Unregister and return the worker, or None if it was not registered."""
+        return self._by_identity.pop(identity, None)
+
+    def pick(self, kind: str) -> WorkerState | None:
+        """The worker of ``kind`` with the most free credit, least recently used on ties.
+
+        Returns None when no worker of that kind has credit: the request waits.
+        """
+        best: WorkerState | None = None
+        for w in self._by_identity.values():
+            if w.kind != kind or w.credit == 0:
+                continue
+            if best is None or (w.credit, -w.last_dispatch) > (best.credit, -best.last_dispatch):
+                best = w
+        return best
+
+    def has_kind(self, kind: str) -> bool:
+        """Whether any worker of ``kind`` is registered (busy or not)."""
+        return any(w.kind == kind for w in self._by_identity.values())
+
+    def total_credit(self) -> int:
+        """Free credit summed over all workers."""
+        return sum(w.credit for w in self._by_identity.values())

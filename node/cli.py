@@ -1,0 +1,241 @@
+"""The ``edgenode`` command line: start, stop, status, ask.
+
+Options given to the group apply to every command and are also read from the
+environment: ``--config``/``EDGENODE_CONFIG``, ``--run-dir``/``EDGENODE_RUN_DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from broker.client import Client
+from broker.errors import EdgeNodeError
+from node.app import Node, log_path
+from node.config import NodeConfig, load_config
+from node.model import resolve_model
+from node.pidfile import read_live_pid
+
+#: ``edgenode status`` exit code when no node runs (LSB init-script convention).
+EXIT_NOT_RUNNING = 3
+
+
+def _config(ctx: click.Context) -> NodeConfig:
+    try:
+        config: NodeConfig = load_config(ctx.obj["config"])
+    except EdgeNodeError as exc:
+        raise click.ClickException(exc.message) from exc
+    return config
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-c", "--config", "config_path", envvar="EDGENODE_CONFIG", type=click.Path(),
+              help="TOML config file (default: /etc/edgenode/edgenode.toml if present, "
+                   "else built-in defaults = etc/edgenode.toml).")
+@click.option("--run-dir", envvar="EDGENODE_RUN_DIR", type=click.Path(),
+              help="Pidfile, sockets and logs (default: $XDG_RUNTIME_DIR/edgenode or "
+                   "/tmp/edgenode-<uid>).")
+@click.pass_context
+def cli(ctx: click.Context, config_path: str | None, run_dir: str | None) -> None:
+    """edgenode: a small GGUF model served over ZeroMQ, fenced off from the host's workload."""
+    if run_dir:
+        os.environ["EDGENODE_RUN_DIR"] = str(Path(run_dir).resolve())  # children inherit it
+    if config_path:
+        config_path = str(Path(config_path).resolve())
+        os.environ["EDGENODE_CONFIG"] = config_path
+    ctx.obj = {"config": config_path}
+
+
+@cli.command()
+@click.option("--foreground", is_flag=True, help="Run in this process; Ctrl-C stops it.")
+@click.option("--wait-s", default=180.0, show_default=True,
+              help="Background start: how long to wait for every worker to be READY.")
+@click.pass_context
+def start(ctx: click.Context, foreground: bool, wait_s: float) -> None:
+    """Start the node (background by default, with a pidfile and logs in the run dir)."""
+    config = _config(ctx)
+    pid = read_live_pid(config.run_dir / "edgenode.pid")
+    if pid is not None:
+        raise click.ClickException(f"edgenode already running (pid {pid}, {config.run_dir})")
+    if config.workers.engine == "llama":
+        try:
+            resolve_model(config.model.path)  # fail here, clearly, before anything starts
+        except EdgeNodeError as exc:
+            raise click.ClickException(exc.message) from exc
+    if foreground:
+        logging.basicConfig(level=config.node.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s %(message)s")
+        try:
+            sys.exit(Node(config).run())
+        except EdgeNodeError as exc:
+            raise click.ClickException(exc.message) from exc
+    _start_background(config, wait_s)
+
+
+def _start_background(config: NodeConfig, wait_s: float) -> None:
+    logfile = log_path(config.run_dir)
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(config.run_dir, 0o700)
+    with open(logfile, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "node.cli", "start", "--foreground"],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+        )
+    deadline = time.monotonic() + wait_s
+    click.echo(f"starting edgenode (pid {proc.pid}, log {logfile}) ...")
+    with Client(config.frontend, wait_ms=1000) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = logfile.read_text(errors="replace").splitlines()[-15:]
+                raise click.ClickException("node exited during start:\n" + "\n".join(tail))
+            try:
+                status = client.status()
+            except EdgeNodeError:
+                time.sleep(0.2)
+                continue
+            if status.get("all_ready"):
+                n = len(status["workers"])
+                click.echo(f"edgenode running: {n} worker(s) ready on {config.frontend}")
+                return
+            time.sleep(0.2)
+    raise click.ClickException(f"workers not ready after {wait_s:.0f}s; see {logfile}")
+
+
+@cli.command()
+@click.option("--timeout-s", default=30.0, show_default=True, help="Wait this long for exit.")
+@click.pass_context
+def stop(ctx: click.Context, timeout_s: float) -> None:
+    """Stop a running node (drain, then stop workers). Exit 0 also if none runs."""
+    config = _config(ctx)
+    pidfile = config.run_dir / "edgenode.pid"
+    pid = read_live_pid(pidfile)
+    if pid is None:
+        click.echo("edgenode is not running")
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if read_live_pid(pidfile) != pid and not _alive(pid):
+            click.echo(f"edgenode stopped (pid {pid})")
+            return
+        time.sleep(0.1)
+    raise click.ClickException(f"edgenode (pid {pid}) did not stop within {timeout_s:.0f}s")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Show workers, queue and counters of the running node (exit 3 if none runs)."""
+    config = _config(ctx)
+    try:
+        with Client(config.frontend, wait_ms=2000) as client:
+            node = client.status()
+    except EdgeNodeError:
+        if as_json:
+            click.echo(json.dumps({"running": False, "frontend": config.frontend}))
+        else:
+            click.echo(f"edgenode is not running (no answer on {config.frontend})")
+        sys.exit(EXIT_NOT_RUNNING)
+    if as_json:
+        click.echo(json.dumps({"running": True, **node}, indent=2, sort_keys=True))
+        return
+    click.echo(render_status(node))
+
+
+def render_status(node: dict[str, Any]) -> str:
+    """The human table of ``edgenode status``."""
+    registered = {w["worker_id"]: w for w in node.get("workers", [])}
+    lines = [
+        f"edgenode pid {node.get('pid')}  model {Path(str(node.get('model'))).name}  "
+        f"engine {node.get('engine')}",
+        f"frontend {node.get('endpoints', {}).get('frontend')}",
+        f"queue {node['queue_depth']}/{node['queue_bound']}  in-flight {node['in_flight']}  "
+        f"free credit {node['credit']}",
+        "",
+        f"{'WORKER':<8} {'STATE':<11} {'PID':>7} {'CREDIT':>6} {'RESTARTS':>8}  LAST EXIT",
+    ]
+    for proc in node.get("processes", []):
+        reg = registered.get(proc["worker_id"])
+        state = reg["state"] if reg and proc["state"] == "ready" else proc["state"]
+        credit = f"{reg['credit']}/{reg['slots']}" if reg else "-"
+        lines.append(f"{proc['worker_id']:<8} {state:<11} {proc['pid'] or '-':>7} {credit:>6} "
+                     f"{proc['restarts']:>8}  {proc['last_exit'] or '-'}")
+    counters = node.get("counters", {})
+    if counters:
+        lines.append("")
+        lines.append("requests: " + ", ".join(f"{k} {v}" for k, v in sorted(counters.items())))
+    return "\n".join(lines)
+
+
+@cli.command()
+@click.argument("text")
+@click.option("--stream", is_flag=True, help="Print tokens as they arrive.")
+@click.option("--max-tokens", default=128, show_default=True, type=int)
+@click.option("--timeout-ms", type=int, help="Request budget (default: the node's).")
+@click.option("--raw", is_flag=True, help="Plain completion of TEXT (no chat template).")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole final reply as JSON.")
+@click.pass_context
+def ask(ctx: click.Context, text: str, stream: bool, max_tokens: int, timeout_ms: int | None,
+        raw: bool, as_json: bool) -> None:
+    """Ask the running node TEXT and print the answer with its usage counts."""
+    config = _config(ctx)
+    fields: dict[str, Any] = {"max_tokens": max_tokens}
+    if timeout_ms is not None:
+        fields["timeout_ms"] = timeout_ms
+    messages = [{"role": "user", "content": text}]
+    try:
+        with Client(config.frontend) as client:
+            if stream:
+                s = client.stream_generate(text, **fields) if raw else client.stream_chat(
+                    messages, **fields)
+                for piece in s:
+                    click.echo(piece, nl=False)
+                click.echo()
+                reply = s.result
+            else:
+                reply = client.generate(text, **fields) if raw else client.chat(messages, **fields)
+                if not as_json:
+                    click.echo(reply.text)
+    except EdgeNodeError as exc:
+        partial = f"\npartial text: {exc.partial_text}" if exc.partial_text else ""
+        retry = f" (retry after {exc.retry_after_ms} ms)" if exc.retry_after_ms else ""
+        raise click.ClickException(
+            f"{int(exc.code)} {exc.code.name}: {exc.message}{retry}{partial}") from exc
+    assert reply is not None
+    if as_json:
+        click.echo(json.dumps(reply.raw, indent=2))
+        return
+    u = reply.usage
+    click.echo(
+        f"[{u.get('prompt_tokens', '?')} prompt + {u.get('completion_tokens', '?')} completion "
+        f"tokens, {reply.finish_reason}, {reply.total_ms} ms, served by {reply.served_by} "
+        f"{reply.raw.get('worker', '')}]",
+        err=True,
+    )
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli(prog_name="edgenode")
+
+
+if __name__ == "__main__":
+    main()

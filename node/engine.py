@@ -1,0 +1,109 @@
+"""The engine seam: what a worker runs a request with.
+
+``make_engine`` builds the configured engine inside the worker process. The
+llama.cpp adapter lives in ``node.llama_engine`` (the only module importing
+``llama_cpp``); ``TestEngine`` here is a fast deterministic stand-in for broker
+and process tests, never for the model's own end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from broker.errors import Cancelled
+
+#: Callback the engine calls once per generated piece of text (one token).
+Emit = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a worker needs to build its engine (JSON-able, passed on its command line)."""
+
+    kind: str
+    model_path: str
+    n_ctx: int
+    n_batch: int
+    threads: int
+    chat_format: str = ""
+    repack: bool = False
+    test_token_ms: int = 20
+
+
+class Engine(Protocol):
+    """A text generator for one sequence at a time.
+
+    ``run`` blocks until the request is done and returns the final fields
+    ``{"text", "finish_reason", "usage": {"prompt_tokens", "completion_tokens"}}``.
+    It must check ``cancelled`` at least once per token and raise ``Cancelled``
+    when it is set; other failures raise an ``EdgeNodeError`` subclass (e.g.
+    ``TooLarge`` when the prompt does not fit the context).
+    """
+
+    kind: str
+    model: str
+    n_ctx: int
+
+    def run(self, job: dict[str, Any], cancelled: threading.Event, emit: Emit) -> dict[str, Any]:
+        """Generate for ``job`` (a worker REQUEST body), calling ``emit`` per token."""
+        ...
+
+
+class TestEngine:
+    """Deterministic engine: answers ``"echo: <prompt>"`` one word per ``token_ms``.
+
+    Prompts starting with a directive drive fault tests of the worker process:
+    ``!crash`` exits the process at once (exit 3); ``!hang`` blocks without
+    progress and ignores cancellation; ``!slow <ms>`` sets the per-token delay
+    for this request.
+    """
+
+    __test__ = False  # not a pytest test class
+    kind = "test"
+    model = "test-engine"
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.n_ctx = spec.n_ctx
+        self.token_s = spec.test_token_ms / 1000
+
+    def run(self, job: dict[str, Any], cancelled: threading.Event, emit: Emit) -> dict[str, Any]:
+        """See ``Engine.run``."""
+        prompt = job.get("prompt") or " ".join(m["content"] for m in job.get("messages", []))
+        words = prompt.split()
+        delay = self.token_s
+        if words[:1] == ["!crash"]:
+            os._exit(3)
+        if words[:1] == ["!hang"]:
+            threading.Event().wait()  # blocks forever, deaf to CANCEL
+        if words[:1] == ["!slow"] and len(words) > 1 and words[1].isdigit():
+            delay = int(words[1]) / 1000
+        pieces = ["echo:", *words][: int(job.get("max_tokens", 16))]
+        out: list[str] = []
+        for i, piece in enumerate(pieces):
+            if cancelled.wait(delay):
+                raise Cancelled("cancelled", partial_text="".join(out))
+            token = piece if i == 0 else " " + piece
+            out.append(token)
+            emit(token)
+        finish = "length" if len(pieces) < len(words) + 1 else "stop"
+        usage = {"prompt_tokens": len(words), "completion_tokens": len(pieces)}
+        return {"text": "".join(out), "finish_reason": finish, "usage": usage}
+
+
+def make_engine(spec: EngineSpec) -> Engine:
+    """Build the engine named by ``spec.kind`` (``llama`` or ``test``)."""
+    if spec.kind == "test":
+        return TestEngine(spec)
+    from node.llama_engine import LlamaEngine  # llama_cpp loads only where needed
+
+    return LlamaEngine(spec)
+
+
+def monotonic_ms() -> float:
+    """Monotonic milliseconds (engines report ttft with it)."""
+    return time.monotonic() * 1000

@@ -1,0 +1,220 @@
+"""The worker supervisor: spawn, watch, restart with backoff, stop.
+
+Each worker is a fresh interpreter (``python -m node.worker``) in its own
+session/process group, never a fork of a process that already holds zmq or
+llama.cpp state. The supervisor is driven by the node's loop: ``tick(now)``
+reaps exits and starts due restarts; the broker's events say when a worker is
+ready or must be killed (dead, stalled, hung).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from node.worker import DETERMINISTIC_EXITS, WorkerSpec
+
+log = logging.getLogger("edgenode.supervisor")
+
+
+@dataclass
+class WorkerHandle:
+    """One logical worker slot and its current process, if any.
+
+    ``state`` is one of ``starting``, ``ready``, ``restarting``, ``failed``
+    (not restarted: a deterministic failure), ``stopped``.
+    """
+
+    spec: WorkerSpec
+    proc: subprocess.Popen[bytes] | None = None
+    state: str = "stopped"
+    started_at: float = 0.0
+    restarts: int = 0
+    failures_in_row: int = 0
+    restart_at: float | None = None
+    last_exit: str = ""
+    log_file: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int | None:
+        """The live process id, or None."""
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+
+class Supervisor:
+    """Keeps ``len(specs)`` worker processes running.
+
+    Args:
+        specs: one spec per worker.
+        log_dir: each worker's stderr goes to ``<log_dir>/<worker_id>.log``.
+        ready_timeout_s: a worker not READY by then is killed and restarted.
+        backoff_s / backoff_max_s: restart delay, doubled per consecutive failure.
+        on_exit: told ``(worker_id, reason)`` when a process exits, so the broker
+            fails over its requests without waiting for missed heartbeats.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        specs: list[WorkerSpec],
+        log_dir: Path,
+        ready_timeout_s: float,
+        backoff_s: float,
+        backoff_max_s: float,
+        on_exit: Callable[[str, str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        log_level: str = "info",
+    ) -> None:
+        self.handles = {s.worker_id: WorkerHandle(s) for s in specs}
+        self.log_dir = log_dir
+        self.ready_timeout_s = ready_timeout_s
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.on_exit = on_exit
+        self.clock = clock
+        self.log_level = log_level
+        self.stopping = False
+
+    def start(self) -> None:
+        """Spawn every worker."""
+        for handle in self.handles.values():
+            self._spawn(handle)
+
+    def _spawn(self, handle: WorkerHandle) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if handle.log_file is None:
+            handle.log_file = open(self.log_dir / f"{handle.spec.worker_id}.log", "ab")  # noqa: SIM115
+        cmd = [sys.executable, "-m", "node.worker", "--spec", handle.spec.to_json(),
+               "--log-level", self.log_level]
+        handle.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=handle.log_file,
+            stderr=handle.log_file,
+            start_new_session=True,  # own process group: one killpg takes all of it
+            close_fds=True,
+        )
+        handle.state = "starting"
+        handle.started_at = self.clock()
+        handle.restart_at = None
+        log.info("spawned %s pid %d", handle.spec.worker_id, handle.proc.pid)
+
+    # ------------------------------------------------------------------ events
+
+    def worker_ready(self, worker_id: str, pid: int | None) -> None:
+        """The broker registered this worker: it is serving."""
+        handle = self.handles.get(worker_id)
+        if handle is None or handle.pid is None or (pid is not None and pid != handle.pid):
+            return
+        handle.state = "ready"
+        handle.failures_in_row = 0
+
+    def worker_lost(self, worker_id: str, pid: int | None, reason: str) -> None:
+        """The broker gave up on this worker (dead, stalled, hung): kill it; tick restarts."""
+        handle = self.handles.get(worker_id)
+        if handle is None or handle.pid is None or (pid is not None and pid != handle.pid):
+            return
+        log.warning("killing %s pid %d: %s", worker_id, handle.pid, reason)
+        handle.last_exit = reason
+        _killpg(handle.pid, signal.SIGKILL)
+
+    # ------------------------------------------------------------------ time
+
+    def tick(self, now: float) -> None:
+        """Reap exited workers, enforce the READY timeout, start due restarts."""
+        for handle in self.handles.values():
+            proc = handle.proc
+            if proc is not None and proc.poll() is not None:
+                self._reaped(handle, proc.returncode, now)
+            elif (handle.state == "starting" and proc is not None
+                  and now - handle.started_at > self.ready_timeout_s):
+                handle.last_exit = f"not READY within {self.ready_timeout_s:.0f}s"
+                _killpg(proc.pid, signal.SIGKILL)
+            if (handle.state == "restarting" and handle.restart_at is not None
+                    and now >= handle.restart_at and not self.stopping):
+                handle.restarts += 1
+                self._spawn(handle)
+
+    def _reaped(self, handle: WorkerHandle, code: int, now: float) -> None:
+        handle.proc = None
+        reason = describe_exit(code)
+        if handle.last_exit and code < 0:
+            reason = f"{handle.last_exit} ({reason})"
+        handle.last_exit = reason
+        log.warning("%s exited: %s", handle.spec.worker_id, reason)
+        if self.on_exit is not None:
+            self.on_exit(handle.spec.worker_id, reason)
+        if self.stopping:
+            handle.state = "stopped"
+        elif code in DETERMINISTIC_EXITS:
+            handle.state = "failed"  # a new process would fail the same way
+        else:
+            handle.failures_in_row += 1
+            delay = min(self.backoff_max_s, self.backoff_s * 2 ** (handle.failures_in_row - 1))
+            handle.state = "restarting"
+            handle.restart_at = now + delay
+
+    # ------------------------------------------------------------------ stop
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM every worker, wait up to ``grace_s``, then SIGKILL their groups."""
+        self.stopping = True
+        live = [h for h in self.handles.values() if h.pid is not None]
+        for handle in live:
+            _killpg(handle.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for handle in live:
+            assert handle.proc is not None
+            try:
+                handle.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _killpg(handle.proc.pid, signal.SIGKILL)
+                handle.proc.wait()
+        for handle in self.handles.values():
+            if handle.proc is not None:
+                _killpg(handle.proc.pid, signal.SIGKILL)  # the group may hold stragglers
+            handle.proc = None
+            handle.state = "stopped" if handle.state != "failed" else "failed"
+            if handle.log_file is not None:
+                handle.log_file.close()
+                handle.log_file = None
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per worker: id, pid, state, restarts, last exit reason."""
+        return [
+            {"worker_id": h.spec.worker_id, "pid": h.pid, "state": h.state,
+             "restarts": h.restarts, "last_exit": h.last_exit}
+            for h in self.handles.values()
+        ]
+
+    def all_ready(self) -> bool:
+        """Whether every worker is ready (what ``edgenode start`` waits for)."""
+        return all(h.state == "ready" for h in self.handles.values())
+
+
+def describe_exit(code: int) -> str:
+    """A human reason for a ``Popen.returncode`` (negative = killed by a signal)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    if code in DETERMINISTIC_EXITS:
+        return f"exit {code}: {DETERMINISTIC_EXITS[code]}"
+    return f"exit {code}"
+
+
+def _killpg(pid: int | None, sig: int) -> None:
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)

@@ -1,0 +1,300 @@
+"""Worker process entry point: ``python -m node.worker --spec JSON``.
+
+Two threads, one socket each (zmq sockets are not thread-safe):
+
+* the I/O thread owns the DEALER to the broker: READY, heartbeats (which carry
+  the progress counter), REQUEST and CANCEL, and relays the engine's output;
+* the engine thread runs one request at a time and reports over an inproc PAIR.
+
+llama.cpp releases the GIL inside its C calls, so heartbeats keep flowing while
+the model computes. The model is loaded before the worker connects: a slow load
+can never look like a dead worker, and READY means "can serve now".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import zmq
+
+from broker import protocol as p
+from broker.errors import EdgeNodeError
+from broker.protocol import WorkerCommand
+from node.engine import Engine, EngineSpec, make_engine
+
+log = logging.getLogger("edgenode.worker")
+
+#: Exit codes (sysexits.h): the supervisor does not restart these in a loop,
+#: because a new process would fail the same way.
+EXIT_CONFIG = 78  # EX_CONFIG
+EXIT_MODEL_LOAD = 66  # EX_NOINPUT: the model file cannot be loaded
+DETERMINISTIC_EXITS = {
+    EXIT_CONFIG: "bad worker configuration",
+    EXIT_MODEL_LOAD: "model failed to load",
+}
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs, handed over as JSON on its command line."""
+
+    worker_id: str
+    backend: str
+    engine: EngineSpec
+    slots: int = 1
+    heartbeat_interval_ms: int = 1000
+    heartbeat_liveness: int = 3
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """Serialize for ``--spec``."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        """Parse ``--spec``; raises ``ValueError``/``TypeError``/``KeyError`` if malformed."""
+        data = json.loads(text)
+        data["engine"] = EngineSpec(**data["engine"])
+        return cls(**data)
+
+
+class WorkerLoop:
+    """The I/O side of a worker: registration, heartbeats, requests, cancellation."""
+
+    def __init__(self, spec: WorkerSpec, engine: Engine) -> None:
+        self.spec = spec
+        self.engine = engine
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.interval = spec.heartbeat_interval_ms / 1000
+        self.progress = 0  # tokens produced by this process; written by the engine thread
+        self.current: tuple[int, threading.Event] | None = None
+        self._jobs: queue.Queue[tuple[int, dict[str, Any], threading.Event] | None] = queue.Queue()
+        self._pipe_addr = f"inproc://engine-{uuid.uuid4().hex}"
+        self._events = self.ctx.socket(zmq.PAIR)
+        self._events.bind(self._pipe_addr)
+        self._stop = False
+        self._want_ready = True
+        self.dealer: zmq.Socket[bytes] | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT; returns the process exit code."""
+        signal.set_wakeup_fd(self._wake_w.fileno())
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        self._thread = threading.Thread(target=self._engine_thread, name="engine", daemon=True)
+        self._thread.start()
+        self._connect()
+        next_beat = time.monotonic()
+        while not self._stop:
+            now = time.monotonic()
+            if now >= next_beat:
+                self._heartbeat()
+                next_beat = now + self.interval
+            if now - self.broker_seen > self.interval * self.spec.heartbeat_liveness:
+                log.warning("broker silent for %.1fs: reconnecting", now - self.broker_seen)
+                self._reconnect()
+            self._turn(max(0.0, next_beat - time.monotonic()))
+        self._shutdown()
+        return 0
+
+    def _turn(self, timeout_s: float) -> None:
+        assert self.dealer is not None
+        poller = zmq.Poller()
+        poller.register(self.dealer, zmq.POLLIN)
+        poller.register(self._events, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        ready = dict(poller.poll(int(timeout_s * 1000) + 1))
+        if self._events in ready:
+            while self._events.poll(0):
+                self._on_engine_event(self._events.recv_multipart())
+        if self.dealer in ready:
+            while self.dealer.poll(0):
+                self._on_broker(self.dealer.recv_multipart())
+        if self._wake_r.fileno() in ready:
+            with contextlib.suppress(BlockingIOError):
+                self._wake_r.recv(64)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._stop = True
+
+    # ------------------------------------------------------------------ broker side
+
+    def _connect(self) -> None:
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)  # fresh per incarnation
+        self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.setsockopt(zmq.SNDHWM, 1000)
+        self.dealer.setsockopt(zmq.MAXMSGSIZE, p.hard_message_limit(p.DEFAULT_MAX_BODY_BYTES))
+        self.dealer.connect(self.spec.backend)
+        self.broker_seen = time.monotonic()
+        self._want_ready = True
+        self._send_ready_if_idle()
+
+    def _reconnect(self) -> None:
+        """New socket, new identity. READY waits until any running job has ended,
+        so the new broker never sees credit this worker cannot honour."""
+        if self.current is not None:
+            self.current[1].set()  # nobody awaits its result any more
+        assert self.dealer is not None
+        self.dealer.close(0)
+        self._connect()
+
+    def _send_ready_if_idle(self) -> None:
+        if not self._want_ready or self.current is not None:
+            return
+        self._want_ready = False
+        body = {
+            "worker_id": self.spec.worker_id,
+            "engine": self.engine.kind if self.engine.kind != "llama" else "llm",
+            "model": self.engine.model,
+            "slots": self.spec.slots,
+            "n_ctx": self.engine.n_ctx,
+            "pid": os.getpid(),
+            "cpus": sorted(os.sched_getaffinity(0)),
+            "threads": self.spec.engine.threads,
+            "protocol": p.PROTOCOL_VERSION,
+            **self.spec.info,
+        }
+        self._send(WorkerCommand.READY, body)
+
+    def _send(self, command: WorkerCommand, body: dict[str, Any]) -> None:
+        assert self.dealer is not None
+        try:
+            self.dealer.send_multipart(p.worker_frames(command, body), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("broker not reading: dropped %s", command.name)
+
+    def _heartbeat(self) -> None:
+        state = "busy" if self.current is not None else "idle"
+        self._send(WorkerCommand.HEARTBEAT, {"state": state, "progress": self.progress})
+
+    def _on_broker(self, frames: list[bytes]) -> None:
+        self.broker_seen = time.monotonic()
+        try:
+            command, body = p.parse_worker_frames(frames)
+        except EdgeNodeError as exc:
+            log.warning("ignoring a malformed broker message: %s", exc)
+            return
+        if command is WorkerCommand.REQUEST:
+            self._on_request(body)
+        elif command is WorkerCommand.CANCEL:
+            if self.current is not None and self.current[0] == body.get("rid"):
+                self.current[1].set()
+        elif command is WorkerCommand.DISCONNECT:
+            log.info("broker said DISCONNECT (%s): re-registering", body.get("reason"))
+            self._reconnect()
+
+    def _on_request(self, body: dict[str, Any]) -> None:
+        rid = body.get("rid")
+        if not isinstance(rid, int):
+            return
+        if self.current is not None:
+            # The broker's credit says we are free: refuse rather than queue.
+            self._send(WorkerCommand.FINAL, {"rid": rid, "status": "error", "code": 503,
+                                              "message": "worker has no free slot"})
+            return
+        cancelled = threading.Event()
+        self.current = (rid, cancelled)
+        self._jobs.put((rid, body, cancelled))
+
+    # ------------------------------------------------------------------ engine side
+
+    def _on_engine_event(self, frames: list[bytes]) -> None:
+        kind, payload = frames[0], p.unpack_map(frames[1])
+        if kind == b"partial":
+            self._send(WorkerCommand.PARTIAL, {**payload, "progress": self.progress})
+            return
+        self._send(WorkerCommand.FINAL, payload)
+        self.current = None
+        self._send_ready_if_idle()
+
+    def _engine_thread(self) -> None:
+        out = self.ctx.socket(zmq.PAIR)
+        out.connect(self._pipe_addr)
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                break
+            rid, job, cancelled = item
+            out.send_multipart([b"final", p.pack(self._run_one(out, rid, job, cancelled))])
+        out.close(0)
+
+    def _run_one(
+        self, out: zmq.Socket[bytes], rid: int, job: dict[str, Any], cancelled: threading.Event
+    ) -> dict[str, Any]:
+        def emit(text: str) -> None:
+            self.progress += 1
+            out.send_multipart([b"partial", p.pack({"rid": rid, "text": text})])
+
+        try:
+            result = self.engine.run(job, cancelled, emit)
+        except EdgeNodeError as exc:
+            status = "cancelled" if exc.code == 499 else "error"
+            return {"rid": rid, "status": status, "code": int(exc.code), "message": exc.message,
+                    "text": exc.partial_text}
+        except Exception as exc:  # an engine bug must cost one request, not the worker
+            log.exception("engine failed on request %s", rid)
+            return {"rid": rid, "status": "error", "code": 500,
+                    "message": f"engine error: {type(exc).__name__}: {exc}"}
+        return {"rid": rid, "status": "ok", **result}
+
+    def _shutdown(self) -> None:
+        if self.current is not None:
+            self.current[1].set()
+        self._jobs.put(None)
+        self._send(WorkerCommand.DISCONNECT, {"reason": "worker stopping"})
+        assert self.dealer is not None
+        self.dealer.close(0)
+        self._events.close(0)
+        # The engine thread is a daemon: a generation stuck in C cannot hold up
+        # exit, so the context is only terminated once that thread is gone.
+        self._thread.join(timeout=2.0)
+        if not self._thread.is_alive():
+            self.ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``--spec``, load the engine, serve; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m node.worker")
+    parser.add_argument("--spec", required=True, help="WorkerSpec as JSON")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s worker[{os.getpid()}] %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        spec = WorkerSpec.from_json(args.spec)
+    except (ValueError, TypeError, KeyError) as exc:
+        log.error("bad worker spec: %s", exc)
+        return EXIT_CONFIG
+    try:
+        engine = make_engine(spec.engine)
+    except Exception as exc:
+        log.error("cannot load engine %s (%s): %s", spec.engine.kind, spec.engine.model_path, exc)
+        return EXIT_MODEL_LOAD
+    log.info("%s ready: engine=%s model=%s", spec.worker_id, engine.kind, engine.model)
+    return WorkerLoop(spec, engine).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The walking skeleton over real sockets and real worker processes (test engine)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from broker.client import Reply
+from broker.errors import ProtocolError
+from nodeproc import NodeProcess, leftover_processes
+
+NodeFactory = Callable[..., NodeProcess]
+
+
+def test_generate_chat_and_stream(make_node: NodeFactory) -> None:
+    node = make_node()
+    with node.client() as c:
+        reply = c.generate("turn on the lights", max_tokens=16)
+        assert reply.text == "echo: turn on the lights"
+        assert reply.usage == {"prompt_tokens": 4, "completion_tokens": 5}
+        assert reply.finish_reason == "stop"
+        assert reply.served_by == "llm"
+        assert reply.total_ms >= reply.queue_ms
+        chat = c.chat([{"role": "user", "content": "dock now"}])
+        assert chat.text == "echo: dock now"
+        stream = c.stream_generate("a b c d", max_tokens=3)
+        pieces = list(stream)
+        assert pieces == ["echo:", " a", " b"]
+        assert stream.result is not None and stream.result.text == "echo: a b"
+        assert stream.result.finish_reason == "length"
+
+
+def test_two_workers_run_in_parallel_and_third_waits_for_credit(make_node: NodeFactory) -> None:
+    node = make_node()
+    replies: dict[int, Reply] = {}
+    statuses: list[dict[str, Any]] = []
+
+    def ask(i: int) -> None:
+        with node.client() as c:
+            replies[i] = c.generate(f"!slow 150 request {i} x y", max_tokens=6)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    # Sample while all three are in: two running (no credit left), one queued.
+    for _ in range(40):
+        s = node.status()
+        statuses.append(s)
+        if s["in_flight"] == 2 and s["queue_depth"] == 1:
+            break
+        threading.Event().wait(0.02)
+    for t in threads:
+        t.join(10)
+    assert any(s["in_flight"] == 2 and s["queue_depth"] == 1 and s["credit"] == 0
+               for s in statuses), statuses
+    ordered = sorted(replies.values(), key=lambda r: r.queue_ms)
+    first, second, third = ordered
+    assert {first.raw["worker"], second.raw["worker"]} == {"llm-0", "llm-1"}
+    # The third request waited for a FINAL to return credit (~6 tokens x 150 ms).
+    assert third.queue_ms >= 500 > second.queue_ms
+    assert node.status()["credit"] == 2
+
+
+def _raw_dealer(endpoint: str) -> zmq.Socket[bytes]:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    sock.connect(endpoint)
+    return sock
+
+
+def _reply(sock: zmq.Socket[bytes]) -> dict[str, Any]:
+    frames = sock.recv_multipart()
+    assert frames[:2] == [b"", b"EDGE/C1"]
+    body: dict[str, Any] = msgpack.unpackb(frames[2])
+    return body
+
+
+@pytest.mark.parametrize(
+    ("frames", "code", "needle"),
+    [
+        ([b"", b"EDGE/C1", b"\xc1not msgpack"], 400, "msgpack"),
+        ([b"", b"EDGE/C1"], 400, "frames"),
+        ([b"", b"EDGE/C1", msgpack.packb({"id": 1}), b"extra"], 400, "frames"),
+        ([b"", b"EDGE/C9", msgpack.packb({"id": 1, "op": "ping"})], 400, "EDGE/C1"),
+        ([b"", b"EDGE/C1", msgpack.packb([1, 2])], 400, "map"),
+        ([b"", b"EDGE/C1", msgpack.packb({"id": 1, "op": "dance"})], 400, "'op'"),
+        ([b"", b"EDGE/C1", msgpack.packb({"id": 1, "op": "generate"})], 400, "'prompt'"),
+        ([b"", b"EDGE/C1", msgpack.packb({"id": 1, "op": "generate", "prompt": 5})], 400,
+         "'prompt'"),
+        ([b"", b"EDGE/C1", msgpack.packb({"id": 1, "op": "generate", "prompt": "x",
+                                          "max_tokens": "ten"})], 400, "'max_tokens'"),
+        ([b"", b"EDGE/C1", msgpack.packb({"op": "ping"})], 400, "'id'"),
+        ([b"", b"EDGE/C1", msgpack.packb({"id": 1, "op": "generate",
+                                          "prompt": "x" * 300_000})], 413, "limit"),
+    ],
+)
+def test_malformed_messages_get_typed_errors_and_the_broker_stays_up(
+    make_node: NodeFactory, frames: list[bytes], code: int, needle: str
+) -> None:
+    node = make_node(workers={"count": 1})
+    sock = _raw_dealer(node.frontend)
+    try:
+        sock.send_multipart(frames)
+        reply = _reply(sock)
+        assert reply["status"] == "error"
+        assert reply["code"] == code
+        assert needle in reply["message"]
+        # Exactly one reply for the bad message; the next valid request succeeds.
+        sock.send_multipart([b"", b"EDGE/C1", msgpack.packb(
+            {"id": "ok-1", "op": "generate", "prompt": "still here"})])
+        good = _reply(sock)
+        assert (good["id"], good["status"], good["text"]) == ("ok-1", "ok", "echo: still here")
+    finally:
+        sock.close(0)
+
+
+def test_client_raises_typed_error(make_node: NodeFactory) -> None:
+    node = make_node(workers={"count": 1})
+    with node.client() as c, pytest.raises(ProtocolError, match="temperature"):
+        c.generate("x", temperature=99)
+
+
+def test_cli_background_start_status_ask_stop(make_node: NodeFactory) -> None:
+    node = make_node(start=False)
+    started = node.cli("start", "--wait-s", "60")
+    assert started.returncode == 0, started.stderr + started.stdout
+    status = node.cli("status")
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.count(" ready ") == 2, status.stdout
+    pids = node.worker_pids()
+    assert len(pids) == 2
+    answer = node.cli("ask", "robot move forward", "--raw")
+    assert answer.returncode == 0, answer.stderr
+    assert "echo: robot move forward" in answer.stdout
+    assert "completion tokens" in answer.stderr
+    stopped = node.cli("stop")
+    assert stopped.returncode == 0, stopped.stderr
+    assert leftover_processes(node.run_dir) == []
+    assert node.cli("status").returncode == 3

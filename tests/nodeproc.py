@@ -1,0 +1,129 @@
+"""Start and stop a real edgenode process for integration and system tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from broker.client import Client
+from broker.errors import EdgeNodeError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def toml_value(value: Any) -> str:
+    """A Python scalar as a TOML value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return str(value)
+
+
+class NodeProcess:
+    """A node started with ``edgenode start --foreground`` in a private run dir.
+
+    ``sections`` override the config: ``{"workers": {"engine": "test"}}``. The
+    run dir is a short path under /tmp because ipc socket paths are limited to
+    ~107 bytes.
+    """
+
+    def __init__(self, sections: dict[str, dict[str, Any]]) -> None:
+        self.run_dir = Path(tempfile.mkdtemp(prefix="en-"))
+        self.config = self.run_dir / "edgenode.toml"
+        lines = []
+        for name, values in sections.items():
+            lines.append(f"[{name}]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
+        self.config.write_text("\n".join(lines) + "\n")
+        self.frontend = f"ipc://{self.run_dir}/frontend.sock"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = self.run_dir / "node-stdout.log"
+
+    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """Run ``edgenode ARGS`` against this node's config and run dir."""
+        cmd = [sys.executable, "-m", "node.cli", "-c", str(self.config),
+               "--run-dir", str(self.run_dir), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+    def start(self, timeout: float = 60) -> NodeProcess:
+        """Start in the foreground mode as a child and wait for every worker READY."""
+        cmd = [sys.executable, "-m", "node.cli", "-c", str(self.config),
+               "--run-dir", str(self.run_dir), "start", "--foreground"]
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, cwd=REPO,
+                                         start_new_session=True)
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 60) -> dict[str, Any]:
+        """Poll ``status`` until every worker is ready; returns that status."""
+        deadline = time.monotonic() + timeout
+        with Client(self.frontend, wait_ms=500) as client:
+            while time.monotonic() < deadline:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(f"node exited: {self.log.read_text()[-3000:]}")
+                try:
+                    status = client.status()
+                    if status.get("all_ready"):
+                        return status
+                except EdgeNodeError:
+                    pass
+                time.sleep(0.05)
+        raise TimeoutError(f"node not ready in {timeout}s: {self.log.read_text()[-3000:]}")
+
+    def client(self, **kwargs: Any) -> Client:
+        """A client connected to this node."""
+        return Client(self.frontend, **kwargs)
+
+    def status(self) -> dict[str, Any]:
+        """The node's status map."""
+        with self.client(wait_ms=2000) as c:
+            return c.status()
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the live worker processes, from status."""
+        return [p["pid"] for p in self.status()["processes"] if p["pid"]]
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM the node and wait; returns its exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def cleanup(self) -> None:
+        """Kill anything left (a failed test must not leak processes) and remove the run dir."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.stop()
+        for proc in psutil.process_iter(["cmdline"]):
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if str(self.run_dir) in cmdline:
+                proc.kill()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def leftover_processes(run_dir: Path) -> list[int]:
+    """Pids of any process whose command line mentions ``run_dir``."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if str(run_dir) in " ".join(proc.info["cmdline"] or []):
+                found.append(proc.pid)
+        except psutil.Error:
+            continue
+    return found

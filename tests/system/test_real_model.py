@@ -1,0 +1,49 @@
+"""The whole path with the real model: CLI -> broker -> llama.cpp workers -> client."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from nodeproc import NodeProcess, leftover_processes
+
+pytestmark = pytest.mark.system
+
+NodeFactory = Callable[..., NodeProcess]
+
+
+def test_real_model_answers_through_the_whole_path(make_node: NodeFactory) -> None:
+    node = make_node(start=False, workers={"engine": "llama", "count": 2},
+                     broker={"heartbeat_interval_ms": 1000, "stall_timeout_ms": 15000})
+    started = node.cli("start", "--wait-s", "120", timeout=180)
+    assert started.returncode == 0, started.stderr + started.stdout
+    try:
+        status = node.status()
+        assert [w["state"] for w in status["workers"]] == ["ready", "ready"]
+        assert all(w["model"].endswith(".gguf") and w["n_ctx"] == 2048 for w in status["workers"])
+
+        answer = node.cli("ask", "Name three primary colors.", "--max-tokens", "40", timeout=120)
+        assert answer.returncode == 0, answer.stderr
+        text = answer.stdout.strip().lower()
+        assert len(text) > 10
+        assert any(color in text for color in ("red", "blue", "yellow", "green"))
+        assert "completion tokens" in answer.stderr
+
+        with node.client() as c:
+            stream = c.stream_chat([{"role": "user", "content": "Count from one to five."}],
+                                   max_tokens=24, temperature=0.0)
+            pieces = list(stream)
+            assert stream.result is not None
+            assert len(pieces) >= 3  # tokens arrived one by one, not as one block
+            assert "".join(pieces) == stream.result.text
+            usage = stream.result.usage
+            assert usage["prompt_tokens"] > 5 and usage["completion_tokens"] >= len(pieces)
+            reply = c.generate("The capital of France is", max_tokens=8, temperature=0.0)
+            assert "france" in reply.text.lower()  # a base model continues the sentence
+            assert (reply.finish_reason, reply.usage["completion_tokens"]) == ("length", 8)
+            assert reply.served_by == "llm" and reply.ttft_ms <= reply.total_ms
+    finally:
+        stopped = node.cli("stop")
+    assert stopped.returncode == 0, stopped.stderr
+    assert leftover_processes(node.run_dir) == []
