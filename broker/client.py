@@ -51,11 +51,16 @@ class Reply:
     def from_body(cls, body: dict[str, Any]) -> Reply:
         """Build from a reply body with ``status: ok``."""
         return cls(
-            id=body["id"], text=body.get("text", ""),
-            finish_reason=body.get("finish_reason", ""), usage=body.get("usage", {}),
-            served_by=body.get("served_by", ""), degraded=bool(body.get("degraded", False)),
-            queue_ms=body.get("queue_ms", 0), ttft_ms=body.get("ttft_ms", 0),
-            total_ms=body.get("total_ms", 0), raw=body,
+            id=body["id"],
+            text=body.get("text", ""),
+            finish_reason=body.get("finish_reason", ""),
+            usage=body.get("usage", {}),
+            served_by=body.get("served_by", ""),
+            degraded=bool(body.get("degraded", False)),
+            queue_ms=body.get("queue_ms", 0),
+            ttft_ms=body.get("ttft_ms", 0),
+            total_ms=body.get("total_ms", 0),
+            raw=body,
         )
 
 
@@ -176,8 +181,9 @@ class Client:
         rid, wait_ms = sent
         while True:
             if not self._sock.poll(wait_ms):
-                raise Unavailable(f"no reply from {self.endpoint} within {wait_ms} ms "
-                                  "(is the node running?)")
+                raise Unavailable(
+                    f"no reply from {self.endpoint} within {wait_ms} ms (is the node running?)"
+                )
             frames = self._sock.recv_multipart()
             if len(frames) != 3 or frames[1] != p.CLIENT_TAG:
                 continue
@@ -186,8 +192,11 @@ class Client:
                 continue  # a late reply to an earlier request that timed out here
             if reply.get("status") == "error":
                 raise error_from_wire(
-                    int(reply.get("code", 500)), str(reply.get("message", "")),
-                    reply.get("retry_after_ms"), reply.get("text", ""))
+                    int(reply.get("code", 500)),
+                    str(reply.get("message", "")),
+                    reply.get("retry_after_ms"),
+                    reply.get("text", ""),
+                )
             yield reply
             if reply.get("status") != "partial":
                 return

@@ -107,15 +107,15 @@ class Broker:
         if not frames:
             return
         identity = frames[0]
-        msg: dict[str, Any] = {}
+        body = b""
         try:
             _, body = p.split_client_frames(frames)
             p.check_body_size(body, self.settings.max_body_bytes)
-            msg = p.unpack_map(body)
-            req = p.parse_client_request(msg)
+            req = p.parse_client_request(p.unpack_map(body))
         except EdgeNodeError as exc:
             self.stats.count("rejected_bad_request")
-            self._send_client(identity, p.error_reply(p.request_id_of(msg), exc.code, exc.message))
+            rid = p.salvage_id(body) if len(body) <= self.settings.max_body_bytes else None
+            self._send_client(identity, p.error_reply(rid, exc.code, exc.message))
             return
         if req.op == "ping":
             self._send_client(identity, p.ok_reply(req.id, pong=True, version=p.PROTOCOL_VERSION))
@@ -138,11 +138,12 @@ class Broker:
             self._reject(identity, req.id, ErrorCode.UNAVAILABLE, "node is shutting down", 1000)
             return
         if len(self._queue) >= self.settings.max_queue:
-            retry = self.stats.retry_after_ms(len(self._queue), max(1, len(self.workers)))
+            retry = self.stats.retry_after_ms(len(self._queue), self.workers.total_slots())
             self._reject(identity, req.id, ErrorCode.UNAVAILABLE, "queue is full", retry)
             return
-        timeout_ms = min(req.timeout_ms or self.settings.default_timeout_ms,
-                         self.settings.max_timeout_ms)
+        timeout_ms = min(
+            req.timeout_ms or self.settings.default_timeout_ms, self.settings.max_timeout_ms
+        )
         job = Job(self._next_rid, identity, req, now, now + timeout_ms / 1000)
         self._next_rid += 1
         self._jobs[job.rid] = job
@@ -180,9 +181,14 @@ class Broker:
         identity = frames[0]
         try:
             command, body = p.parse_worker_frames(frames[1:])
-        except ProtocolError:
+        except ProtocolError as exc:
             self.stats.count("worker_protocol_errors")
-            self._send_worker(identity, WorkerCommand.DISCONNECT, {"reason": "protocol error"})
+            known = self.workers.get(identity)
+            if known is not None:
+                # It will re-register under a fresh identity: stop routing to this one.
+                self._lose_worker(known, f"protocol error: {exc.message}", now, notify=False)
+            else:
+                self._send_worker(identity, WorkerCommand.DISCONNECT, {"reason": "protocol error"})
             return
         worker = self.workers.get(identity)
         if command is WorkerCommand.READY:
@@ -258,14 +264,13 @@ class Broker:
             self._forget(job)
         self._dispatch(now)
 
-    def _reply_final(
-        self, job: Job, worker: WorkerState, body: dict[str, Any], now: float
-    ) -> None:
+    def _reply_final(self, job: Job, worker: WorkerState, body: dict[str, Any], now: float) -> None:
         status = body.get("status")
         text = body.get("text") if isinstance(body.get("text"), str) else "".join(job.chunks)
         if status == "ok":
-            started = job.dispatched_at or now
-            ttft = (job.first_token_at or now) - started
+            started = now if job.dispatched_at is None else job.dispatched_at
+            first = now if job.first_token_at is None else job.first_token_at
+            ttft = first - started
             reply = p.ok_reply(
                 job.req.id,
                 text=text,
@@ -363,17 +368,27 @@ class Broker:
             else:
                 self.stats.count("worker_lost")
                 job.replied = True
-                self._send_client(job.client, p.error_reply(
-                    job.req.id, ErrorCode.UNAVAILABLE, f"worker lost: {reason}",
-                    text="".join(job.chunks), reason="worker_lost", retry_after_ms=1000))
+                self._send_client(
+                    job.client,
+                    p.error_reply(
+                        job.req.id,
+                        ErrorCode.UNAVAILABLE,
+                        f"worker lost: {reason}",
+                        text="".join(job.chunks),
+                        reason="worker_lost",
+                        retry_after_ms=1000,
+                    ),
+                )
                 self._forget(job)
         self._dispatch(now)
 
     def _finish_early(self, job: Job, code: ErrorCode, message: str, now: float) -> None:
         """Answer ``job`` now with ``code``; a running job is cancelled on its worker."""
         job.replied = True
-        self._send_client(job.client, p.error_reply(job.req.id, code, message,
-                                                    text="".join(job.chunks)))
+        self._release_id(job)  # answered: the client may reuse the id at once
+        self._send_client(
+            job.client, p.error_reply(job.req.id, code, message, text="".join(job.chunks))
+        )
         if job.worker is None:
             self._queue.pop(job.rid, None)
             self._forget(job)
@@ -385,7 +400,12 @@ class Broker:
         self._jobs.pop(job.rid, None)
         self._queue.pop(job.rid, None)
         self._deadlines.discard(("job", job.rid))
-        self._by_client_id.pop((job.client, job.req.id), None)
+        self._release_id(job)
+
+    def _release_id(self, job: Job) -> None:
+        key = (job.client, job.req.id)
+        if self._by_client_id.get(key) == job.rid:  # never a newer request's mapping
+            del self._by_client_id[key]
 
     # ------------------------------------------------------------------ dispatch
 
@@ -416,17 +436,22 @@ class Broker:
     def _send_client(self, identity: bytes, body: dict[str, Any]) -> None:
         self.to_clients.append(p.client_frames(identity, body))
 
-    def _send_worker(
-        self, identity: bytes, command: WorkerCommand, body: dict[str, Any]
-    ) -> None:
+    def _send_worker(self, identity: bytes, command: WorkerCommand, body: dict[str, Any]) -> None:
         self.to_workers.append(p.to_worker_frames(identity, command, body))
 
     def status(self, now: float) -> dict[str, Any]:
         """A msgpack-ready snapshot: workers, queue, in-flight, counters."""
         workers = [
-            {"worker_id": w.worker_id, "kind": w.kind, "state": w.state, "credit": w.credit,
-             "slots": w.slots, "active": len(w.active),
-             "last_seen_ms": _ms(now - w.last_seen), **w.info}
+            {
+                "worker_id": w.worker_id,
+                "kind": w.kind,
+                "state": w.state,
+                "credit": w.credit,
+                "slots": w.slots,
+                "active": len(w.active),
+                "last_seen_ms": _ms(now - w.last_seen),
+                **w.info,
+            }
             for w in sorted(self.workers, key=lambda w: w.worker_id)
         ]
         node: dict[str, Any] = {
@@ -448,9 +473,16 @@ class Broker:
         for job in list(self._jobs.values()):
             if not job.replied:
                 job.replied = True
-                self._send_client(job.client, p.error_reply(
-                    job.req.id, ErrorCode.UNAVAILABLE, message, text="".join(job.chunks),
-                    reason="shutdown"))
+                self._send_client(
+                    job.client,
+                    p.error_reply(
+                        job.req.id,
+                        ErrorCode.UNAVAILABLE,
+                        message,
+                        text="".join(job.chunks),
+                        reason="shutdown",
+                    ),
+                )
             self._forget(job)
 
     def pending_jobs(self) -> int:

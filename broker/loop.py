@@ -38,7 +38,7 @@ def secure_ipc_dir(endpoint: str) -> None:
     """
     if not endpoint.startswith("ipc://"):
         return
-    directory = Path(endpoint[len("ipc://"):]).parent
+    directory = Path(endpoint[len("ipc://") :]).parent
     directory.mkdir(parents=True, exist_ok=True)
     if stat.S_IMODE(directory.stat().st_mode) != 0o700:
         os.chmod(directory, 0o700)

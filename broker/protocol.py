@@ -84,11 +84,32 @@ def unpack_map(data: bytes) -> dict[str, Any]:
     """
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except ValueError as exc:
+        if "strict_map_key" in str(exc):
+            raise ProtocolError(
+                "map keys (field names) must be msgpack str, got an integer"
+            ) from exc
+        raise ProtocolError(f"body is not valid msgpack: {exc}") from exc
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"body is not valid msgpack: {type(exc).__name__}") from exc
     if not isinstance(obj, dict):
         raise ProtocolError(f"body must be a msgpack map, got {type(obj).__name__}")
+    _check_str_keys(obj)
     return obj
+
+
+def _check_str_keys(obj: dict[Any, Any]) -> None:
+    """Refuse bin (bytes) keys anywhere: strict_map_key lets them through."""
+    stack: list[Any] = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            bad = next((k for k in item if not isinstance(k, str)), None)
+            if bad is not None:
+                raise ProtocolError(f"map keys (field names) must be msgpack str, got {bad!r}")
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 # --------------------------------------------------------------------------- client side
@@ -157,6 +178,16 @@ def split_client_frames(frames: list[bytes]) -> tuple[bytes, bytes]:
 def client_frames(identity: bytes, body: dict[str, Any]) -> list[bytes]:
     """Frames the frontend ROUTER sends to reach ``identity`` with ``body``."""
     return [identity, b"", CLIENT_TAG, pack(body)]
+
+
+def salvage_id(body: bytes) -> str | int | None:
+    """The ``id`` of a body that failed validation, if one can be read at all,
+    so even a malformed request's error reply reaches the caller's waiting id."""
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception:
+        return None
+    return request_id_of(obj) if isinstance(obj, dict) else None
 
 
 def request_id_of(msg: dict[str, Any]) -> str | int | None:

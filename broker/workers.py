@@ -130,6 +130,10 @@ class WorkerRegistry:
         """Whether any worker of ``kind`` is registered (busy or not)."""
         return any(w.kind == kind for w in self._by_identity.values())
 
+    def total_slots(self) -> int:
+        """Sequences the registered pool runs at once (at least 1, for estimates)."""
+        return max(1, sum(w.slots for w in self._by_identity.values()))
+
     def total_credit(self) -> int:
         """Free credit summed over all workers."""
         return sum(w.credit for w in self._by_identity.values())

@@ -100,8 +100,12 @@ class Node:
         loop.add_fd(wake_r.fileno(), lambda: _drain_fd(wake_r))
         try:
             supervisor.start()
-            log.info("edgenode serving on %s (%d workers, pid %d)",
-                     c.frontend, c.workers.count, os.getpid())
+            log.info(
+                "edgenode serving on %s (%d workers, pid %d)",
+                c.frontend,
+                c.workers.count,
+                os.getpid(),
+            )
             while not self._stop_requested:
                 loop.turn()
             self._drain(loop, broker, supervisor)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import psutil
 
 from broker.client import Client
 from broker.errors import EdgeNodeError
@@ -38,12 +39,21 @@ def _config(ctx: click.Context) -> NodeConfig:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-c", "--config", "config_path", envvar="EDGENODE_CONFIG", type=click.Path(),
-              help="TOML config file (default: /etc/edgenode/edgenode.toml if present, "
-                   "else built-in defaults = etc/edgenode.toml).")
-@click.option("--run-dir", envvar="EDGENODE_RUN_DIR", type=click.Path(),
-              help="Pidfile, sockets and logs (default: $XDG_RUNTIME_DIR/edgenode or "
-                   "/tmp/edgenode-<uid>).")
+@click.option(
+    "-c",
+    "--config",
+    "config_path",
+    envvar="EDGENODE_CONFIG",
+    type=click.Path(),
+    help="TOML config file (default: /etc/edgenode/edgenode.toml if present, "
+    "else built-in defaults = etc/edgenode.toml).",
+)
+@click.option(
+    "--run-dir",
+    envvar="EDGENODE_RUN_DIR",
+    type=click.Path(),
+    help="Pidfile, sockets and logs (default: $XDG_RUNTIME_DIR/edgenode or /tmp/edgenode-<uid>).",
+)
 @click.pass_context
 def cli(ctx: click.Context, config_path: str | None, run_dir: str | None) -> None:
     """edgenode: a small GGUF model served over ZeroMQ, fenced off from the host's workload."""
@@ -57,8 +67,12 @@ def cli(ctx: click.Context, config_path: str | None, run_dir: str | None) -> Non
 
 @cli.command()
 @click.option("--foreground", is_flag=True, help="Run in this process; Ctrl-C stops it.")
-@click.option("--wait-s", default=180.0, show_default=True,
-              help="Background start: how long to wait for every worker to be READY.")
+@click.option(
+    "--wait-s",
+    default=180.0,
+    show_default=True,
+    help="Background start: how long to wait for every worker to be READY.",
+)
 @click.pass_context
 def start(ctx: click.Context, foreground: bool, wait_s: float) -> None:
     """Start the node (background by default, with a pidfile and logs in the run dir)."""
@@ -72,8 +86,10 @@ def start(ctx: click.Context, foreground: bool, wait_s: float) -> None:
         except EdgeNodeError as exc:
             raise click.ClickException(exc.message) from exc
     if foreground:
-        logging.basicConfig(level=config.node.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s %(message)s")
+        logging.basicConfig(
+            level=config.node.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        )
         try:
             sys.exit(Node(config).run())
         except EdgeNodeError as exc:
@@ -88,7 +104,10 @@ def _start_background(config: NodeConfig, wait_s: float) -> None:
     with open(logfile, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "node.cli", "start", "--foreground"],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
         )
     deadline = time.monotonic() + wait_s
     click.echo(f"starting edgenode (pid {proc.pid}, log {logfile}) ...")
@@ -132,11 +151,11 @@ def stop(ctx: click.Context, timeout_s: float) -> None:
 
 
 def _alive(pid: int) -> bool:
+    # A zombie has exited: its parent (often init) just has not reaped it yet.
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    return True
 
 
 @cli.command()
@@ -176,8 +195,10 @@ def render_status(node: dict[str, Any]) -> str:
         reg = registered.get(proc["worker_id"])
         state = reg["state"] if reg and proc["state"] == "ready" else proc["state"]
         credit = f"{reg['credit']}/{reg['slots']}" if reg else "-"
-        lines.append(f"{proc['worker_id']:<8} {state:<11} {proc['pid'] or '-':>7} {credit:>6} "
-                     f"{proc['restarts']:>8}  {proc['last_exit'] or '-'}")
+        lines.append(
+            f"{proc['worker_id']:<8} {state:<11} {proc['pid'] or '-':>7} {credit:>6} "
+            f"{proc['restarts']:>8}  {proc['last_exit'] or '-'}"
+        )
     counters = node.get("counters", {})
     if counters:
         lines.append("")
@@ -193,8 +214,15 @@ def render_status(node: dict[str, Any]) -> str:
 @click.option("--raw", is_flag=True, help="Plain completion of TEXT (no chat template).")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole final reply as JSON.")
 @click.pass_context
-def ask(ctx: click.Context, text: str, stream: bool, max_tokens: int, timeout_ms: int | None,
-        raw: bool, as_json: bool) -> None:
+def ask(
+    ctx: click.Context,
+    text: str,
+    stream: bool,
+    max_tokens: int,
+    timeout_ms: int | None,
+    raw: bool,
+    as_json: bool,
+) -> None:
     """Ask the running node TEXT and print the answer with its usage counts."""
     config = _config(ctx)
     fields: dict[str, Any] = {"max_tokens": max_tokens}
@@ -204,8 +232,11 @@ def ask(ctx: click.Context, text: str, stream: bool, max_tokens: int, timeout_ms
     try:
         with Client(config.frontend) as client:
             if stream:
-                s = client.stream_generate(text, **fields) if raw else client.stream_chat(
-                    messages, **fields)
+                s = (
+                    client.stream_generate(text, **fields)
+                    if raw
+                    else client.stream_chat(messages, **fields)
+                )
                 for piece in s:
                     click.echo(piece, nl=False)
                 click.echo()
@@ -218,7 +249,8 @@ def ask(ctx: click.Context, text: str, stream: bool, max_tokens: int, timeout_ms
         partial = f"\npartial text: {exc.partial_text}" if exc.partial_text else ""
         retry = f" (retry after {exc.retry_after_ms} ms)" if exc.retry_after_ms else ""
         raise click.ClickException(
-            f"{int(exc.code)} {exc.code.name}: {exc.message}{retry}{partial}") from exc
+            f"{int(exc.code)} {exc.code.name}: {exc.message}{retry}{partial}"
+        ) from exc
     assert reply is not None
     if as_json:
         click.echo(json.dumps(reply.raw, indent=2))

@@ -164,9 +164,17 @@ def validate(config: NodeConfig) -> NodeConfig:
     _positive("workers.threads", w.threads, 1)
     _positive("model.n_ctx", m.n_ctx, 64)
     _positive("model.n_batch", m.n_batch, 1)
-    for name in ("max_queue", "default_timeout_ms", "max_timeout_ms", "default_max_tokens",
-                 "heartbeat_interval_ms", "heartbeat_liveness", "stall_timeout_ms",
-                 "cancel_grace_ms", "max_body_bytes"):
+    for name in (
+        "max_queue",
+        "default_timeout_ms",
+        "max_timeout_ms",
+        "default_max_tokens",
+        "heartbeat_interval_ms",
+        "heartbeat_liveness",
+        "stall_timeout_ms",
+        "cancel_grace_ms",
+        "max_body_bytes",
+    ):
         _positive(f"broker.{name}", getattr(b, name), 1)
     if b.default_timeout_ms > b.max_timeout_ms:
         raise ConfigError("broker.default_timeout_ms must not exceed broker.max_timeout_ms")

@@ -104,15 +104,18 @@ class LlamaEngine:
         except RuntimeError as exc:
             self.llm.reset()  # an aborted decode leaves half-evaluated state behind
             if cancelled.is_set():
-                raise Cancelled("cancelled during prompt evaluation",
-                                partial_text="".join(pieces)) from exc
+                raise Cancelled(
+                    "cancelled during prompt evaluation", partial_text="".join(pieces)
+                ) from exc
             raise InternalError(f"llama.cpp decode failed: {exc}") from exc
         finally:
             self._cancelled = None
         if cancelled.is_set():
             raise Cancelled("cancelled", partial_text="".join(pieces))
-        usage = {"prompt_tokens": counter.prompt_tokens,
-                 "completion_tokens": counter.completion_tokens(finish)}
+        usage = {
+            "prompt_tokens": counter.prompt_tokens,
+            "completion_tokens": counter.completion_tokens(finish),
+        }
         return {"text": "".join(pieces), "finish_reason": finish, "usage": usage}
 
     def _stream(self, job: dict[str, Any], kwargs: dict[str, Any]) -> Iterator[tuple[str, str]]:

@@ -93,8 +93,15 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if handle.log_file is None:
             handle.log_file = open(self.log_dir / f"{handle.spec.worker_id}.log", "ab")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "node.worker", "--spec", handle.spec.to_json(),
-               "--log-level", self.log_level]
+        cmd = [
+            sys.executable,
+            "-m",
+            "node.worker",
+            "--spec",
+            handle.spec.to_json(),
+            "--log-level",
+            self.log_level,
+        ]
         handle.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
@@ -135,12 +142,19 @@ class Supervisor:
             proc = handle.proc
             if proc is not None and proc.poll() is not None:
                 self._reaped(handle, proc.returncode, now)
-            elif (handle.state == "starting" and proc is not None
-                  and now - handle.started_at > self.ready_timeout_s):
+            elif (
+                handle.state == "starting"
+                and proc is not None
+                and now - handle.started_at > self.ready_timeout_s
+            ):
                 handle.last_exit = f"not READY within {self.ready_timeout_s:.0f}s"
                 _killpg(proc.pid, signal.SIGKILL)
-            if (handle.state == "restarting" and handle.restart_at is not None
-                    and now >= handle.restart_at and not self.stopping):
+            if (
+                handle.state == "restarting"
+                and handle.restart_at is not None
+                and now >= handle.restart_at
+                and not self.stopping
+            ):
                 handle.restarts += 1
                 self._spawn(handle)
 
@@ -191,8 +205,13 @@ class Supervisor:
     def status(self) -> list[dict[str, Any]]:
         """Per worker: id, pid, state, restarts, last exit reason."""
         return [
-            {"worker_id": h.spec.worker_id, "pid": h.pid, "state": h.state,
-             "restarts": h.restarts, "last_exit": h.last_exit}
+            {
+                "worker_id": h.spec.worker_id,
+                "pid": h.pid,
+                "state": h.state,
+                "restarts": h.restarts,
+                "last_exit": h.last_exit,
+            }
             for h in self.handles.values()
         ]
 

@@ -208,8 +208,10 @@ class WorkerLoop:
             return
         if self.current is not None:
             # The broker's credit says we are free: refuse rather than queue.
-            self._send(WorkerCommand.FINAL, {"rid": rid, "status": "error", "code": 503,
-                                              "message": "worker has no free slot"})
+            self._send(
+                WorkerCommand.FINAL,
+                {"rid": rid, "status": "error", "code": 503, "message": "worker has no free slot"},
+            )
             return
         cancelled = threading.Event()
         self.current = (rid, cancelled)
@@ -248,12 +250,21 @@ class WorkerLoop:
             result = self.engine.run(job, cancelled, emit)
         except EdgeNodeError as exc:
             status = "cancelled" if exc.code == 499 else "error"
-            return {"rid": rid, "status": status, "code": int(exc.code), "message": exc.message,
-                    "text": exc.partial_text}
+            return {
+                "rid": rid,
+                "status": status,
+                "code": int(exc.code),
+                "message": exc.message,
+                "text": exc.partial_text,
+            }
         except Exception as exc:  # an engine bug must cost one request, not the worker
             log.exception("engine failed on request %s", rid)
-            return {"rid": rid, "status": "error", "code": 500,
-                    "message": f"engine error: {type(exc).__name__}: {exc}"}
+            return {
+                "rid": rid,
+                "status": "error",
+                "code": 500,
+                "message": f"engine error: {type(exc).__name__}: {exc}",
+            }
         return {"rid": rid, "status": "ok", **result}
 
     def _shutdown(self) -> None:

@@ -14,8 +14,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nodeproc import NodeProcess
 
 #: Fast heartbeats for tests (DESIGN.md: tests use ~100 ms).
-FAST_BROKER = {"heartbeat_interval_ms": 100, "heartbeat_liveness": 3, "stall_timeout_ms": 2000,
-               "cancel_grace_ms": 1000}
+FAST_BROKER = {
+    "heartbeat_interval_ms": 100,
+    "heartbeat_liveness": 3,
+    "stall_timeout_ms": 2000,
+    "cancel_grace_ms": 1000,
+}
 
 
 @pytest.fixture

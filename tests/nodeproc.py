@@ -51,17 +51,35 @@ class NodeProcess:
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """Run ``edgenode ARGS`` against this node's config and run dir."""
-        cmd = [sys.executable, "-m", "node.cli", "-c", str(self.config),
-               "--run-dir", str(self.run_dir), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "-c",
+            str(self.config),
+            "--run-dir",
+            str(self.run_dir),
+            *args,
+        ]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
     def start(self, timeout: float = 60) -> NodeProcess:
         """Start in the foreground mode as a child and wait for every worker READY."""
-        cmd = [sys.executable, "-m", "node.cli", "-c", str(self.config),
-               "--run-dir", str(self.run_dir), "start", "--foreground"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "-c",
+            str(self.config),
+            "--run-dir",
+            str(self.run_dir),
+            "start",
+            "--foreground",
+        ]
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, cwd=REPO,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=out, cwd=REPO, start_new_session=True
+            )
         self.wait_ready(timeout)
         return self
 

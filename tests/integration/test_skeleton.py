@@ -56,8 +56,9 @@ def test_two_workers_run_in_parallel_and_third_waits_for_credit(make_node: NodeF
         threading.Event().wait(0.02)
     for t in threads:
         t.join(10)
-    assert any(s["in_flight"] == 2 and s["queue_depth"] == 1 and s["credit"] == 0
-               for s in statuses), statuses
+    assert any(
+        s["in_flight"] == 2 and s["queue_depth"] == 1 and s["credit"] == 0 for s in statuses
+    ), statuses
     ordered = sorted(replies.values(), key=lambda r: r.queue_ms)
     first, second, third = ordered
     assert {first.raw["worker"], second.raw["worker"]} == {"llm-0", "llm-1"}
@@ -91,13 +92,26 @@ def _reply(sock: zmq.Socket[bytes]) -> dict[str, Any]:
         ([b"", b"EDGE/C1", msgpack.packb([1, 2])], 400, "map"),
         ([b"", b"EDGE/C1", msgpack.packb({"id": 1, "op": "dance"})], 400, "'op'"),
         ([b"", b"EDGE/C1", msgpack.packb({"id": 1, "op": "generate"})], 400, "'prompt'"),
-        ([b"", b"EDGE/C1", msgpack.packb({"id": 1, "op": "generate", "prompt": 5})], 400,
-         "'prompt'"),
-        ([b"", b"EDGE/C1", msgpack.packb({"id": 1, "op": "generate", "prompt": "x",
-                                          "max_tokens": "ten"})], 400, "'max_tokens'"),
+        (
+            [b"", b"EDGE/C1", msgpack.packb({"id": 1, "op": "generate", "prompt": 5})],
+            400,
+            "'prompt'",
+        ),
+        (
+            [
+                b"",
+                b"EDGE/C1",
+                msgpack.packb({"id": 1, "op": "generate", "prompt": "x", "max_tokens": "ten"}),
+            ],
+            400,
+            "'max_tokens'",
+        ),
         ([b"", b"EDGE/C1", msgpack.packb({"op": "ping"})], 400, "'id'"),
-        ([b"", b"EDGE/C1", msgpack.packb({"id": 1, "op": "generate",
-                                          "prompt": "x" * 300_000})], 413, "limit"),
+        (
+            [b"", b"EDGE/C1", msgpack.packb({"id": 1, "op": "generate", "prompt": "x" * 300_000})],
+            413,
+            "limit",
+        ),
     ],
 )
 def test_malformed_messages_get_typed_errors_and_the_broker_stays_up(
@@ -112,8 +126,13 @@ def test_malformed_messages_get_typed_errors_and_the_broker_stays_up(
         assert reply["code"] == code
         assert needle in reply["message"]
         # Exactly one reply for the bad message; the next valid request succeeds.
-        sock.send_multipart([b"", b"EDGE/C1", msgpack.packb(
-            {"id": "ok-1", "op": "generate", "prompt": "still here"})])
+        sock.send_multipart(
+            [
+                b"",
+                b"EDGE/C1",
+                msgpack.packb({"id": "ok-1", "op": "generate", "prompt": "still here"}),
+            ]
+        )
         good = _reply(sock)
         assert (good["id"], good["status"], good["text"]) == ("ok-1", "ok", "echo: still here")
     finally:

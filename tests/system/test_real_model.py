@@ -14,8 +14,11 @@ NodeFactory = Callable[..., NodeProcess]
 
 
 def test_real_model_answers_through_the_whole_path(make_node: NodeFactory) -> None:
-    node = make_node(start=False, workers={"engine": "llama", "count": 2},
-                     broker={"heartbeat_interval_ms": 1000, "stall_timeout_ms": 15000})
+    node = make_node(
+        start=False,
+        workers={"engine": "llama", "count": 2},
+        broker={"heartbeat_interval_ms": 1000, "stall_timeout_ms": 15000},
+    )
     started = node.cli("start", "--wait-s", "120", timeout=180)
     assert started.returncode == 0, started.stderr + started.stdout
     try:
@@ -31,8 +34,11 @@ def test_real_model_answers_through_the_whole_path(make_node: NodeFactory) -> No
         assert "completion tokens" in answer.stderr
 
         with node.client() as c:
-            stream = c.stream_chat([{"role": "user", "content": "Count from one to five."}],
-                                   max_tokens=24, temperature=0.0)
+            stream = c.stream_chat(
+                [{"role": "user", "content": "Count from one to five."}],
+                max_tokens=24,
+                temperature=0.0,
+            )
             pieces = list(stream)
             assert stream.result is not None
             assert len(pieces) >= 3  # tokens arrived one by one, not as one block

@@ -1,0 +1,1 @@
+"""edgenode fallback: the deterministic rule engine (imports only broker.protocol)."""

@@ -1,0 +1,1 @@
+"""edgenode host side: config, model, worker processes, supervisor, composition root, CLI."""
