@@ -64,7 +64,12 @@ class Job:
 
 @dataclass(frozen=True)
 class WorkerEvent:
-    """Something the supervisor must act on: ``kind`` is ``ready`` or ``lost``."""
+    """Something the supervisor must act on: ``kind`` is ``ready`` or ``lost``.
+
+    A ``lost`` reason starts with the verdict: ``dead:`` (silent for
+    liveness x interval), ``stalled:`` (busy, progress counter frozen) or
+    ``hung:`` (no ack to CANCEL).
+    """
 
     kind: str
     worker_id: str
@@ -114,7 +119,8 @@ class Broker:
             req = p.parse_client_request(p.unpack_map(body))
         except EdgeNodeError as exc:
             self.stats.count("rejected_bad_request")
-            rid = p.salvage_id(body) if len(body) <= self.settings.max_body_bytes else None
+            # Bodies are bounded by ZMQ_MAXMSGSIZE, so salvaging even an oversized one is cheap.
+            rid = p.salvage_id(body)
             self._send_client(identity, p.error_reply(rid, exc.code, exc.message))
             return
         if req.op == "ping":
@@ -131,7 +137,12 @@ class Broker:
         if key in self._by_client_id:
             self._send_client(
                 identity,
-                p.error_reply(req.id, ErrorCode.BAD_REQUEST, f"id {req.id!r} is already in flight"),
+                p.error_reply(
+                    req.id,
+                    ErrorCode.BAD_REQUEST,
+                    f"id {req.id!r} is already in flight",
+                    reason="duplicate_id",
+                ),
             )
             return
         if self.draining:
@@ -241,7 +252,8 @@ class Broker:
         return self._jobs.get(rid)
 
     def _on_partial(self, worker: WorkerState, body: dict[str, Any], now: float) -> None:
-        self._note_progress(worker, body.get("progress"), now)
+        # A token is progress even from a worker that does not count it.
+        self._note_progress(worker, body.get("progress", worker.progress + 1), now)
         job = self._owned_job(worker, body)
         text = body.get("text")
         if job is None or job.replied or not isinstance(text, str):
@@ -270,7 +282,7 @@ class Broker:
         if status == "ok":
             started = now if job.dispatched_at is None else job.dispatched_at
             first = now if job.first_token_at is None else job.first_token_at
-            ttft = first - started
+            ttft = first - job.accepted_at  # what the client waited, queue included
             reply = p.ok_reply(
                 job.req.id,
                 text=text,
@@ -311,7 +323,7 @@ class Broker:
             elif kind == "ack" and job.worker is not None:
                 worker = self.workers.get(job.worker)
                 if worker is not None:
-                    self._lose_worker(worker, "no ack to CANCEL (hung)", now)
+                    self._lose_worker(worker, "hung: no ack to CANCEL within the grace", now)
         self._check_liveness(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.settings.heartbeat_interval_ms / 1000

@@ -53,6 +53,7 @@ class Node:
             chat_format=c.model.chat_format,
             repack=c.model.repack,
             test_token_ms=c.workers.test_token_ms,
+            test_load_ms=c.workers.test_load_ms,
         )
         return [
             WorkerSpec(

@@ -61,6 +61,7 @@ class WorkersSection:
     restart_backoff_ms: int = 500
     restart_backoff_max_ms: int = 30_000
     test_token_ms: int = 20
+    test_load_ms: int = 0
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class EngineSpec:
     chat_format: str = ""
     repack: bool = False
     test_token_ms: int = 20
+    test_load_ms: int = 0
 
 
 class Engine(Protocol):
@@ -48,6 +49,10 @@ class Engine(Protocol):
     kind: str
     model: str
     n_ctx: int
+    #: Compute steps done so far (monotonic, any unit). It moves while the
+    #: model evaluates a prompt, before any token exists, so the broker can tell
+    #: a long prompt evaluation from a stalled worker.
+    steps: int
 
     def run(self, job: dict[str, Any], cancelled: threading.Event, emit: Emit) -> dict[str, Any]:
         """Generate for ``job`` (a worker REQUEST body), calling ``emit`` per token."""
@@ -57,7 +62,8 @@ class Engine(Protocol):
 class TestEngine:
     """Deterministic engine: answers ``"echo: <prompt>"`` one word per ``token_ms``.
 
-    Prompts starting with a directive drive fault tests of the worker process:
+    ``test_load_ms`` delays construction, like a slow model load. Prompts
+    starting with a directive drive fault tests of the worker process:
     ``!crash`` exits the process at once (exit 3); ``!hang`` blocks without
     progress and ignores cancellation; ``!slow <ms>`` sets the per-token delay
     for this request.
@@ -68,8 +74,10 @@ class TestEngine:
     model = "test-engine"
 
     def __init__(self, spec: EngineSpec) -> None:
+        time.sleep(spec.test_load_ms / 1000)
         self.n_ctx = spec.n_ctx
         self.token_s = spec.test_token_ms / 1000
+        self.steps = 0
 
     def run(self, job: dict[str, Any], cancelled: threading.Event, emit: Emit) -> dict[str, Any]:
         """See ``Engine.run``."""
@@ -87,6 +95,7 @@ class TestEngine:
         for i, piece in enumerate(pieces):
             if cancelled.wait(delay):
                 raise Cancelled("cancelled", partial_text="".join(out))
+            self.steps += 1
             token = piece if i == 0 else " " + piece
             out.append(token)
             emit(token)
@@ -102,8 +111,3 @@ def make_engine(spec: EngineSpec) -> Engine:
     from node.llama_engine import LlamaEngine  # llama_cpp loads only where needed
 
     return LlamaEngine(spec)
-
-
-def monotonic_ms() -> float:
-    """Monotonic milliseconds (engines report ttft with it)."""
-    return time.monotonic() * 1000

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 import llama_cpp
 import llama_cpp.llama_cpp as llama_c
 
-from broker.errors import Cancelled, InternalError, TooLarge
+from broker.errors import Cancelled, InternalError, ProtocolError, TooLarge
 from node.engine import Emit, EngineSpec
 
 
@@ -60,11 +61,16 @@ class LlamaEngine:
         has_template = "tokenizer.chat_template" in self.llm.metadata
         self.plain_chat = not spec.chat_format and not has_template
         self._cancelled: threading.Event | None = None
+        self.steps = 0
         # Keep a reference: ctypes frees the trampoline when the object dies.
         self._abort_cb = llama_cpp.ggml_abort_callback(self._should_abort)
         llama_cpp.llama_set_abort_callback(self.llm.ctx, self._abort_cb, ctypes.c_void_p())
 
     def _should_abort(self, _data: ctypes.c_void_p) -> bool:
+        # ggml-cpu calls this after every graph node: it doubles as the proof
+        # that computation advances (measured: no slowdown of decode or prompt
+        # evaluation on the default model, ~460 calls per token).
+        self.steps += 1
         flag = self._cancelled
         return flag is not None and flag.is_set()
 
@@ -85,6 +91,8 @@ class LlamaEngine:
         for name in ("temperature", "top_p", "seed", "stop"):
             if name in job:
                 kwargs[name] = job[name]
+        if "json_schema" in job and (job["op"] == "generate" or self.plain_chat):
+            kwargs["grammar"] = _schema_grammar(job["json_schema"])
         pieces: list[str] = []
         finish = "stop"
         self._cancelled = cancelled
@@ -162,6 +170,18 @@ def qa_prompt(messages: list[dict[str, str]]) -> str:
             lines.append(f"A: {m['content']}")
     lines.append("A:")
     return "\n".join(lines)
+
+
+def _schema_grammar(schema: dict[str, Any]) -> Any:
+    """A llama.cpp GBNF grammar that only admits JSON valid for ``schema``.
+
+    Raises:
+        ProtocolError: the schema cannot be turned into a grammar.
+    """
+    try:
+        return llama_cpp.LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+    except Exception as exc:  # the converter raises assorted types on bad schemas
+        raise ProtocolError(f"json_schema is not usable: {exc}") from exc
 
 
 @contextlib.contextmanager

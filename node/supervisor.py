@@ -30,8 +30,9 @@ log = logging.getLogger("edgenode.supervisor")
 class WorkerHandle:
     """One logical worker slot and its current process, if any.
 
-    ``state`` is one of ``starting``, ``ready``, ``restarting``, ``failed``
-    (not restarted: a deterministic failure), ``stopped``.
+    ``state`` is one of ``starting``, ``ready``, ``dead``/``stalled``/``hung``
+    (the broker's verdict, until the killed process is reaped), ``restarting``,
+    ``failed`` (not restarted: a deterministic failure) and ``stopped``.
     """
 
     spec: WorkerSpec
@@ -132,6 +133,8 @@ class Supervisor:
             return
         log.warning("killing %s pid %d: %s", worker_id, handle.pid, reason)
         handle.last_exit = reason
+        verdict = reason.split(":", 1)[0]
+        handle.state = verdict if verdict in ("dead", "stalled", "hung") else "lost"
         _killpg(handle.pid, signal.SIGKILL)
 
     # ------------------------------------------------------------------ time

@@ -81,6 +81,8 @@ class WorkerLoop:
         self.interval = spec.heartbeat_interval_ms / 1000
         self.progress = 0  # tokens produced by this process; written by the engine thread
         self.current: tuple[int, threading.Event] | None = None
+        self._abandoned: set[int] = set()  # rids started under a previous connection
+        self.broker_seen = 0.0
         self._jobs: queue.Queue[tuple[int, dict[str, Any], threading.Event] | None] = queue.Queue()
         self._pipe_addr = f"inproc://engine-{uuid.uuid4().hex}"
         self._events = self.ctx.socket(zmq.PAIR)
@@ -153,6 +155,7 @@ class WorkerLoop:
         so the new broker never sees credit this worker cannot honour."""
         if self.current is not None:
             self.current[1].set()  # nobody awaits its result any more
+            self._abandoned.add(self.current[0])  # and the new broker never knew it
         assert self.dealer is not None
         self.dealer.close(0)
         self._connect()
@@ -184,7 +187,11 @@ class WorkerLoop:
 
     def _heartbeat(self) -> None:
         state = "busy" if self.current is not None else "idle"
-        self._send(WorkerCommand.HEARTBEAT, {"state": state, "progress": self.progress})
+        self._send(WorkerCommand.HEARTBEAT, {"state": state, "progress": self._progress()})
+
+    def _progress(self) -> int:
+        """Tokens emitted plus engine compute steps: it moves iff the model works."""
+        return self.progress + self.engine.steps
 
     def _on_broker(self, frames: list[bytes]) -> None:
         self.broker_seen = time.monotonic()
@@ -221,10 +228,15 @@ class WorkerLoop:
 
     def _on_engine_event(self, frames: list[bytes]) -> None:
         kind, payload = frames[0], p.unpack_map(frames[1])
+        abandoned = payload["rid"] in self._abandoned
         if kind == b"partial":
-            self._send(WorkerCommand.PARTIAL, {**payload, "progress": self.progress})
+            if not abandoned:
+                self._send(WorkerCommand.PARTIAL, {**payload, "progress": self._progress()})
             return
-        self._send(WorkerCommand.FINAL, payload)
+        if abandoned:
+            self._abandoned.discard(payload["rid"])
+        else:
+            self._send(WorkerCommand.FINAL, payload)
         self.current = None
         self._send_ready_if_idle()
 
@@ -250,6 +262,7 @@ class WorkerLoop:
             result = self.engine.run(job, cancelled, emit)
         except EdgeNodeError as exc:
             status = "cancelled" if exc.code == 499 else "error"
+            log.info("request %s ended %s: %s", rid, status, exc.message)
             return {
                 "rid": rid,
                 "status": status,
@@ -282,12 +295,36 @@ class WorkerLoop:
             self.ctx.term()
 
 
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the node that spawned it dies.
+
+    Workers live in their own process groups (so the supervisor can kill a
+    whole worker tree); without this, a node killed with ``kill -9`` would
+    leave them running. PR_SET_PDEATHSIG = 1 (prctl(2)). No-op elsewhere.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``--spec``, load the engine, serve; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m node.worker")
     parser.add_argument("--spec", required=True, help="WorkerSpec as JSON")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--keep-without-parent",
+        action="store_true",
+        help="do not die with the spawning process (standalone workers)",
+    )
     args = parser.parse_args(argv)
+    if not args.keep_without_parent:
+        die_with_parent()
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s worker[{os.getpid()}] %(message)s",

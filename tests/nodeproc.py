@@ -145,3 +145,68 @@ def leftover_processes(run_dir: Path) -> list[int]:
         except psutil.Error:
             continue
     return found
+
+
+class Collector:
+    """A raw DEALER that sends requests and keeps every reply, to check that each
+    accepted request got exactly one final reply (and nothing after it)."""
+
+    def __init__(self, endpoint: str) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.replies: dict[Any, list[dict[str, Any]]] = {}
+        self.sent: list[Any] = []
+
+    def send(self, **body: Any) -> None:
+        """Send one request body (must carry ``id``)."""
+        import msgpack
+
+        self.sent.append(body["id"])
+        self.sock.send_multipart([b"", b"EDGE/C1", msgpack.packb(body)])
+
+    def finals(self) -> dict[Any, list[dict[str, Any]]]:
+        """Final (non-partial) replies by id."""
+        return {k: [r for r in v if r["status"] != "partial"] for k, v in self.replies.items()}
+
+    def final(self, rid: Any) -> dict[str, Any]:
+        """The one final reply of ``rid`` (asserts there is exactly one)."""
+        finals = self.finals().get(rid, [])
+        assert len(finals) == 1, (rid, self.replies.get(rid))
+        return finals[0]
+
+    def collect(
+        self, until_all_final: bool = True, timeout: float = 10.0, linger: float = 0.3
+    ) -> None:
+        """Read replies until every sent id has a final (or timeout), then keep
+        reading ``linger`` seconds more to catch duplicates."""
+        import msgpack
+
+        deadline = time.monotonic() + timeout
+        done_at: float | None = None
+        while True:
+            now = time.monotonic()
+            if done_at is None and (
+                now > deadline or (until_all_final and all(self.finals().get(i) for i in self.sent))
+            ):
+                done_at = now
+            if done_at is not None and now > done_at + linger:
+                return
+            if self.sock.poll(20):
+                frames = self.sock.recv_multipart()
+                body = msgpack.unpackb(frames[-1])
+                self.replies.setdefault(body.get("id"), []).append(body)
+
+    def assert_exactly_one_final_each(self) -> None:
+        """Every sent id has exactly one final reply and no reply after it."""
+        for rid in self.sent:
+            replies = self.replies.get(rid, [])
+            finals = [i for i, r in enumerate(replies) if r["status"] != "partial"]
+            assert len(finals) == 1, (rid, replies)
+            assert finals[0] == len(replies) - 1, ("reply after final", rid, replies)
+
+    def close(self) -> None:
+        self.sock.close(0)

@@ -176,7 +176,11 @@ def test_stream_relays_partials_then_a_timed_final(h: BrokerHarness) -> None:
     assert final["text"] == "Hello" and final["usage"] == usage
     assert final["finish_reason"] == "length"
     assert final["served_by"] == "llm" and final["degraded"] is False
-    assert (final["queue_ms"], final["ttft_ms"], final["total_ms"]) == (1000, 250, 2000)
+    assert (final["queue_ms"], final["ttft_ms"], final["total_ms"]) == (
+        1000,
+        1250,
+        2000,
+    )  # ttft counts from acceptance
     h.assert_each_answered_once()
 
 
@@ -348,7 +352,7 @@ MALFORMED: list[tuple[str, list[bytes], int, str | int | None, str]] = [
         "m6",
         "field",
     ),
-    ("oversized", _frames(p.pack(generate("big", prompt="x" * 5000))), 413, None, "limit"),
+    ("oversized", _frames(p.pack(generate("big", prompt="x" * 5000))), 413, "big", "limit"),
 ]
 
 
