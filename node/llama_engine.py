@@ -23,6 +23,7 @@ from typing import Any
 
 import llama_cpp
 import llama_cpp.llama_cpp as llama_c
+from llama_cpp.llama_grammar import LlamaGrammar
 
 from broker.errors import Cancelled, InternalError, ProtocolError, TooLarge
 from node.engine import Emit, EngineSpec
@@ -179,7 +180,7 @@ def _schema_grammar(schema: dict[str, Any]) -> Any:
         ProtocolError: the schema cannot be turned into a grammar.
     """
     try:
-        return llama_cpp.LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+        return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
     except Exception as exc:  # the converter raises assorted types on bad schemas
         raise ProtocolError(f"json_schema is not usable: {exc}") from exc
 
