@@ -252,8 +252,10 @@ class Broker:
         return self._jobs.get(rid)
 
     def _on_partial(self, worker: WorkerState, body: dict[str, Any], now: float) -> None:
-        # A token is progress even from a worker that does not count it.
-        self._note_progress(worker, body.get("progress", worker.progress + 1), now)
+        if "progress" in body:
+            self._note_progress(worker, body["progress"], now)
+        else:
+            worker.progress_at = now  # a token is progress even from a worker not counting
         job = self._owned_job(worker, body)
         text = body.get("text")
         if job is None or job.replied or not isinstance(text, str):
@@ -372,9 +374,14 @@ class Broker:
             self._deadlines.discard(("ack", rid))
             if job.replied:
                 self._forget(job)
-            elif not job.chunks and job.attempts == 0 and job.deadline > now:
+            elif (
+                (not job.req.stream or not job.chunks) and job.attempts == 0 and job.deadline > now
+            ):
+                # Output the client never saw can be thrown away and made again.
                 job.attempts += 1
                 job.worker = None
+                job.chunks.clear()
+                job.first_token_at = None
                 self._queue[rid] = job
                 self._queue.move_to_end(rid, last=False)  # it waited longest
             else:

@@ -121,6 +121,13 @@ def _start_background(config: NodeConfig, wait_s: float) -> None:
             except EdgeNodeError:
                 time.sleep(0.2)
                 continue
+            failed = [p for p in status.get("processes", []) if p["state"] == "failed"]
+            if failed:
+                reasons = "; ".join(f"{p['worker_id']}: {p['last_exit']}" for p in failed)
+                raise click.ClickException(
+                    f"worker failed to start ({reasons}); see {logfile.parent} "
+                    "(the node keeps running: fix the config, then edgenode stop/start)"
+                )
             if status.get("all_ready"):
                 n = len(status["workers"])
                 click.echo(f"edgenode running: {n} worker(s) ready on {config.frontend}")

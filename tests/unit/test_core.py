@@ -552,16 +552,18 @@ def test_stall_clock_starts_when_work_starts(h: BrokerHarness) -> None:
 def test_worker_making_progress_is_not_stalled(h: BrokerHarness) -> None:
     h.ready(W1, 0.0)
     h.drain_events()
-    h.send(generate("long"), 0.0)
+    h.send(generate("long", stream=True), 0.0)
     rid = one_request(h, W1)
+    partials = 0
     for i in range(1, 31):  # three seconds, three stall timeouts, tokens keep coming
         now = i / 10
         if i % 2:
             h.heartbeat(W1, now, advance=1)
         else:
             h.partial(W1, rid, "t", now)
+            partials += len(h.replies())
         h.broker.tick(now)
-    assert h.drain_events() == []
+    assert h.drain_events() == [] and partials == 15
     for i in range(31, 41):  # then the counter freezes at t=3.0
         h.tick(i / 10, keepalive=(W1,))
     assert h.drain_events() == []
@@ -621,6 +623,28 @@ def test_lost_worker_after_streaming_answers_503_with_the_partial_text(
         "Once upon",
     )
     assert bodies(h.drain_workers(), idle, REQUEST) == []  # not re-run on the idle worker
+    h.assert_each_answered_once()
+
+
+def test_unstreamed_output_of_a_lost_worker_is_discarded_and_made_again(
+    h: BrokerHarness,
+) -> None:
+    h.ready(W1, 0.0)
+    h.ready(W2, 0.0)
+    h.send(generate("u"), 0.0)  # not streamed: the client has seen nothing yet
+    out = h.drain_workers()
+    busy, idle = (W1, W2) if bodies(out, W1, REQUEST) else (W2, W1)
+    (req,) = bodies(out, busy, REQUEST)
+    h.partial(busy, req["rid"], "half an ans", 0.1)
+    h.worker_send(busy, DISCONNECT, {}, 0.2)
+    assert h.replies() == []
+    (again,) = bodies(h.drain_workers(), idle, REQUEST)
+    assert again["rid"] == req["rid"]
+    h.partial(idle, again["rid"], "whole", 0.3)
+    h.final(idle, again["rid"], 0.4, text="whole answer")
+    reply = only_reply(h)
+    assert (reply["status"], reply["text"]) == ("ok", "whole answer")
+    assert reply["ttft_ms"] == 300  # the first token of the run that counted
     h.assert_each_answered_once()
 
 

@@ -1,0 +1,300 @@
+"""Faults with real processes: every accepted request gets exactly one final reply,
+credit balances afterwards, and the broker keeps serving.
+
+Nodes here run the test engine with 100 ms heartbeats x 3 (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.client import Client
+from broker.errors import EdgeNodeError
+from node.engine import EngineSpec
+from node.worker import WorkerSpec
+from nodeproc import REPO, Collector, NodeProcess
+
+NodeFactory = Callable[..., NodeProcess]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, every: float = 0.02) -> Any:
+    """Poll until ``predicate()`` is truthy; returns its value or fails the test."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+def busy_worker(node: NodeProcess) -> dict[str, Any]:
+    """Wait until a worker is busy and return its status entry."""
+    return wait_for(lambda: next((w for w in node.status()["workers"] if w["active"]), None))
+
+
+def healthy_again(node: NodeProcess, count: int) -> dict[str, Any]:
+    """Wait until ``count`` workers are registered and idle with full credit."""
+
+    def check() -> dict[str, Any] | None:
+        s = node.status()
+        ok = len(s["workers"]) == count and s["credit"] == count and s["all_ready"]
+        return s if ok and s["in_flight"] == 0 and s["queue_depth"] == 0 else None
+
+    return wait_for(check, timeout=15)
+
+
+def restarts(status: dict[str, Any]) -> dict[str, tuple[int, str]]:
+    return {p["worker_id"]: (p["restarts"], p["last_exit"]) for p in status["processes"]}
+
+
+def test_kill9_busy_worker_request_is_redispatched(make_node: NodeFactory) -> None:
+    node = make_node()
+    col = Collector(node.frontend)
+    try:
+        col.send(id="a", op="generate", prompt="!slow 100 a b c d e f g h", max_tokens=9)
+        victim = busy_worker(node)
+        os.kill(victim["pid"], signal.SIGKILL)
+        col.collect(timeout=10)
+        col.assert_exactly_one_final_each()
+        reply = col.final("a")
+        assert reply["status"] == "ok", reply
+        assert reply["text"] == "echo: !slow 100 a b c d e f"  # made again, whole
+        assert reply["worker"] != victim["worker_id"]
+        status = healthy_again(node, 2)
+        assert restarts(status)[victim["worker_id"]] == (1, "killed by SIGKILL")
+    finally:
+        col.close()
+
+
+def test_kill9_of_a_streaming_worker_gives_503_with_partial_text(make_node: NodeFactory) -> None:
+    node = make_node()
+    col = Collector(node.frontend)
+    try:
+        col.send(
+            id="s", op="generate", prompt="!slow 100 a b c d e f g h", max_tokens=9, stream=True
+        )
+        wait_for(lambda: len(col.replies.get("s", [])) >= 2 or col.collect(False, 0.05, 0))
+        victim = busy_worker(node)
+        os.kill(victim["pid"], signal.SIGKILL)
+        col.collect(timeout=10)
+        col.assert_exactly_one_final_each()
+        final = col.final("s")
+        assert (final["status"], final["code"], final["reason"]) == ("error", 503, "worker_lost")
+        streamed = "".join(r["text"] for r in col.replies["s"] if r["status"] == "partial")
+        assert final["text"] == streamed and streamed.startswith("echo:")
+        healthy_again(node, 2)
+    finally:
+        col.close()
+
+
+def test_sigstop_busy_worker_is_declared_dead_and_sigcont_adds_no_reply(
+    make_node: NodeFactory,
+) -> None:
+    node = make_node()
+    col = Collector(node.frontend)
+    try:
+        col.send(id="a", op="generate", prompt="!slow 100 a b c d e f g h", max_tokens=9)
+        victim = busy_worker(node)
+        os.kill(victim["pid"], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        wait_for(
+            lambda: all(w["pid"] != victim["pid"] for w in node.status()["workers"]), every=0.01
+        )
+        detected_in = time.monotonic() - stopped_at
+        with contextlib.suppress(ProcessLookupError):  # already killed and reaped
+            os.kill(victim["pid"], signal.SIGCONT)
+        col.collect(timeout=10, linger=1.0)
+        col.assert_exactly_one_final_each()
+        assert col.final("a")["status"] == "ok"
+        # liveness x interval + one interval = 400 ms; the slack covers status polling.
+        assert detected_in < 0.4 + 0.5, detected_in
+        status = healthy_again(node, 2)
+        assert "dead" in restarts(status)[victim["worker_id"]][1]
+    finally:
+        col.close()
+
+
+def test_worker_that_ignores_cancel_is_treated_as_hung(make_node: NodeFactory) -> None:
+    node = make_node(workers={"count": 1})
+    col = Collector(node.frontend)
+    try:
+        col.send(id="h", op="generate", prompt="!hang", timeout_ms=300)
+        col.collect(timeout=5)
+        final = col.final("h")
+        assert (final["status"], final["code"]) == ("error", 504)
+        status = healthy_again(node, 1)
+        assert restarts(status)["llm-0"] == (
+            1,
+            "hung: no ack to CANCEL within the grace (killed by SIGKILL)",
+        )
+        with node.client() as c:
+            assert c.generate("after restart").text == "echo: after restart"
+    finally:
+        col.close()
+
+
+def test_stalled_workers_are_restarted_and_the_request_gets_503(make_node: NodeFactory) -> None:
+    node = make_node()
+    col = Collector(node.frontend)
+    try:
+        # Both workers hang in turn: one re-dispatch, then a typed 503.
+        col.send(id="h", op="generate", prompt="!hang", timeout_ms=20_000)
+        col.collect(timeout=15)
+        final = col.final("h")
+        assert (final["code"], final["reason"]) == (503, "worker_lost")
+        assert "stalled" in final["message"]
+        status = healthy_again(node, 2)
+        assert all(r == 1 for r, _ in restarts(status).values())
+    finally:
+        col.close()
+
+
+def test_cancel_queued_and_running_requests(make_node: NodeFactory) -> None:
+    node = make_node(workers={"count": 1})
+    col = Collector(node.frontend)
+    try:
+        col.send(id="run", op="generate", prompt="!slow 200 a b c d e f", stream=True)
+        col.send(id="queued", op="generate", prompt="never runs")
+        wait_for(lambda: node.status()["queue_depth"] == 1)
+        col.send(id="c1", op="cancel", target="queued")
+        col.send(id="c2", op="cancel", target="run")
+        col.send(id="c3", op="cancel", target="no-such-id")
+        col.collect(timeout=5)
+        col.assert_exactly_one_final_each()
+        assert (col.final("queued")["code"], col.final("run")["code"]) == (499, 499)
+        assert col.final("c1") == {"id": "c1", "status": "ok", "cancelled": "queued"}
+        assert col.final("c2")["status"] == "ok"
+        assert col.final("c3")["code"] == 404
+        status = healthy_again(node, 1)  # the worker acked: its credit is back
+        assert restarts(status)["llm-0"][0] == 0
+        assert status["counters"].get("ok", 0) == 0  # neither ran to completion
+    finally:
+        col.close()
+
+
+def test_deadline_shorter_than_one_token(make_node: NodeFactory) -> None:
+    node = make_node(workers={"count": 1})
+    col = Collector(node.frontend)
+    try:
+        col.send(id="d", op="generate", prompt="!slow 500 x y", timeout_ms=50)
+        col.collect(timeout=5)
+        final = col.final("d")
+        assert (final["code"], final.get("text", "")) == (504, "")
+        healthy_again(node, 1)
+        with node.client() as c:
+            assert c.generate("next").text == "echo: next"
+    finally:
+        col.close()
+
+
+# --------------------------------------------------------------------------- broker restart
+
+
+def _spawn_worker(worker_id: str, backend: str, log: Path) -> subprocess.Popen[bytes]:
+    spec = WorkerSpec(
+        worker_id=worker_id,
+        backend=backend,
+        engine=EngineSpec(
+            kind="test", model_path="", n_ctx=512, n_batch=64, threads=1, test_token_ms=10
+        ),
+        heartbeat_interval_ms=100,
+        heartbeat_liveness=3,
+    )
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "node.worker",
+                "--spec",
+                spec.to_json(),
+                "--keep-without-parent",
+            ],
+            stdout=out,
+            stderr=out,
+            cwd=REPO,
+        )
+
+
+def test_broker_restart_workers_reregister(tmp_path: Path) -> None:
+    run = Path(tempfile.mkdtemp(prefix="en-"))
+    frontend, backend = f"ipc://{run}/f.sock", f"ipc://{run}/w/b.sock"
+    script = str(REPO / "tests" / "standalone_broker.py")
+
+    def start_broker() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, script, frontend, backend],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+
+    broker = start_broker()
+    workers = [_spawn_worker(f"llm-{i}", backend, tmp_path / f"w{i}.log") for i in range(2)]
+    try:
+        with Client(frontend, wait_ms=5000) as c:
+            wait_for(lambda: len(c.status()["workers"]) == 2)
+            pids_before = sorted(w["pid"] for w in c.status()["workers"])
+            assert c.generate("before").text == "echo: before"
+        broker.kill()
+        broker.wait()
+        broker = start_broker()
+        with Client(frontend, wait_ms=5000) as c:
+            status = wait_for(lambda: (s := c.status()) and len(s["workers"]) == 2 and s)
+            # The same processes registered again (fresh identities, same pids).
+            assert sorted(w["pid"] for w in status["workers"]) == pids_before
+            assert c.generate("after").text == "echo: after"
+        assert all(w.poll() is None for w in workers)
+    finally:
+        for proc in [broker, *workers]:
+            proc.kill()
+            proc.wait()
+
+
+# --------------------------------------------------------------------------- no false deaths
+
+
+@pytest.mark.timeout(90)
+def test_no_false_death_on_30s_generation_and_slow_load(make_node: NodeFactory) -> None:
+    node = make_node(
+        workers={"count": 1, "test_load_ms": 4000},
+        broker={"heartbeat_interval_ms": 1000, "heartbeat_liveness": 3, "stall_timeout_ms": 15000},
+    )
+    words = " ".join(f"w{i}" for i in range(27))  # 30 tokens with "echo: !slow 1000"
+    with node.client() as c:
+        reply = c.generate(f"!slow 1000 {words}", max_tokens=30, timeout_ms=60_000)
+    assert reply.text.endswith(" w26") and reply.total_ms >= 30_000
+    status = node.status()
+    assert restarts(status)["llm-0"] == (0, "")
+    assert status["counters"].get("workers_lost", 0) == 0
+
+
+def test_deterministic_start_failure_is_not_restarted(make_node: NodeFactory) -> None:
+    bad = Path(tempfile.mkdtemp(prefix="en-")) / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)  # passes the magic check, fails to load
+    node = make_node(start=False, model={"path": str(bad)}, workers={"engine": "llama"})
+    result = node.cli("start", "--wait-s", "60")
+    try:
+        assert result.returncode == 1
+        assert "model failed to load" in result.stderr, result.stderr
+        time.sleep(1.0)  # long enough for several backoff restarts, were there any
+        status = node.status()
+        assert {p["state"] for p in status["processes"]} == {"failed"}
+        assert all(p["restarts"] == 0 for p in status["processes"])
+        with pytest.raises(EdgeNodeError), node.client() as c:
+            c.generate("x", timeout_ms=200)
+    finally:
+        assert node.cli("stop").returncode == 0
+    assert json.dumps(status)  # the status map stays JSON-able for `status --json`
