@@ -10,71 +10,20 @@ Invariant: every accepted client request gets exactly one final reply
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from broker import protocol as p
+from broker.admission import PRESSURE_LEVELS, AdmissionGate, Shed, TokenCounter
 from broker.deadlines import DeadlineHeap
 from broker.errors import EdgeNodeError, ErrorCode, ProtocolError
 from broker.protocol import ClientRequest, WorkerCommand
+from broker.records import BrokerSettings, Job, WorkerEvent
+from broker.replies import final_reply
 from broker.stats import Stats
 from broker.workers import WorkerRegistry, WorkerState, parse_ready
 
-
-@dataclass(frozen=True)
-class BrokerSettings:
-    """Broker knobs; times in milliseconds.
-
-    ``heartbeat_interval_ms`` x ``heartbeat_liveness`` of silence marks a worker
-    dead (Paranoid Pirate, zguide ch. 4: 1000 ms x 3). A busy worker whose
-    progress counter has not moved for ``stall_timeout_ms`` is stalled.
-    ``cancel_grace_ms`` is how long a cancelled worker has to ack before it is
-    treated as hung.
-    """
-
-    max_body_bytes: int = p.DEFAULT_MAX_BODY_BYTES
-    max_queue: int = 64
-    default_timeout_ms: int = 60_000
-    max_timeout_ms: int = 600_000
-    default_max_tokens: int = 128
-    heartbeat_interval_ms: int = 1000
-    heartbeat_liveness: int = 3
-    stall_timeout_ms: int = 15_000
-    cancel_grace_ms: int = 2000
-
-
-@dataclass
-class Job:
-    """One accepted client request while the broker owns it."""
-
-    rid: int
-    client: bytes
-    req: ClientRequest
-    accepted_at: float
-    deadline: float
-    worker: bytes | None = None
-    dispatched_at: float | None = None
-    first_token_at: float | None = None
-    chunks: list[str] = field(default_factory=list)
-    replied: bool = False
-    attempts: int = 0
-
-
-@dataclass(frozen=True)
-class WorkerEvent:
-    """Something the supervisor must act on: ``kind`` is ``ready`` or ``lost``.
-
-    A ``lost`` reason starts with the verdict: ``dead:`` (silent for
-    liveness x interval), ``stalled:`` (busy, progress counter frozen) or
-    ``hung:`` (no ack to CANCEL).
-    """
-
-    kind: str
-    worker_id: str
-    pid: int | None
-    reason: str = ""
+__all__ = ["Broker", "BrokerSettings", "Job", "WorkerEvent"]
 
 
 StatusHook = Callable[[], dict[str, Any]]
@@ -84,21 +33,27 @@ class Broker:
     """Routes client requests to workers with credit, deadlines and liveness.
 
     Args:
-        settings: the knobs above.
+        settings: see ``BrokerSettings``.
         status_hook: returns extra fields merged into ``status`` (the
             supervisor's view of processes); the broker never imports it.
+        count_tokens: prompt tokens of a request, for the 413 size check.
     """
 
-    def __init__(self, settings: BrokerSettings, status_hook: StatusHook | None = None) -> None:
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        status_hook: StatusHook | None = None,
+        count_tokens: TokenCounter | None = None,
+    ) -> None:
         self.settings = settings
         self.workers = WorkerRegistry()
         self.stats = Stats()
+        self.gate = AdmissionGate(settings, self.stats, count_tokens)
         self.to_clients: list[list[bytes]] = []
         self.to_workers: list[list[bytes]] = []
         self.events: list[WorkerEvent] = []
         self._status_hook = status_hook
         self._jobs: dict[int, Job] = {}
-        self._queue: OrderedDict[int, Job] = OrderedDict()
         self._by_client_id: dict[tuple[bytes, str | int], int] = {}
         self._deadlines: DeadlineHeap[tuple[str, int]] = DeadlineHeap()
         self._next_rid = 1
@@ -135,40 +90,73 @@ class Broker:
     def _accept(self, identity: bytes, req: ClientRequest, now: float) -> None:
         key = (identity, req.id)
         if key in self._by_client_id:
-            self._send_client(
-                identity,
-                p.error_reply(
-                    req.id,
-                    ErrorCode.BAD_REQUEST,
-                    f"id {req.id!r} is already in flight",
-                    reason="duplicate_id",
-                ),
-            )
+            message = f"id {req.id!r} is already in flight"
+            self._refuse(identity, req.id, Shed(ErrorCode.BAD_REQUEST, "duplicate_id", message))
             return
         if self.draining:
-            self._reject(identity, req.id, ErrorCode.UNAVAILABLE, "node is shutting down", 1000)
-            return
-        if len(self._queue) >= self.settings.max_queue:
-            retry = self.stats.retry_after_ms(len(self._queue), self.workers.total_slots())
-            self._reject(identity, req.id, ErrorCode.UNAVAILABLE, "queue is full", retry)
+            shed = Shed(ErrorCode.UNAVAILABLE, "draining", "node is shutting down", 1000)
+            self._refuse(identity, req.id, shed)
             return
         timeout_ms = min(
             req.timeout_ms or self.settings.default_timeout_ms, self.settings.max_timeout_ms
         )
+        slots = self.workers.total_slots()
+        decision = self.gate.check(
+            identity,
+            req,
+            self.workers.min_n_ctx(_kind(req)),
+            slots,
+            self._free_credit(),
+            timeout_ms / 1000,
+        )
+        if isinstance(decision, Shed):
+            self._refuse(identity, req.id, decision)
+            return
+        if decision is not None:  # a lower-priority request yields its place
+            self._shed_job(decision, "evicted by a higher-priority request", "queue_full", now)
         job = Job(self._next_rid, identity, req, now, now + timeout_ms / 1000)
         self._next_rid += 1
         self._jobs[job.rid] = job
         self._by_client_id[key] = job.rid
-        self._queue[job.rid] = job
+        self.gate.opened(identity)
+        self.gate.push(job)
         self._deadlines.set(("job", job.rid), job.deadline)
-        self.stats.count("accepted")
+        self.stats.count("admitted")
         self._dispatch(now)
 
-    def _reject(
-        self, identity: bytes, rid: str | int, code: ErrorCode, message: str, retry: int
-    ) -> None:
-        self.stats.count(f"shed_{code.name.lower()}")
-        self._send_client(identity, p.error_reply(rid, code, message, retry_after_ms=retry))
+    def _refuse(self, identity: bytes, rid: str | int, shed: Shed) -> None:
+        self.stats.count(f"shed_{shed.reason}")
+        body = p.error_reply(
+            rid, shed.code, shed.message, retry_after_ms=shed.retry_after_ms, reason=shed.reason
+        )
+        self._send_client(identity, body)
+
+    def _shed_job(self, job: Job, message: str, reason: str, now: float) -> None:
+        """Answer an admitted job 503 now (pressure, eviction) and cancel it if running."""
+        self.stats.count(f"shed_{reason}")
+        retry = self.gate.retry_after(self.workers.total_slots())
+        self._finish_early(
+            job, ErrorCode.UNAVAILABLE, message, now, reason=reason, retry_after_ms=retry
+        )
+
+    def set_pressure(self, level: str, now: float) -> None:
+        """React to the node's memory pressure (``ok``, ``high`` or ``critical``).
+
+        Rising pressure sheds queued work the level no longer admits and, at
+        ``critical``, cancels sheddable requests in flight; the gate halves the
+        queue and the credit used. ``ok`` restores both.
+        """
+        if level not in PRESSURE_LEVELS or level == self.gate.pressure:
+            return
+        self.gate.pressure = level
+        message = f"shed under memory pressure ({level})"
+        for job in self.gate.shed_for_pressure():
+            self._shed_job(job, message, "memory_pressure", now)
+        if level == "critical":
+            for job in list(self._jobs.values()):
+                if job.worker and not job.replied and job.req.priority == "sheddable":
+                    self._shed_job(job, message, "memory_pressure", now)
+        self._dispatch(now)
 
     def _cancel_by_client(self, identity: bytes, req: ClientRequest, now: float) -> None:
         assert req.target is not None
@@ -279,36 +267,11 @@ class Broker:
         self._dispatch(now)
 
     def _reply_final(self, job: Job, worker: WorkerState, body: dict[str, Any], now: float) -> None:
-        status = body.get("status")
-        text = body.get("text") if isinstance(body.get("text"), str) else "".join(job.chunks)
-        if status == "ok":
-            started = now if job.dispatched_at is None else job.dispatched_at
-            first = now if job.first_token_at is None else job.first_token_at
-            ttft = first - job.accepted_at  # what the client waited, queue included
-            reply = p.ok_reply(
-                job.req.id,
-                text=text,
-                finish_reason=body.get("finish_reason", "stop"),
-                usage=body.get("usage", {}),
-                served_by=worker.kind,
-                worker=worker.worker_id,
-                degraded=False,
-                queue_ms=_ms(started - job.accepted_at),
-                ttft_ms=_ms(ttft),
-                total_ms=_ms(now - job.accepted_at),
-            )
-            self.stats.observe_service(now - started)
-            self.stats.count("ok")
-        else:
-            raw_code = body.get("code")
-            code = ErrorCode.INTERNAL
-            if isinstance(raw_code, int) and raw_code in ErrorCode._value2member_map_:
-                code = ErrorCode(raw_code)
-            message = str(body.get("message") or "worker reported an error")
-            reply = p.error_reply(job.req.id, code, message, text=text or "")
-            self.stats.count(f"error_{code.name.lower()}")
-        job.replied = True
-        self._send_client(job.client, reply)
+        reply, outcome = final_reply(job, worker.kind, worker.worker_id, body, now)
+        if outcome == "ok" and job.dispatched_at is not None:
+            self.stats.observe_service(now - job.dispatched_at)
+        self.stats.count(outcome)
+        self._answer(job, reply)
 
     # ------------------------------------------------------------------ time
 
@@ -343,11 +306,8 @@ class Broker:
     def _check_liveness(self, now: float) -> None:
         s = self.settings
         dead_after = s.heartbeat_interval_ms * s.heartbeat_liveness / 1000
-        for worker in self.workers:
-            if now - worker.last_seen > dead_after:
-                self._lose_worker(worker, "dead: missed heartbeats", now)
-            elif worker.active and now - worker.progress_at > s.stall_timeout_ms / 1000:
-                self._lose_worker(worker, "stalled: no progress while busy", now)
+        for worker, reason in self.workers.verdicts(now, dead_after, s.stall_timeout_ms / 1000):
+            self._lose_worker(worker, reason, now)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -382,13 +342,11 @@ class Broker:
                 job.worker = None
                 job.chunks.clear()
                 job.first_token_at = None
-                self._queue[rid] = job
-                self._queue.move_to_end(rid, last=False)  # it waited longest
+                self.gate.push(job, front=True)  # it waited longest
             else:
                 self.stats.count("worker_lost")
-                job.replied = True
-                self._send_client(
-                    job.client,
+                self._answer(
+                    job,
                     p.error_reply(
                         job.req.id,
                         ErrorCode.UNAVAILABLE,
@@ -401,23 +359,29 @@ class Broker:
                 self._forget(job)
         self._dispatch(now)
 
-    def _finish_early(self, job: Job, code: ErrorCode, message: str, now: float) -> None:
+    def _finish_early(
+        self, job: Job, code: ErrorCode, message: str, now: float, **extra: Any
+    ) -> None:
         """Answer ``job`` now with ``code``; a running job is cancelled on its worker."""
-        job.replied = True
-        self._release_id(job)  # answered: the client may reuse the id at once
-        self._send_client(
-            job.client, p.error_reply(job.req.id, code, message, text="".join(job.chunks))
+        self._answer(
+            job, p.error_reply(job.req.id, code, message, text="".join(job.chunks), **extra)
         )
         if job.worker is None:
-            self._queue.pop(job.rid, None)
             self._forget(job)
             return
         self._send_worker(job.worker, WorkerCommand.CANCEL, {"rid": job.rid})
         self._deadlines.set(("ack", job.rid), now + self.settings.cancel_grace_ms / 1000)
 
+    def _answer(self, job: Job, body: dict[str, Any]) -> None:
+        """Send ``job``'s one final reply; the client may reuse its id at once."""
+        job.replied = True
+        self._release_id(job)
+        self.gate.closed(job.client)
+        self._send_client(job.client, body)
+
     def _forget(self, job: Job) -> None:
         self._jobs.pop(job.rid, None)
-        self._queue.pop(job.rid, None)
+        self.gate.remove(job)
         self._deadlines.discard(("job", job.rid))
         self._release_id(job)
 
@@ -428,24 +392,28 @@ class Broker:
 
     # ------------------------------------------------------------------ dispatch
 
+    def _free_credit(self) -> int:
+        """Credit the broker may still use: the pool's, less what pressure withholds."""
+        slots = self.workers.total_slots()
+        in_flight = sum(len(w.active) for w in self.workers)
+        return min(self.workers.total_credit(), self.gate.concurrency(slots) - in_flight)
+
     def _dispatch(self, now: float) -> None:
-        """Send queued requests, oldest first, while any worker has credit."""
-        for rid in list(self._queue):
-            job = self._queue[rid]
-            kind = "rules" if job.req.route == "rules" else "llm"
-            worker = self.workers.pick(kind)
+        """Send queued requests, by priority then age, while credit allows."""
+        for job in self.gate:
+            if self._free_credit() <= 0:
+                return
+            worker = self.workers.pick(_kind(job.req))
             if worker is None:
-                if self.workers.total_credit() == 0:
-                    return
                 continue  # another kind of worker may still take later requests
-            del self._queue[rid]
-            worker.active.add(rid)
+            self.gate.remove(job)
+            worker.active.add(job.rid)
             if len(worker.active) == 1:
                 worker.progress_at = now  # the stall clock starts when work starts
             worker.last_dispatch = now
             job.worker = worker.identity
             job.dispatched_at = now
-            body = {"rid": rid, **job.req.engine_fields()}
+            body = {"rid": job.rid, **job.req.engine_fields()}
             body.setdefault("max_tokens", self.settings.default_max_tokens)
             body["timeout_ms"] = max(1, int((job.deadline - now) * 1000))
             self._send_worker(worker.identity, WorkerCommand.REQUEST, body)
@@ -460,25 +428,16 @@ class Broker:
 
     def status(self, now: float) -> dict[str, Any]:
         """A msgpack-ready snapshot: workers, queue, in-flight, counters."""
-        workers = [
-            {
-                "worker_id": w.worker_id,
-                "kind": w.kind,
-                "state": w.state,
-                "credit": w.credit,
-                "slots": w.slots,
-                "active": len(w.active),
-                "last_seen_ms": _ms(now - w.last_seen),
-                **w.info,
-            }
-            for w in sorted(self.workers, key=lambda w: w.worker_id)
-        ]
+        workers = [w.snapshot(now) for w in sorted(self.workers, key=lambda w: w.worker_id)]
+        slots = self.workers.total_slots()
         node: dict[str, Any] = {
             "protocol": p.PROTOCOL_VERSION,
-            "queue_depth": len(self._queue),
-            "queue_bound": self.settings.max_queue,
+            "queue_depth": len(self.gate),
+            "queue_bound": self.gate.queue_bound(slots),
             "in_flight": sum(1 for j in self._jobs.values() if j.worker and not j.replied),
             "credit": self.workers.total_credit(),
+            "credit_limit": self.gate.concurrency(slots),
+            "pressure": self.gate.pressure,
             "draining": self.draining,
             "workers": workers,
             "counters": dict(self.stats.counters),
@@ -491,9 +450,8 @@ class Broker:
         """Answer every request still without a final reply with 503 (shutdown)."""
         for job in list(self._jobs.values()):
             if not job.replied:
-                job.replied = True
-                self._send_client(
-                    job.client,
+                self._answer(
+                    job,
                     p.error_reply(
                         job.req.id,
                         ErrorCode.UNAVAILABLE,
@@ -509,5 +467,6 @@ class Broker:
         return sum(1 for j in self._jobs.values() if not j.replied)
 
 
-def _ms(seconds: float) -> int:
-    return max(0, round(seconds * 1000))
+def _kind(req: ClientRequest) -> str:
+    """The worker kind a request is routed to."""
+    return "rules" if req.route == "rules" else "llm"

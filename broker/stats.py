@@ -19,6 +19,7 @@ class Stats:
     def __init__(self, initial_service_s: float = 1.0) -> None:
         self.counters: Counter[str] = Counter()
         self.service_s = initial_service_s
+        self.samples = 0
 
     def count(self, outcome: str) -> None:
         """Add one to the counter ``outcome``."""
@@ -26,7 +27,12 @@ class Stats:
 
     def observe_service(self, seconds: float) -> None:
         """Fold one request's dispatch-to-final time into the EWMA."""
-        self.service_s += self.ALPHA * (max(0.0, seconds) - self.service_s)
+        seconds = max(0.0, seconds)
+        self.samples += 1
+        if self.samples == 1:
+            self.service_s = seconds  # the first measurement beats the guess
+        else:
+            self.service_s += self.ALPHA * (seconds - self.service_s)
 
     def retry_after_ms(self, queued: int, slots: int) -> int:
         """Time until the queue ahead would have drained, in ms, clamped.

@@ -51,6 +51,19 @@ class WorkerState:
         """``busy`` while it holds any request, else ``ready``."""
         return "busy" if self.active else "ready"
 
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """Its ``status`` entry (msgpack-ready)."""
+        return {
+            "worker_id": self.worker_id,
+            "kind": self.kind,
+            "state": self.state,
+            "credit": self.credit,
+            "slots": self.slots,
+            "active": len(self.active),
+            "last_seen_ms": max(0, round((now - self.last_seen) * 1000)),
+            **self.info,
+        }
+
 
 def parse_ready(identity: bytes, body: dict[str, Any], now: float) -> WorkerState:
     """Build a ``WorkerState`` from a READY body.
@@ -126,13 +139,37 @@ class WorkerRegistry:
                 best = w
         return best
 
+    def verdicts(
+        self, now: float, dead_after_s: float, stall_after_s: float
+    ) -> list[tuple[WorkerState, str]]:
+        """Workers to give up on, with the reason: silent for ``dead_after_s``
+        (any traffic counts), or busy with a frozen progress counter for
+        ``stall_after_s``. Every worker is checked, busy ones included (the
+        zguide broker only purged idle ones)."""
+        out = []
+        for w in self._by_identity.values():
+            if now - w.last_seen > dead_after_s:
+                out.append((w, "dead: missed heartbeats"))
+            elif w.active and now - w.progress_at > stall_after_s:
+                out.append((w, "stalled: no progress while busy"))
+        return out
+
     def has_kind(self, kind: str) -> bool:
         """Whether any worker of ``kind`` is registered (busy or not)."""
         return any(w.kind == kind for w in self._by_identity.values())
 
+    def min_n_ctx(self, kind: str) -> int | None:
+        """The smallest context (tokens) among workers of ``kind``, if any reported one."""
+        sizes = [
+            w.info["n_ctx"]
+            for w in self._by_identity.values()
+            if w.kind == kind and isinstance(w.info.get("n_ctx"), int)
+        ]
+        return min(sizes) if sizes else None
+
     def total_slots(self) -> int:
-        """Sequences the registered pool runs at once (at least 1, for estimates)."""
-        return max(1, sum(w.slots for w in self._by_identity.values()))
+        """Sequences the registered pool runs at once (0 when no worker is registered)."""
+        return sum(w.slots for w in self._by_identity.values())
 
     def total_credit(self) -> int:
         """Free credit summed over all workers."""

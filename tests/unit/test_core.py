@@ -9,6 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
+from broker import protocol as p
+from broker.protocol import WorkerCommand
+from broker.stats import RETRY_AFTER_MAX_MS, RETRY_AFTER_MIN_MS
 from brokerkit import (
     CLIENT,
     FAST,
@@ -19,10 +23,6 @@ from brokerkit import (
     bodies,
     generate,
 )
-
-from broker import protocol as p
-from broker.protocol import WorkerCommand
-from broker.stats import RETRY_AFTER_MAX_MS, RETRY_AFTER_MIN_MS
 
 REQUEST = WorkerCommand.REQUEST
 CANCEL = WorkerCommand.CANCEL

@@ -1,0 +1,69 @@
+"""The broker's records: its settings, an accepted request, a worker event.
+
+Plain data shared by the core, the admission gate and the I/O loop; the state
+that changes lives in ``broker.core.Broker``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from broker import protocol as p
+from broker.protocol import ClientRequest
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    """Broker knobs; times in milliseconds.
+
+    ``heartbeat_interval_ms`` x ``heartbeat_liveness`` of silence marks a worker
+    dead (Paranoid Pirate, zguide ch. 4: 1000 ms x 3). A busy worker whose
+    progress counter has not moved for ``stall_timeout_ms`` is stalled.
+    ``cancel_grace_ms`` is how long a cancelled worker has to ack before it is
+    treated as hung. ``max_queue`` bounds waiting requests (0 = 8 per pool
+    slot); ``max_in_flight_per_client`` caps one client's queued + running
+    requests (429 above it).
+    """
+
+    max_body_bytes: int = p.DEFAULT_MAX_BODY_BYTES
+    max_queue: int = 64
+    default_timeout_ms: int = 60_000
+    max_timeout_ms: int = 600_000
+    default_max_tokens: int = 128
+    heartbeat_interval_ms: int = 1000
+    heartbeat_liveness: int = 3
+    stall_timeout_ms: int = 15_000
+    cancel_grace_ms: int = 2000
+    max_in_flight_per_client: int = 16
+
+
+@dataclass
+class Job:
+    """One accepted client request while the broker owns it."""
+
+    rid: int
+    client: bytes
+    req: ClientRequest
+    accepted_at: float
+    deadline: float
+    worker: bytes | None = None
+    dispatched_at: float | None = None
+    first_token_at: float | None = None
+    chunks: list[str] = field(default_factory=list)
+    replied: bool = False
+    attempts: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    """Something the supervisor must act on: ``kind`` is ``ready`` or ``lost``.
+
+    A ``lost`` reason starts with the verdict: ``dead:`` (silent for
+    liveness x interval), ``stalled:`` (busy, progress counter frozen) or
+    ``hung:`` (no ack to CANCEL).
+    """
+
+    kind: str
+    worker_id: str
+    pid: int | None
+    reason: str = ""
