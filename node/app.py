@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from broker.admission import TokenCounter
 from broker.core import Broker, WorkerEvent
 from broker.loop import BrokerLoop
 from node.config import NodeConfig
-from node.engine import EngineSpec
+from node.engine import EngineSpec, make_token_counter
 from node.model import resolve_model
 from node.pidfile import remove_pidfile, write_pidfile
 from node.supervisor import Supervisor
@@ -73,15 +74,20 @@ class Node:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)
         write_pidfile(self.pidfile)
+        specs = self.worker_specs(model)
         supervisor = Supervisor(
-            self.worker_specs(model),
+            specs,
             log_dir=self.run_dir / "logs",
             ready_timeout_s=c.workers.ready_timeout_ms / 1000,
             backoff_s=c.workers.restart_backoff_ms / 1000,
             backoff_max_s=c.workers.restart_backoff_max_ms / 1000,
             log_level=c.node.log_level,
         )
-        broker = Broker(c.broker, status_hook=lambda: self._status_extra(supervisor, model))
+        broker = Broker(
+            c.broker,
+            status_hook=lambda: self._status_extra(supervisor, model),
+            count_tokens=self._token_counter(specs),
+        )
         loop = BrokerLoop(
             broker,
             c.frontend,
@@ -121,6 +127,17 @@ class Node:
             remove_pidfile(self.pidfile)
             log.info("edgenode stopped")
         return 0
+
+    @staticmethod
+    def _token_counter(specs: list[WorkerSpec]) -> TokenCounter | None:
+        """The broker's prompt-token counter, or None (workers still check sizes)."""
+        if not specs:
+            return None
+        try:
+            return make_token_counter(specs[0].engine)
+        except Exception as exc:  # a model llama.cpp cannot read: workers will say why
+            log.warning("no token counter (%s); prompt sizes are checked by workers only", exc)
+            return None
 
     def _drain(self, loop: BrokerLoop, broker: Broker, supervisor: Supervisor) -> None:
         """No new work; let in-flight requests finish within the grace, answer the rest."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from broker.errors import Cancelled
+from broker.protocol import ClientRequest
 
 #: Callback the engine calls once per generated piece of text (one token).
 Emit = Callable[[str], None]
@@ -102,6 +103,21 @@ class TestEngine:
         finish = "length" if len(pieces) < len(words) + 1 else "stop"
         usage = {"prompt_tokens": len(words), "completion_tokens": len(pieces)}
         return {"text": "".join(out), "finish_reason": finish, "usage": usage}
+
+
+def count_words(req: ClientRequest) -> int:
+    """The test engine's tokenizer: one token per whitespace-separated word."""
+    text = req.prompt or " ".join(content for _, content in req.messages or ())
+    return len(text.split())
+
+
+def make_token_counter(spec: EngineSpec) -> Callable[[ClientRequest], int]:
+    """The prompt-token counter matching ``spec``'s engine (for the broker's 413 check)."""
+    if spec.kind == "test":
+        return count_words
+    from node.llama_engine import make_token_counter as llama_counter
+
+    return llama_counter(spec.model_path)
 
 
 def make_engine(spec: EngineSpec) -> Engine:

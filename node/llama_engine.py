@@ -17,7 +17,7 @@ import contextlib
 import ctypes
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import llama_cpp.llama_cpp as llama_c
 from llama_cpp.llama_grammar import LlamaGrammar
 
 from broker.errors import Cancelled, InternalError, ProtocolError, TooLarge
+from broker.protocol import ClientRequest
 from node.engine import Emit, EngineSpec
 
 
@@ -207,6 +208,33 @@ def _model_params(use_extra_bufts: bool) -> Iterator[None]:
         yield
     finally:
         llama_c.llama_model_default_params = original
+
+
+#: Template tokens a chat message adds around its content (role markers, turn
+#: delimiters); Gemma's template uses 4-5. An estimate: the worker still
+#: refuses exactly, with 413, what the broker let through.
+CHAT_TOKENS_PER_MESSAGE = 6
+
+
+def make_token_counter(model_path: str) -> Callable[[ClientRequest], int]:
+    """A prompt-token counter for the broker's 413 check, from the model's vocabulary.
+
+    Loads the GGUF with ``vocab_only`` (the tokenizer, no weights: a few MB),
+    in the node process, once. ``chat`` prompts are counted as their contents
+    plus ``CHAT_TOKENS_PER_MESSAGE`` per message.
+    """
+    vocab = llama_cpp.Llama(model_path=model_path, vocab_only=True, verbose=False)
+
+    def count(req: ClientRequest) -> int:
+        if req.prompt is not None:
+            return len(vocab.tokenize(req.prompt.encode(), add_bos=True))
+        messages = req.messages or ()
+        text = "\n".join(content for _, content in messages)
+        return len(vocab.tokenize(text.encode(), add_bos=True)) + CHAT_TOKENS_PER_MESSAGE * len(
+            messages
+        )
+
+    return count
 
 
 class _CancelledInEngine(Exception):
