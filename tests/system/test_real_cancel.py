@@ -20,8 +20,7 @@ LONG_PROMPT = "The robot moved across the warehouse floor carefully. " * 78
 def test_deadline_cancels_a_700_token_prompt_evaluation(make_node: NodeFactory) -> None:
     node = make_node(
         workers={"engine": "llama", "count": 1},
-        broker={"heartbeat_interval_ms": 1000, "stall_timeout_ms": 15000,
-                "cancel_grace_ms": 1500},
+        broker={"heartbeat_interval_ms": 1000, "stall_timeout_ms": 15000, "cancel_grace_ms": 1500},
     )
     with node.client() as c:
         stream = c.stream_generate(LONG_PROMPT, max_tokens=4, timeout_ms=700)
