@@ -30,8 +30,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from broker.errors import DeadlineExceeded  # noqa: E402
-from nodeproc import NodeProcess  # noqa: E402
+from broker.errors import DeadlineExceeded
+from nodeproc import NodeProcess
 
 LONG_PROMPT = "The robot moved across the warehouse floor carefully. " * 78
 
@@ -97,10 +97,10 @@ def main() -> None:
     node = NodeProcess({"workers": {"engine": "llama", "count": 2}})
     node.start(timeout=120)
     try:
-        decode = [overshoot(node, "Once upon a time", random.randint(300, 1500))
-                  for _ in range(args.runs)]
-        prompt = [overshoot(node, LONG_PROMPT, random.randint(200, 1500))
-                  for _ in range(args.runs)]
+        decode = [
+            overshoot(node, "Once upon a time", random.randint(300, 1500)) for _ in range(args.runs)
+        ]
+        prompt = [overshoot(node, LONG_PROMPT, random.randint(200, 1500)) for _ in range(args.runs)]
         kills = [detection(node, signal.SIGKILL) for _ in range(max(3, args.runs // 4))]
         stops = [detection(node, signal.SIGSTOP) for _ in range(max(3, args.runs // 4))]
     finally:
@@ -116,8 +116,12 @@ def main() -> None:
     print(f"{'measure':<42} {'n':>3} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
     summary = {}
     for name, values in rows.items():
-        summary[name] = {"n": len(values), "p50_ms": round(statistics.median(values), 1),
-                         "p99_ms": round(pct(values, 0.99), 1), "max_ms": round(max(values), 1)}
+        summary[name] = {
+            "n": len(values),
+            "p50_ms": round(statistics.median(values), 1),
+            "p99_ms": round(pct(values, 0.99), 1),
+            "max_ms": round(max(values), 1),
+        }
         s = summary[name]
         print(f"{name:<42} {s['n']:>3} {s['p50_ms']:>8} {s['p99_ms']:>8} {s['max_ms']:>8}")
     print(json.dumps(summary))
