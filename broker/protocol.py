@@ -23,6 +23,10 @@ from typing import Any
 
 import msgpack
 
+# Cancelled and ConfigError are re-exported: the wire's error contract is what
+# fallback/ may use, and it imports nothing else of the project.
+from broker.errors import Cancelled as Cancelled
+from broker.errors import ConfigError as ConfigError
 from broker.errors import ErrorCode, ProtocolError, TooLarge
 
 PROTOCOL_VERSION = 1

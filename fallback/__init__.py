@@ -1,1 +1,11 @@
-"""edgenode fallback: the deterministic rule engine (imports only broker.protocol)."""
+"""edgenode fallback: the deterministic rule engine, the legacy system and safety net.
+
+Pure code: no zmq, no processes, no ``node`` imports (only ``broker.errors`` and
+``broker.protocol`` from the project), so everything here is table-testable.
+
+* ``fallback.rules``   load and validate rule files (format: ``etc/rules.toml``).
+* ``fallback.engine``  ``RuleEngine``: first matching rule answers a worker REQUEST body.
+* ``fallback.compare`` field-by-field comparison of two outputs (shadow and dual runs).
+* ``fallback.intents`` ``INTENT_SCHEMA``, the JSON Schema of the default rules' answers.
+* ``fallback.template``, ``fallback.text``  response templates; normalisation and keywords.
+"""

@@ -1,0 +1,81 @@
+"""The JSON Schema of the default rule set's answers (``etc/rules.toml``).
+
+A client that wants comparable answers from both engines sends ``INTENT_SCHEMA`` as the
+request's ``json_schema``: the llama worker then constrains the model to it (a llama.cpp
+grammar), and the rules answer with objects of the same shape, so shadow and dual runs can
+compare them field by field (``fallback.compare``). Every enum below lists exactly the
+values the default rules produce; a test keeps the two in step.
+
+The schema uses only what llama.cpp's JSON-Schema-to-grammar converter supports: ``object``
+with ``properties``/``required``/``additionalProperties: false``, ``string`` enums and
+``number``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+INTENTS = (
+    "lights_on", "lights_off", "thermostat_set", "door_lock", "door_unlock", "robot_move",
+    "robot_stop", "robot_dock", "status_query", "alert", "unknown",
+)  # fmt: skip
+ROOMS = (
+    "kitchen", "living room", "bedroom", "bathroom", "hallway", "office", "garage",
+    "dining room",
+)  # fmt: skip
+DOORS = ("front", "back", "garage", "patio", "side")
+DIRECTIONS = ("forward", "backward", "left", "right")
+#: What a ``status_query`` asks about.
+TARGETS = ("battery", "door", "temperature", "lights")
+#: What an ``alert`` (from telemetry) reports.
+ALERTS = ("overheat", "freezing", "low_battery")
+
+
+def _enum(values: tuple[str, ...]) -> dict[str, Any]:
+    return {"type": "string", "enum": list(values)}
+
+
+INTENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "intent": _enum(INTENTS),
+        "room": _enum(ROOMS),
+        "temperature_c": {"type": "number"},
+        "door": _enum(DOORS),
+        "direction": _enum(DIRECTIONS),
+        "distance_m": {"type": "number"},
+        "target": _enum(TARGETS),
+        "alert": _enum(ALERTS),
+        "battery_pct": {"type": "number"},
+        "device": {"type": "string"},
+    },
+    "required": ["intent"],
+    "additionalProperties": False,
+}
+
+
+def intent_errors(obj: Any, schema: dict[str, Any] = INTENT_SCHEMA) -> list[str]:
+    """What makes ``obj`` invalid for ``schema`` (empty when valid).
+
+    Checks the subset of JSON Schema that ``INTENT_SCHEMA`` uses: an object, required keys,
+    no extra keys, string enums and numbers (booleans are not numbers). Useful to count how
+    often the model's constrained output is still off-schema.
+    """
+    if not isinstance(obj, dict):
+        return [f"not an object: {type(obj).__name__}"]
+    props: dict[str, Any] = schema.get("properties", {})
+    errors = [f"missing required {k!r}" for k in schema.get("required", []) if k not in obj]
+    for key, value in obj.items():
+        spec = props.get(key)
+        if spec is None:
+            if schema.get("additionalProperties", True) is False:
+                errors.append(f"unexpected field {key!r}")
+            continue
+        if spec.get("type") == "number":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                errors.append(f"{key}: {value!r} is not a number")
+        elif spec.get("type") == "string" and not isinstance(value, str):
+            errors.append(f"{key}: {value!r} is not a string")
+        elif "enum" in spec and value not in spec["enum"]:
+            errors.append(f"{key}: {value!r} is not one of {spec['enum']}")
+    return errors

@@ -1,0 +1,37 @@
+"""Text normalisation and keyword patterns shared by the rules and the output comparison.
+
+Keyword semantics (the ``any``/``all``/``none`` keys of a rule): a keyword is a word or phrase
+matched case-insensitively on the normalised text at word boundaries. A keyword that starts
+(ends) with a letter, digit or ``_`` must not be preceded (followed) by one, and a space inside
+a phrase matches any whitespace. So ``stop`` matches "stop!" and "robot, stop" but not
+"stopwatch" or "stops"; and it does match "don't stop believing": boundaries are about words,
+not meaning. Rules that act on devices therefore anchor their ``regex`` to the command's shape
+and list negations under ``none``, as the default rule set does. Keywords that start or end
+with a symbol (``°c``) get no boundary on that side, so "23°c" still contains ``°c``.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from re import Pattern
+
+_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
+
+
+def normalise_text(text: str) -> str:
+    """NFKC (so "℃" is "°C"), typographic quotes made ASCII, lowercase, whitespace runs
+    collapsed to one space, ends stripped."""
+    text = unicodedata.normalize("NFKC", text).translate(_QUOTES).lower()
+    return " ".join(text.split())
+
+
+def keyword_pattern(keywords: list[str]) -> Pattern[str]:
+    """One pattern that finds any of ``keywords`` in normalised text, at word boundaries."""
+    alternatives = []
+    for word in sorted({normalise_text(k) for k in keywords}, key=len, reverse=True):
+        body = r"\s+".join(re.escape(w) for w in word.split(" "))
+        head = r"(?<!\w)" if re.match(r"\w", word) else ""
+        tail = r"(?!\w)" if re.search(r"\w$", word) else ""
+        alternatives.append(head + body + tail)
+    return re.compile("|".join(alternatives))
