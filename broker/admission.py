@@ -125,6 +125,7 @@ class AdmissionGate:
         slots: int,
         free: int,
         deadline_s: float,
+        kind: str = "llm",
     ) -> Shed | Job | None:
         """Decide on a new request.
 
@@ -133,15 +134,19 @@ class AdmissionGate:
             n_ctx: the smallest context (tokens) among workers that could serve it.
             slots: sequences the pool runs at once; ``free``: of them idle now.
             deadline_s: the request's budget in seconds.
+            kind: the engine it is routed to; the rule engine needs neither a
+                context nor memory worth protecting, so size and pressure do not
+                apply to it.
 
         Returns:
             None to admit; a ``Shed`` to refuse; or a queued lower-priority
             ``Job`` that must be evicted (answered 503) to make room, after
             which the request is admitted.
         """
-        shed = self._size(req, n_ctx) or self._pressure(req, slots)
-        if shed is not None:
-            return shed
+        if kind == "llm":
+            shed = self._size(req, n_ctx) or self._pressure(req, slots)
+            if shed is not None:
+                return shed
         evict: Job | None = None
         if len(self) >= self.queue_bound(slots):
             evict = self._eviction_victim(req.priority)

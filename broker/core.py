@@ -11,15 +11,18 @@ Invariant: every accepted client request gets exactly one final reply
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from broker import protocol as p
 from broker.admission import PRESSURE_LEVELS, AdmissionGate, Shed, TokenCounter
+from broker.breaker import BreakerSettings
 from broker.deadlines import DeadlineHeap
 from broker.errors import EdgeNodeError, ErrorCode, ProtocolError
 from broker.protocol import ClientRequest, WorkerCommand
 from broker.records import BrokerSettings, Job, WorkerEvent
 from broker.replies import final_reply
+from broker.routing import PoolView, Router, RoutingSettings
 from broker.stats import Stats
 from broker.workers import WorkerRegistry, WorkerState, parse_ready
 
@@ -37,6 +40,7 @@ class Broker:
         status_hook: returns extra fields merged into ``status`` (the
             supervisor's view of processes); the broker never imports it.
         count_tokens: prompt tokens of a request, for the 413 size check.
+        routing, breaker: the migration mode and the circuit breaker's knobs.
     """
 
     def __init__(
@@ -44,11 +48,14 @@ class Broker:
         settings: BrokerSettings,
         status_hook: StatusHook | None = None,
         count_tokens: TokenCounter | None = None,
+        routing: RoutingSettings | None = None,
+        breaker: BreakerSettings | None = None,
     ) -> None:
         self.settings = settings
         self.workers = WorkerRegistry()
         self.stats = Stats()
         self.gate = AdmissionGate(settings, self.stats, count_tokens)
+        self.router = Router(routing, breaker)
         self.to_clients: list[list[bytes]] = []
         self.to_workers: list[list[bytes]] = []
         self.events: list[WorkerEvent] = []
@@ -100,29 +107,104 @@ class Broker:
         timeout_ms = min(
             req.timeout_ms or self.settings.default_timeout_ms, self.settings.max_timeout_ms
         )
-        slots = self.workers.total_slots()
+        route = self.router.route(req, self._pool_view(req), now)
+        if isinstance(route, Shed):
+            self._refuse(identity, req.id, route)
+            return
         decision = self.gate.check(
             identity,
             req,
-            self.workers.min_n_ctx(_kind(req)),
-            slots,
+            self.workers.min_n_ctx(route.kind),
+            self.workers.total_slots(),
             self._free_credit(),
             timeout_ms / 1000,
+            route.kind,
         )
         if isinstance(decision, Shed):
+            if route.permit is not None:
+                self.router.breaker.release(route.permit, now)
             self._refuse(identity, req.id, decision)
             return
         if decision is not None:  # a lower-priority request yields its place
             self._shed_job(decision, "evicted by a higher-priority request", "queue_full", now)
-        job = Job(self._next_rid, identity, req, now, now + timeout_ms / 1000)
-        self._next_rid += 1
-        self._jobs[job.rid] = job
+        job = self._new_job(identity, req, now, now + timeout_ms / 1000, route.kind)
+        job.degraded, job.permit = route.degraded, route.permit
         self._by_client_id[key] = job.rid
         self.gate.opened(identity)
         self.gate.push(job)
-        self._deadlines.set(("job", job.rid), job.deadline)
+        if route.watch_ttft:
+            budget_s = self.router.settings.ttft_budget_ms / 1000
+            self._deadlines.set(("ttft", job.rid), now + budget_s)
+        if route.copy:
+            self._copy_to_model(job, route.copy, now)
         self.stats.count("admitted")
         self._dispatch(now)
+
+    def _new_job(
+        self, client: bytes, req: ClientRequest, now: float, deadline: float, kind: str
+    ) -> Job:
+        job = Job(self._next_rid, client, req, now, deadline, kind=kind)
+        self._next_rid += 1
+        self._jobs[job.rid] = job
+        self._deadlines.set(("job", job.rid), deadline)
+        return job
+
+    def _pool_view(self, req: ClientRequest) -> PoolView:
+        llm = self.workers.of_kind("llm")
+        slots = sum(w.slots for w in llm)
+        free = min(sum(w.credit for w in llm), self._free_credit())
+        return PoolView(
+            llm_workers=len(llm),
+            llm_free=free,
+            rules_workers=len(self.workers.of_kind("rules")),
+            llm_wait_s=self.gate.expected_wait_s(req.priority, slots, free),
+            pressure=self.gate.pressure,
+        )
+
+    def _copy_to_model(self, primary: Job, mode: str, now: float) -> None:
+        """Give the model a copy of ``primary`` (answered by the rules) to compare."""
+        if len(self.gate) > self.gate.queue_bound(self.workers.total_slots()):
+            self.router.copy_skipped(primary, "queue_full")
+            return
+        permit = self.router.breaker.allow(now)
+        if permit is None:
+            self.router.copy_skipped(primary, "circuit_open")
+            return
+        req = replace(primary.req, stream=False, route="llm", priority="sheddable")
+        copy = self._new_job(b"", req, now, primary.deadline, "llm")
+        copy.permit, copy.copy_of = permit, primary.rid
+        self.gate.push(copy)
+        self.router.open_pair(primary, mode)
+
+    def _reroute(self, job: Job, reason: str, now: float) -> None:
+        """Hand an unanswered model request over to the rules (degrade mode).
+
+        A new job takes the client's id; the old one is cancelled on its worker
+        if it runs (its credit returns with the ack) and never answers itself.
+        """
+        self.router.release(job, now)
+        new = self._new_job(job.client, job.req, job.accepted_at, job.deadline, "rules")
+        new.degraded = reason
+        self._by_client_id[(job.client, job.req.id)] = new.rid
+        job.replied = True  # handed over, not answered: the client still waits
+        self.gate.push(new, front=True)
+        if job.worker is None:
+            self._forget(job)
+        else:
+            self._send_worker(job.worker, WorkerCommand.CANCEL, {"rid": job.rid})
+            self._deadlines.set(("ack", job.rid), now + self.settings.cancel_grace_ms / 1000)
+        self.stats.count(f"fallback_{reason}")
+
+    def _can_fall_back(self, job: Job) -> bool:
+        """Whether degrade mode may answer ``job`` from the rules now."""
+        return (
+            job.kind == "llm"
+            and job.copy_of is None
+            and job.req.route == "auto"
+            and self.router.mode == "degrade"
+            and not (job.req.stream and job.chunks)
+            and bool(self.workers.of_kind("rules"))
+        )
 
     def _refuse(self, identity: bytes, rid: str | int, shed: Shed) -> None:
         self.stats.count(f"shed_{shed.reason}")
@@ -271,7 +353,7 @@ class Broker:
         if outcome == "ok" and job.dispatched_at is not None:
             self.stats.observe_service(now - job.dispatched_at)
         self.stats.count(outcome)
-        self._answer(job, reply)
+        self._answer(job, reply, now)
 
     # ------------------------------------------------------------------ time
 
@@ -285,6 +367,10 @@ class Broker:
             if kind == "job" and not job.replied:
                 self.stats.count("deadline_exceeded")
                 self._finish_early(job, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded", now)
+            elif kind == "ttft" and not job.replied and job.first_token_at is None:
+                if self._can_fall_back(job):
+                    self._reroute(job, "latency_budget", now)
+                    self._dispatch(now)
             elif kind == "ack" and job.worker is not None:
                 worker = self.workers.get(job.worker)
                 if worker is not None:
@@ -327,11 +413,15 @@ class Broker:
             self.events.append(WorkerEvent("lost", worker.worker_id, pid, reason))
         # If it is merely slow it must not keep the requests: make it re-register.
         self._send_worker(worker.identity, WorkerCommand.DISCONNECT, {"reason": reason})
+        if worker.kind == "llm" and not worker.active:
+            self.router.worker_failed(None, now, reason)
         for rid in sorted(worker.active):
             job = self._jobs.get(rid)
             if job is None:
                 continue
             self._deadlines.discard(("ack", rid))
+            if worker.kind == "llm":
+                self.router.worker_failed(job, now, reason)
             if job.replied:
                 self._forget(job)
             elif (
@@ -343,28 +433,35 @@ class Broker:
                 job.chunks.clear()
                 job.first_token_at = None
                 self.gate.push(job, front=True)  # it waited longest
+            elif self._can_fall_back(job):
+                self._reroute(job, "worker_lost", now)
             else:
-                self.stats.count("worker_lost")
-                self._answer(
-                    job,
-                    p.error_reply(
-                        job.req.id,
-                        ErrorCode.UNAVAILABLE,
-                        f"worker lost: {reason}",
-                        text="".join(job.chunks),
-                        reason="worker_lost",
-                        retry_after_ms=1000,
-                    ),
-                )
-                self._forget(job)
+                self._give_up(job, reason, now)
+        if worker.kind == "llm" and not self.workers.of_kind("llm"):
+            for queued in list(self.gate):  # nobody left to run them: the rules answer
+                if self._can_fall_back(queued):
+                    self._reroute(queued, "no_model_worker", now)
         self._dispatch(now)
+
+    def _give_up(self, job: Job, reason: str, now: float) -> None:
+        self.stats.count("worker_lost")
+        body = p.error_reply(
+            job.req.id,
+            ErrorCode.UNAVAILABLE,
+            f"worker lost: {reason}",
+            text="".join(job.chunks),
+            reason="worker_lost",
+            retry_after_ms=1000,
+        )
+        self._answer(job, body, now)
+        self._forget(job)
 
     def _finish_early(
         self, job: Job, code: ErrorCode, message: str, now: float, **extra: Any
     ) -> None:
         """Answer ``job`` now with ``code``; a running job is cancelled on its worker."""
         self._answer(
-            job, p.error_reply(job.req.id, code, message, text="".join(job.chunks), **extra)
+            job, p.error_reply(job.req.id, code, message, text="".join(job.chunks), **extra), now
         )
         if job.worker is None:
             self._forget(job)
@@ -372,9 +469,15 @@ class Broker:
         self._send_worker(job.worker, WorkerCommand.CANCEL, {"rid": job.rid})
         self._deadlines.set(("ack", job.rid), now + self.settings.cancel_grace_ms / 1000)
 
-    def _answer(self, job: Job, body: dict[str, Any]) -> None:
-        """Send ``job``'s one final reply; the client may reuse its id at once."""
+    def _answer(self, job: Job, body: dict[str, Any], now: float) -> None:
+        """Send ``job``'s one final reply; the client may reuse its id at once.
+
+        A model copy (shadow/dual) has no client: its result only goes to the router.
+        """
         job.replied = True
+        self.router.finished(job, body, now)
+        if job.copy_of is not None:
+            return
         self._release_id(job)
         self.gate.closed(job.client)
         self._send_client(job.client, body)
@@ -403,7 +506,7 @@ class Broker:
         for job in self.gate:
             if self._free_credit() <= 0:
                 return
-            worker = self.workers.pick(_kind(job.req))
+            worker = self.workers.pick(job.kind)
             if worker is None:
                 continue  # another kind of worker may still take later requests
             self.gate.remove(job)
@@ -438,6 +541,7 @@ class Broker:
             "credit": self.workers.total_credit(),
             "credit_limit": self.gate.concurrency(slots),
             "pressure": self.gate.pressure,
+            "routing": self.router.snapshot(now),
             "draining": self.draining,
             "workers": workers,
             "counters": dict(self.stats.counters),
@@ -446,27 +550,20 @@ class Broker:
             node.update(self._status_hook())
         return node
 
-    def abort_all(self, message: str) -> None:
+    def abort_all(self, message: str, now: float) -> None:
         """Answer every request still without a final reply with 503 (shutdown)."""
         for job in list(self._jobs.values()):
             if not job.replied:
-                self._answer(
-                    job,
-                    p.error_reply(
-                        job.req.id,
-                        ErrorCode.UNAVAILABLE,
-                        message,
-                        text="".join(job.chunks),
-                        reason="shutdown",
-                    ),
+                body = p.error_reply(
+                    job.req.id,
+                    ErrorCode.UNAVAILABLE,
+                    message,
+                    text="".join(job.chunks),
+                    reason="shutdown",
                 )
+                self._answer(job, body, now)
             self._forget(job)
 
     def pending_jobs(self) -> int:
         """Accepted requests without a final reply yet (0 means drained)."""
         return sum(1 for j in self._jobs.values() if not j.replied)
-
-
-def _kind(req: ClientRequest) -> str:
-    """The worker kind a request is routed to."""
-    return "rules" if req.route == "rules" else "llm"

@@ -27,7 +27,8 @@ import msgpack
 # fallback/ may use, and it imports nothing else of the project.
 from broker.errors import Cancelled as Cancelled
 from broker.errors import ConfigError as ConfigError
-from broker.errors import ErrorCode, ProtocolError, TooLarge
+from broker.errors import ErrorCode, TooLarge
+from broker.errors import ProtocolError as ProtocolError
 
 PROTOCOL_VERSION = 1
 CLIENT_TAG = b"EDGE/C1"

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from broker import protocol as p
+from broker.breaker import Permit
 from broker.protocol import ClientRequest
 
 
@@ -39,7 +40,14 @@ class BrokerSettings:
 
 @dataclass
 class Job:
-    """One accepted client request while the broker owns it."""
+    """One accepted client request while the broker owns it.
+
+    ``kind`` is the engine it is routed to (``llm`` or ``rules``); ``degraded``
+    says why the rules answer instead of the model ("" if they do not);
+    ``permit`` is the circuit breaker's permit of a model call; ``copy_of`` marks
+    an internal model copy of request ``copy_of`` (shadow/dual): it has no
+    client and its result is only compared and logged.
+    """
 
     rid: int
     client: bytes
@@ -52,6 +60,10 @@ class Job:
     chunks: list[str] = field(default_factory=list)
     replied: bool = False
     attempts: int = 0
+    kind: str = "llm"
+    degraded: str = ""
+    permit: Permit | None = None
+    copy_of: int | None = None
 
 
 @dataclass(frozen=True)

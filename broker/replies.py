@@ -37,11 +37,16 @@ def final_reply(
             usage=body.get("usage", {}),
             served_by=kind,
             worker=worker_id,
-            degraded=False,
+            degraded=bool(job.degraded),
             queue_ms=ms(started - job.accepted_at),
             ttft_ms=ms(first - job.accepted_at),
             total_ms=ms(now - job.accepted_at),
         )
+        if job.degraded:
+            reply["degrade_reason"] = job.degraded
+        for key in ("confidence", "rule"):  # the rule engine says how sure it is
+            if key in body:
+                reply[key] = body[key]
         return reply, "ok"
     raw_code = body.get("code")
     code = ErrorCode.INTERNAL

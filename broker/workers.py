@@ -154,6 +154,10 @@ class WorkerRegistry:
                 out.append((w, "stalled: no progress while busy"))
         return out
 
+    def of_kind(self, kind: str) -> list[WorkerState]:
+        """The registered workers of ``kind`` (``llm`` or ``rules``)."""
+        return [w for w in self._by_identity.values() if w.kind == kind]
+
     def has_kind(self, kind: str) -> bool:
         """Whether any worker of ``kind`` is registered (busy or not)."""
         return any(w.kind == kind for w in self._by_identity.values())

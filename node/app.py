@@ -1,13 +1,14 @@
-"""Composition root: wires the broker, the worker pool and (later) the fallback.
+"""Composition root: wires the broker, the worker pool, the rules and the logs.
 
 This is the only place where ``broker`` and the process side meet: the broker
-reports worker events through callbacks, the supervisor reports exits back, and
+reports worker events through callbacks, the pool reports exits back, and
 neither imports the other. Signals and ``edgenode stop`` take the same path:
-SIGTERM -> drain -> answer the rest -> stop workers -> remove run files.
+SIGTERM -> drain -> answer the rest -> stop workers -> remove cgroups and run files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -19,12 +20,14 @@ from typing import Any
 from broker.admission import TokenCounter
 from broker.core import Broker, WorkerEvent
 from broker.loop import BrokerLoop
+from node.capacity import check_fits
 from node.config import NodeConfig
 from node.engine import EngineSpec, make_token_counter
-from node.model import resolve_model
+from node.migration_log import MigrationLog, migration_log_path
+from node.model import resolve_model, resolve_rules
 from node.pidfile import remove_pidfile, write_pidfile
-from node.supervisor import Supervisor
-from node.worker import WorkerSpec
+from node.pool import WorkerPool
+from node.pressure import PressureMonitor
 
 log = logging.getLogger("edgenode.node")
 
@@ -33,7 +36,9 @@ class Node:
     """A running edgenode: broker loop in this process, workers as children.
 
     Raises (from ``run``):
-        ConfigError: the model cannot be resolved or the run directory is unusable.
+        ConfigError: the model or rules cannot be resolved, the core plan is
+            impossible, or the run directory is unusable.
+        SandboxError: ``sandbox = "required"`` and cgroups cannot be used.
     """
 
     def __init__(self, config: NodeConfig) -> None:
@@ -42,60 +47,60 @@ class Node:
         self.pidfile = self.run_dir / "edgenode.pid"
         self._stop_requested = False
 
-    def worker_specs(self, model_path: str) -> list[WorkerSpec]:
-        """One spec per configured worker."""
-        c = self.config
-        engine = EngineSpec(
-            kind=c.workers.engine,
-            model_path=model_path,
-            n_ctx=c.model.n_ctx,
-            n_batch=c.model.n_batch,
-            threads=c.workers.threads,
-            chat_format=c.model.chat_format,
-            repack=c.model.repack,
-            test_token_ms=c.workers.test_token_ms,
-            test_load_ms=c.workers.test_load_ms,
-        )
-        return [
-            WorkerSpec(
-                worker_id=f"llm-{i}",
-                backend=c.backend,
-                engine=engine,
-                heartbeat_interval_ms=c.broker.heartbeat_interval_ms,
-                heartbeat_liveness=c.broker.heartbeat_liveness,
-            )
-            for i in range(c.workers.count)
-        ]
-
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; returns the exit code (0 on a clean stop)."""
         c = self.config
         model = str(resolve_model(c.model.path)) if c.workers.engine == "llama" else "test"
+        rules = str(resolve_rules(c.fallback.rules)) if c.fallback.rules else None
+        self.plan = check_fits(c)  # refuse what cannot fit, before anything starts
+        pool = WorkerPool(c, model, rules, self.run_dir)  # so does an impossible core plan
         self.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)
         write_pidfile(self.pidfile)
-        specs = self.worker_specs(model)
-        supervisor = Supervisor(
-            specs,
-            log_dir=self.run_dir / "logs",
-            ready_timeout_s=c.workers.ready_timeout_ms / 1000,
-            backoff_s=c.workers.restart_backoff_ms / 1000,
-            backoff_max_s=c.workers.restart_backoff_max_ms / 1000,
-            log_level=c.node.log_level,
+        try:
+            pool.open()  # cgroups before any zmq thread exists
+            return self._serve(pool, model)
+        finally:
+            remove_pidfile(self.pidfile)
+
+    def _serve(self, pool: WorkerPool, model: str) -> int:
+        c = self.config
+        migration = MigrationLog(
+            migration_log_path(self.run_dir),
+            c.fallback.log_max_bytes,
+            c.fallback.log_backups,
+            c.fallback.low_confidence,
+            memory_peak=lambda wid: _peak(pool, wid),
         )
+        pressure = PressureMonitor(c.pressure, pool)
         broker = Broker(
             c.broker,
-            status_hook=lambda: self._status_extra(supervisor, model),
-            count_tokens=self._token_counter(specs),
+            status_hook=lambda: self._status_extra(pool, model, pressure),
+            count_tokens=_token_counter(pool.specs[0].engine) if pool.specs else None,
+            routing=c.routing,
+            breaker=c.breaker,
         )
+
+        def on_tick(now: float) -> None:
+            pool.supervisor.tick(now)
+            try:
+                level = pressure.poll(now)
+            except Exception:  # a monitoring failure must never take the broker down
+                log.exception("memory pressure reading failed")
+                level = None
+            if level is not None:
+                broker.set_pressure(level, now)
+            for record in broker.router.records:
+                migration.write(record)
+            broker.router.records.clear()
+
         loop = BrokerLoop(
             broker,
             c.frontend,
             c.backend,
-            on_event=lambda ev: self._on_worker_event(supervisor, ev),
-            on_tick=supervisor.tick,
+            on_event=lambda ev: _on_worker_event(pool, ev),
+            on_tick=on_tick,
         )
-        supervisor.on_exit = lambda wid, reason: broker.worker_exited(wid, reason, time.monotonic())
         wake_r, wake_w = socket.socketpair()
         wake_r.setblocking(False)
         wake_w.setblocking(False)
@@ -106,79 +111,91 @@ class Node:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         loop.add_fd(wake_r.fileno(), lambda: _drain_fd(wake_r))
         try:
-            supervisor.start()
+            pool.start(lambda wid, why: broker.worker_exited(wid, why, time.monotonic()))
             log.info(
-                "edgenode serving on %s (%d workers, pid %d)",
+                "edgenode serving on %s (%d model workers, mode %s, pid %d)",
                 c.frontend,
                 c.workers.count,
+                c.routing.mode,
                 os.getpid(),
             )
             while not self._stop_requested:
                 loop.turn()
-            self._drain(loop, broker, supervisor)
+            self._drain(loop, broker, pool)
         finally:
-            supervisor.stop(c.workers.stop_grace_ms / 1000)
+            pool.stop(c.workers.stop_grace_ms / 1000)
             loop.close()
+            migration.close()
             signal.set_wakeup_fd(-1)
             wake_r.close()
             wake_w.close()
             for name in ("frontend.sock", "workers/backend.sock"):
                 (self.run_dir / name).unlink(missing_ok=True)
-            remove_pidfile(self.pidfile)
             log.info("edgenode stopped")
         return 0
 
-    @staticmethod
-    def _token_counter(specs: list[WorkerSpec]) -> TokenCounter | None:
-        """The broker's prompt-token counter, or None (workers still check sizes)."""
-        if not specs:
-            return None
-        try:
-            return make_token_counter(specs[0].engine)
-        except Exception as exc:  # a model llama.cpp cannot read: workers will say why
-            log.warning("no token counter (%s); prompt sizes are checked by workers only", exc)
-            return None
-
-    def _drain(self, loop: BrokerLoop, broker: Broker, supervisor: Supervisor) -> None:
+    def _drain(self, loop: BrokerLoop, broker: Broker, pool: WorkerPool) -> None:
         """No new work; let in-flight requests finish within the grace, answer the rest."""
         log.info("draining %d request(s)", broker.pending_jobs())
         broker.draining = True
-        supervisor.stopping = True
+        pool.supervisor.stopping = True
         deadline = time.monotonic() + self.config.workers.stop_grace_ms / 1000
         while broker.pending_jobs() and time.monotonic() < deadline:
             loop.turn(max_wait_s=0.05)
-        broker.abort_all("node is shutting down")
+        broker.abort_all("node is shutting down", time.monotonic())
         loop.flush()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         log.info("received %s", signal.Signals(signum).name)
         self._stop_requested = True
 
-    @staticmethod
-    def _on_worker_event(supervisor: Supervisor, event: WorkerEvent) -> None:
-        if event.kind == "ready":
-            supervisor.worker_ready(event.worker_id, event.pid)
-        elif event.kind == "lost":
-            supervisor.worker_lost(event.worker_id, event.pid, event.reason)
-
-    def _status_extra(self, supervisor: Supervisor, model: str) -> dict[str, Any]:
+    def _status_extra(
+        self, pool: WorkerPool, model: str, pressure: PressureMonitor
+    ) -> dict[str, Any]:
         return {
             "pid": os.getpid(),
             "model": model,
             "engine": self.config.workers.engine,
             "endpoints": {"frontend": self.config.frontend, "backend": self.config.backend},
             "run_dir": str(self.run_dir),
-            "processes": supervisor.status(),
-            "all_ready": supervisor.all_ready(),
+            "processes": pool.status(),
+            "all_ready": pool.supervisor.all_ready(),
+            "sandbox": pool.sandbox.status(),
+            "memory": pressure.snapshot(),
+            "capacity": {
+                "per_worker": self.plan.per_worker,
+                "memory_max": self.plan.memory_max,
+                "total": self.plan.total,
+                "budget": self.plan.budget,
+            },
         }
 
 
-def _drain_fd(sock: socket.socket) -> None:
+def _on_worker_event(pool: WorkerPool, event: WorkerEvent) -> None:
+    if event.kind == "ready":
+        pool.supervisor.worker_ready(event.worker_id, event.pid)
+    elif event.kind == "lost":
+        pool.supervisor.worker_lost(event.worker_id, event.pid, event.reason)
+
+
+def _token_counter(engine: EngineSpec) -> TokenCounter | None:
+    """The broker's prompt-token counter, or None (workers still check sizes)."""
     try:
+        return make_token_counter(engine)
+    except Exception as exc:  # a model llama.cpp cannot read: workers will say why
+        log.warning("no token counter (%s); prompt sizes are checked by workers only", exc)
+        return None
+
+
+def _peak(pool: WorkerPool, worker_id: str) -> int | None:
+    reading = pool.memory(worker_id)
+    return None if reading is None else (reading.peak or reading.current)
+
+
+def _drain_fd(sock: socket.socket) -> None:
+    with contextlib.suppress(BlockingIOError):
         while sock.recv(4096):
             pass
-    except BlockingIOError:
-        pass
 
 
 def log_path(run_dir: Path) -> Path:

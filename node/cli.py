@@ -22,9 +22,14 @@ import psutil
 from broker.client import Client
 from broker.errors import EdgeNodeError
 from node.app import Node, log_path
+from node.capacity import check_fits
+from node.cli_capacity import capacity
+from node.cli_report import report
+from node.cli_rules import rules
 from node.config import NodeConfig, load_config
 from node.model import resolve_model
 from node.pidfile import read_live_pid
+from node.status_view import render_status
 
 #: ``edgenode status`` exit code when no node runs (LSB init-script convention).
 EXIT_NOT_RUNNING = 3
@@ -80,11 +85,12 @@ def start(ctx: click.Context, foreground: bool, wait_s: float) -> None:
     pid = read_live_pid(config.run_dir / "edgenode.pid")
     if pid is not None:
         raise click.ClickException(f"edgenode already running (pid {pid}, {config.run_dir})")
-    if config.workers.engine == "llama":
-        try:
-            resolve_model(config.model.path)  # fail here, clearly, before anything starts
-        except EdgeNodeError as exc:
-            raise click.ClickException(exc.message) from exc
+    try:  # fail here, clearly, before anything starts
+        if config.workers.engine == "llama":
+            resolve_model(config.model.path)
+        check_fits(config)
+    except EdgeNodeError as exc:
+        raise click.ClickException(exc.message) from exc
     if foreground:
         logging.basicConfig(
             level=config.node.log_level.upper(),
@@ -186,33 +192,6 @@ def status(ctx: click.Context, as_json: bool) -> None:
     click.echo(render_status(node))
 
 
-def render_status(node: dict[str, Any]) -> str:
-    """The human table of ``edgenode status``."""
-    registered = {w["worker_id"]: w for w in node.get("workers", [])}
-    lines = [
-        f"edgenode pid {node.get('pid')}  model {Path(str(node.get('model'))).name}  "
-        f"engine {node.get('engine')}",
-        f"frontend {node.get('endpoints', {}).get('frontend')}",
-        f"queue {node['queue_depth']}/{node['queue_bound']}  in-flight {node['in_flight']}  "
-        f"free credit {node['credit']}",
-        "",
-        f"{'WORKER':<8} {'STATE':<11} {'PID':>7} {'CREDIT':>6} {'RESTARTS':>8}  LAST EXIT",
-    ]
-    for proc in node.get("processes", []):
-        reg = registered.get(proc["worker_id"])
-        state = reg["state"] if reg and proc["state"] == "ready" else proc["state"]
-        credit = f"{reg['credit']}/{reg['slots']}" if reg else "-"
-        lines.append(
-            f"{proc['worker_id']:<8} {state:<11} {proc['pid'] or '-':>7} {credit:>6} "
-            f"{proc['restarts']:>8}  {proc['last_exit'] or '-'}"
-        )
-    counters = node.get("counters", {})
-    if counters:
-        lines.append("")
-        lines.append("requests: " + ", ".join(f"{k} {v}" for k, v in sorted(counters.items())))
-    return "\n".join(lines)
-
-
 @cli.command()
 @click.argument("text")
 @click.option("--stream", is_flag=True, help="Print tokens as they arrive.")
@@ -220,6 +199,13 @@ def render_status(node: dict[str, Any]) -> str:
 @click.option("--timeout-ms", type=int, help="Request budget (default: the node's).")
 @click.option("--raw", is_flag=True, help="Plain completion of TEXT (no chat template).")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole final reply as JSON.")
+@click.option(
+    "--route",
+    type=click.Choice(["auto", "llm", "rules"]),
+    default="auto",
+    show_default=True,
+    help="auto follows the node's migration mode.",
+)
 @click.pass_context
 def ask(
     ctx: click.Context,
@@ -229,10 +215,11 @@ def ask(
     timeout_ms: int | None,
     raw: bool,
     as_json: bool,
+    route: str,
 ) -> None:
     """Ask the running node TEXT and print the answer with its usage counts."""
     config = _config(ctx)
-    fields: dict[str, Any] = {"max_tokens": max_tokens}
+    fields: dict[str, Any] = {"max_tokens": max_tokens, "route": route}
     if timeout_ms is not None:
         fields["timeout_ms"] = timeout_ms
     messages = [{"role": "user", "content": text}]
@@ -266,9 +253,18 @@ def ask(
     click.echo(
         f"[{u.get('prompt_tokens', '?')} prompt + {u.get('completion_tokens', '?')} completion "
         f"tokens, {reply.finish_reason}, {reply.total_ms} ms, served by {reply.served_by} "
-        f"{reply.raw.get('worker', '')}]",
+        f"{reply.raw.get('worker', '')}{_degraded(reply.raw)}]",
         err=True,
     )
+
+
+def _degraded(raw: dict[str, Any]) -> str:
+    return f", degraded: {raw.get('degrade_reason')}" if raw.get("degraded") else ""
+
+
+cli.add_command(rules)
+cli.add_command(report)
+cli.add_command(capacity)
 
 
 def main() -> None:

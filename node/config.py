@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from broker.breaker import BreakerSettings
 from broker.core import BrokerSettings
 from broker.errors import ConfigError
+from broker.routing import MODES, RoutingSettings
+from node.units import format_size, parse_cores, parse_size
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -47,6 +50,7 @@ class ModelSection:
     n_batch: int = 512
     chat_format: str = ""
     repack: bool = False
+    kv_type: str = "f16"
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,58 @@ class WorkersSection:
     restart_backoff_max_ms: int = 30_000
     test_token_ms: int = 20
     test_load_ms: int = 0
+    # Isolation (issue 4): see etc/edgenode.toml, node/sandbox.py and node/affinity.py.
+    sandbox: str = "auto"
+    cgroup_root: str = ""
+    memory_max: str | int = "1G"
+    memory_high: str | int = ""
+    cpu_quota: str | float = "max"
+    cpus: tuple[int, ...] = ()
+    nice: int = 10
+
+
+@dataclass(frozen=True)
+class CapacitySection:
+    """The memory budget the capacity model plans against (see ``node.capacity``).
+
+    Sizes are strings in binary units ("8G" = 8 GiB, "256M" = 256 MiB).
+    """
+
+    memory_budget: str = ""
+    reserve: str = "1G"
+    safety_margin: float = 0.1
+    runtime_overhead: str = "88M"
+
+
+@dataclass(frozen=True)
+class FallbackSection:
+    """The rule engine and the migration log.
+
+    ``rules``: "default" (the set shipped with edgenode, = etc/rules.toml), a
+    path, or "" for no rule worker. The log is ``<run_dir>/logs/migration.jsonl``,
+    rotated at ``log_max_bytes`` with ``log_backups`` old files; rule answers
+    below ``low_confidence`` are flagged for offline review.
+    """
+
+    rules: str = "default"
+    low_confidence: float = 0.5
+    log_max_bytes: int = 10 * 1024 * 1024
+    log_backups: int = 3
+
+
+@dataclass(frozen=True)
+class PressureSection:
+    """``[pressure]``: watermarks in percent of the budget, poll period in ms.
+
+    ``budget`` = "" uses the node cgroup's own limit when it has one (systemd's
+    MemoryMax), else the sum of the workers' limits; or a size like "3G".
+    """
+
+    high_pct: float = 85.0
+    critical_pct: float = 95.0
+    clear_pct: float = 75.0
+    poll_ms: int = 250
+    budget: str = ""
 
 
 @dataclass(frozen=True)
@@ -72,6 +128,11 @@ class NodeConfig:
     model: ModelSection = field(default_factory=ModelSection)
     workers: WorkersSection = field(default_factory=WorkersSection)
     broker: BrokerSettings = field(default_factory=BrokerSettings)
+    capacity: CapacitySection = field(default_factory=CapacitySection)
+    routing: RoutingSettings = field(default_factory=RoutingSettings)
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    fallback: FallbackSection = field(default_factory=FallbackSection)
+    pressure: PressureSection = field(default_factory=PressureSection)
     source: str = "built-in defaults"
 
     @property
@@ -148,8 +209,13 @@ def from_dict(data: dict[str, Any], source: str = "dict") -> NodeConfig:
 
 
 def to_dict(config: NodeConfig) -> dict[str, Any]:
-    """The configuration as plain data (for handing to worker processes)."""
-    return {name: dataclasses.asdict(getattr(config, name)) for name in _SECTIONS}
+    """The configuration as plain TOML/JSON data (tuples become lists)."""
+
+    def plain(section: Any) -> dict[str, Any]:
+        raw = dataclasses.asdict(section)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in raw.items()}
+
+    return {name: plain(getattr(config, name)) for name in _SECTIONS}
 
 
 def validate(config: NodeConfig) -> NodeConfig:
@@ -181,6 +247,14 @@ def validate(config: NodeConfig) -> NodeConfig:
         raise ConfigError("broker.default_timeout_ms must not exceed broker.max_timeout_ms")
     if not m.path:
         raise ConfigError("model.path must be 'default' or a path to a GGUF file")
+    _validate_isolation(w)
+    _choice("routing.mode", config.routing.mode, MODES)
+    _positive("routing.ttft_budget_ms", config.routing.ttft_budget_ms, 0)
+    p = config.pressure
+    if not 0 < p.clear_pct <= p.high_pct <= p.critical_pct <= 100:
+        raise ConfigError("pressure needs 0 < clear_pct <= high_pct <= critical_pct <= 100")
+    if not 0.0 <= config.fallback.low_confidence <= 1.0:
+        raise ConfigError("fallback.low_confidence must be in [0, 1]")
     return config
 
 
@@ -189,22 +263,118 @@ _SECTIONS: dict[str, type] = {
     "model": ModelSection,
     "workers": WorkersSection,
     "broker": BrokerSettings,
+    "capacity": CapacitySection,
+    "routing": RoutingSettings,
+    "breaker": BreakerSettings,
+    "fallback": FallbackSection,
+    "pressure": PressureSection,
+}
+
+
+#: Keys whose value may also have these types besides the default's (sizes as
+#: integer bytes, CPU quotas as numbers of cores).
+_ALSO_ACCEPTS: dict[str, tuple[type, ...]] = {
+    "workers.memory_max": (int,),
+    "workers.memory_high": (int,),
+    "workers.cpu_quota": (int, float),
 }
 
 
 def _build(cls: type, raw: dict[str, Any], section: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = dict(raw)
     for key, value in raw.items():
         if key not in fields:
             raise ConfigError(f"unknown config key {section}.{key}")
         expected = type(getattr(cls(), key))
+        if expected is tuple and isinstance(value, list):
+            # TOML arrays become tuples: frozen configs stay immutable and hashable.
+            values[key] = _int_tuple(f"{section}.{key}", value)
+            continue
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        also = _ALSO_ACCEPTS.get(f"{section}.{key}", ())
+        if isinstance(value, also) and not isinstance(value, bool):
             continue
         if type(value) is not expected:
             raise ConfigError(
                 f"{section}.{key} must be {expected.__name__}, got {type(value).__name__}"
             )
-    return cls(**raw)
+    return cls(**values)
+
+
+def _int_tuple(key: str, value: list[Any]) -> tuple[int, ...]:
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ConfigError(f"{key} must be a list of integers, got {value!r}")
+    return tuple(value)
+
+
+SANDBOX_MODES = ("auto", "required", "off")
+
+
+def _validate_isolation(w: WorkersSection) -> None:
+    """The sandbox and affinity keys (issue 4); cores are checked against the
+    host's allowed set later, by ``node.affinity.plan_cpus`` at start."""
+    _choice("workers.sandbox", w.sandbox, SANDBOX_MODES)
+    if w.cgroup_root and (not w.cgroup_root.startswith("/") or ".." in w.cgroup_root.split("/")):
+        raise ConfigError(
+            f'workers.cgroup_root must be "" or a cgroup path like "/edgenode.slice", '
+            f"got {w.cgroup_root!r}"
+        )
+    limit = memory_max_bytes(w)
+    high = memory_high_bytes(w)
+    if limit is not None and limit < MIN_MEMORY_MAX:
+        raise ConfigError(
+            f"workers.memory_max = {w.memory_max!r} is below {format_size(MIN_MEMORY_MAX)}: "
+            "a worker cannot even start in that"
+        )
+    if limit is not None and high is not None and high > limit:
+        raise ConfigError(
+            f"workers.memory_high ({w.memory_high!r}) must not exceed workers.memory_max "
+            f"({w.memory_max!r})"
+        )
+    try:
+        parse_cores(w.cpu_quota)
+    except ValueError as exc:
+        raise ConfigError(f"workers.cpu_quota: {exc}") from exc
+    if any(c < 0 for c in w.cpus) or len(set(w.cpus)) != len(w.cpus):
+        raise ConfigError(f"workers.cpus must list distinct core numbers >= 0, got {list(w.cpus)}")
+    if not 0 <= w.nice <= 19:
+        raise ConfigError(f"workers.nice must be 0..19, got {w.nice}")
+
+
+#: The smallest per-worker memory.max accepted (bytes): below it an interpreter cannot start.
+MIN_MEMORY_MAX = 16 * 1024 * 1024
+
+
+def memory_max_bytes(w: WorkersSection) -> int | None:
+    """``workers.memory_max`` in bytes; None = "max" (no limit).
+
+    Raises:
+        ConfigError: not a size.
+    """
+    return _size_or_max("workers.memory_max", w.memory_max)
+
+
+def memory_high_bytes(w: WorkersSection) -> int | None:
+    """``workers.memory_high`` in bytes: "" = 90 % of memory_max, "max" = no watermark (None).
+
+    Raises:
+        ConfigError: not a size.
+    """
+    if w.memory_high == "":
+        limit = memory_max_bytes(w)
+        return None if limit is None else limit * 9 // 10
+    return _size_or_max("workers.memory_high", w.memory_high)
+
+
+def _size_or_max(key: str, value: str | int) -> int | None:
+    if isinstance(value, str) and value.strip().lower() == "max":
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ConfigError(f'{key}: {exc}, or "max"') from exc
 
 
 def _positive(key: str, value: int, minimum: int) -> None:

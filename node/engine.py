@@ -121,9 +121,14 @@ def make_token_counter(spec: EngineSpec) -> Callable[[ClientRequest], int]:
 
 
 def make_engine(spec: EngineSpec) -> Engine:
-    """Build the engine named by ``spec.kind`` (``llama`` or ``test``)."""
+    """Build the engine named by ``spec.kind``: ``llama``, ``test`` or ``rules``
+    (the rule engine, with ``model_path`` naming its rules file)."""
     if spec.kind == "test":
         return TestEngine(spec)
+    if spec.kind == "rules":
+        from fallback.engine import RuleEngine
+
+        return RuleEngine.from_file(spec.model_path)
     from node.llama_engine import LlamaEngine  # llama_cpp loads only where needed
 
     return LlamaEngine(spec)

@@ -74,6 +74,23 @@ def _default_model() -> Path:
     return target
 
 
+def resolve_rules(path: str) -> Path:
+    """The rules file for ``fallback.rules``: ``"default"`` is the set shipped in
+    the ``fallback`` package (the same file as ``etc/rules.toml``).
+
+    Raises:
+        ConfigError: the file does not exist.
+    """
+    if path == DEFAULT_MODEL:
+        import fallback
+
+        return Path(fallback.__file__).parent / "default_rules.toml"
+    target = Path(path).expanduser()
+    if not target.is_file():
+        raise ConfigError(f"rules file {target} does not exist")
+    return target
+
+
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in 1 MiB blocks."""
     digest = hashlib.sha256()

@@ -61,6 +61,10 @@ class Supervisor:
         backoff_s / backoff_max_s: restart delay, doubled per consecutive failure.
         on_exit: told ``(worker_id, reason)`` when a process exits, so the broker
             fails over its requests without waiting for missed heartbeats.
+        prepare: called before every spawn (restarts included) with the worker's
+            spec; returns the spec to spawn with (e.g. with a fresh cgroup).
+        explain: ``(worker_id, returncode) -> reason or None``: a better exit reason
+            than the signal alone (e.g. the cgroup saw an OOM kill).
         clock: monotonic seconds.
     """
 
@@ -74,6 +78,8 @@ class Supervisor:
         on_exit: Callable[[str, str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         log_level: str = "info",
+        prepare: Callable[[WorkerSpec], WorkerSpec] | None = None,
+        explain: Callable[[str, int], str | None] | None = None,
     ) -> None:
         self.handles = {s.worker_id: WorkerHandle(s) for s in specs}
         self.log_dir = log_dir
@@ -83,6 +89,8 @@ class Supervisor:
         self.on_exit = on_exit
         self.clock = clock
         self.log_level = log_level
+        self.prepare = prepare
+        self.explain = explain
         self.stopping = False
 
     def start(self) -> None:
@@ -94,12 +102,13 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if handle.log_file is None:
             handle.log_file = open(self.log_dir / f"{handle.spec.worker_id}.log", "ab")  # noqa: SIM115
+        spec = self.prepare(handle.spec) if self.prepare is not None else handle.spec
         cmd = [
             sys.executable,
             "-m",
             "node.worker",
             "--spec",
-            handle.spec.to_json(),
+            spec.to_json(),
             "--log-level",
             self.log_level,
         ]
@@ -164,6 +173,9 @@ class Supervisor:
     def _reaped(self, handle: WorkerHandle, code: int, now: float) -> None:
         handle.proc = None
         reason = describe_exit(code)
+        better = self.explain(handle.spec.worker_id, code) if self.explain is not None else None
+        if better:
+            reason = f"{better} ({reason})"
         if handle.last_exit and code < 0:
             reason = f"{handle.last_exit} ({reason})"
         handle.last_exit = reason

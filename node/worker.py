@@ -33,7 +33,9 @@ import zmq
 from broker import protocol as p
 from broker.errors import EdgeNodeError
 from broker.protocol import WorkerCommand
+from node.affinity import apply_placement
 from node.engine import Engine, EngineSpec, make_engine
+from node.sandbox import join_cgroup
 
 log = logging.getLogger("edgenode.worker")
 
@@ -58,6 +60,11 @@ class WorkerSpec:
     heartbeat_interval_ms: int = 1000
     heartbeat_liveness: int = 3
     info: dict[str, Any] = field(default_factory=dict)
+    #: ``cgroup.procs`` files to join before loading (from ``Sandbox.create_worker``).
+    cgroup_procs: tuple[str, ...] = ()
+    #: Cores to pin to (empty = leave affinity alone) and the nice level.
+    cpus: tuple[int, ...] = ()
+    nice: int = 0
 
     def to_json(self) -> str:
         """Serialize for ``--spec``."""
@@ -68,6 +75,8 @@ class WorkerSpec:
         """Parse ``--spec``; raises ``ValueError``/``TypeError``/``KeyError`` if malformed."""
         data = json.loads(text)
         data["engine"] = EngineSpec(**data["engine"])
+        data["cgroup_procs"] = tuple(data.get("cgroup_procs", ()))
+        data["cpus"] = tuple(data.get("cpus", ()))
         return cls(**data)
 
 
@@ -173,6 +182,8 @@ class WorkerLoop:
             "pid": os.getpid(),
             "cpus": sorted(os.sched_getaffinity(0)),
             "threads": self.spec.engine.threads,
+            "cgroup": _cgroup_dir(self.spec.cgroup_procs),
+            "nice": os.getpriority(os.PRIO_PROCESS, 0),
             "protocol": p.PROTOCOL_VERSION,
             **self.spec.info,
         }
@@ -295,6 +306,11 @@ class WorkerLoop:
             self.ctx.term()
 
 
+def _cgroup_dir(procs_files: tuple[str, ...]) -> str | None:
+    """The worker's cgroup directory (the first hierarchy's), for READY and status."""
+    return os.path.dirname(procs_files[0]) if procs_files else None
+
+
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when the node that spawned it dies.
 
@@ -334,6 +350,15 @@ def main(argv: list[str] | None = None) -> int:
         spec = WorkerSpec.from_json(args.spec)
     except (ValueError, TypeError, KeyError) as exc:
         log.error("bad worker spec: %s", exc)
+        return EXIT_CONFIG
+    try:
+        # Before the model loads: its page cache is charged to whoever touches
+        # it first, and llama.cpp's threads inherit the affinity and nice level.
+        join_cgroup(spec.cgroup_procs)
+        if spec.cpus or spec.nice:
+            apply_placement(spec.cpus or tuple(os.sched_getaffinity(0)), spec.nice)
+    except EdgeNodeError as exc:
+        log.error("cannot enter the sandbox: %s", exc.message)
         return EXIT_CONFIG
     try:
         engine = make_engine(spec.engine)

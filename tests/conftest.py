@@ -24,13 +24,19 @@ FAST_BROKER = {
 
 @pytest.fixture
 def make_node() -> Iterator[Callable[..., NodeProcess]]:
-    """Factory: ``make_node(workers={...}, broker={...})`` starts a node with the test engine."""
+    """Factory: ``make_node(workers={...}, broker={...})`` starts a node with the test engine.
+
+    Sections given replace keys of the defaults below; ``start=False`` returns
+    the node unstarted (for CLI tests).
+    """
     nodes: list[NodeProcess] = []
 
     def factory(start: bool = True, **sections: dict[str, Any]) -> NodeProcess:
         merged: dict[str, dict[str, Any]] = {
             "workers": {"engine": "test", "count": 2, "test_token_ms": 10},
             "broker": dict(FAST_BROKER),
+            # No rule worker unless a test asks for one: pool sizes stay the model's.
+            "fallback": {"rules": ""},
         }
         for name, values in sections.items():
             merged.setdefault(name, {}).update(values)

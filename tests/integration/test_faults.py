@@ -23,6 +23,7 @@ import pytest
 from broker.client import Client
 from broker.errors import EdgeNodeError
 from node.engine import EngineSpec
+from node.model import resolve_model
 from node.worker import WorkerSpec
 from nodeproc import REPO, Collector, NodeProcess
 
@@ -282,8 +283,11 @@ def test_no_false_death_on_30s_generation_and_slow_load(make_node: NodeFactory) 
 
 
 def test_deterministic_start_failure_is_not_restarted(make_node: NodeFactory) -> None:
-    bad = Path(tempfile.mkdtemp(prefix="en-")) / "broken.gguf"
-    bad.write_bytes(b"GGUF" + b"\0" * 64)  # passes the magic check, fails to load
+    bad = Path(tempfile.mkdtemp(prefix="en-")) / "truncated.gguf"
+    # The real model's header and metadata (so the capacity check passes) without
+    # most of its tensor data: llama.cpp refuses to load it, every time.
+    with open(resolve_model("default"), "rb") as src:
+        bad.write_bytes(src.read(8_000_000))
     node = make_node(start=False, model={"path": str(bad)}, workers={"engine": "llama"})
     result = node.cli("start", "--wait-s", "60")
     try:

@@ -44,7 +44,17 @@ def test_shipped_file_equals_the_builtin_defaults() -> None:
 
 def test_shipped_file_documents_every_key() -> None:
     data = tomllib.loads(SHIPPED.read_text())
-    assert set(data) == {"node", "model", "workers", "broker"}
+    assert set(data) == {
+        "node",
+        "model",
+        "workers",
+        "broker",
+        "capacity",
+        "routing",
+        "breaker",
+        "fallback",
+        "pressure",
+    }
     for section, values in to_dict(DEFAULTS).items():
         assert set(data[section]) == set(values), section
 
@@ -177,6 +187,9 @@ def _as_toml(data: dict[str, dict[str, Any]]) -> str:
                 lines.append(f'{key} = "{value}"')
             elif isinstance(value, bool):
                 lines.append(f"{key} = {str(value).lower()}")
+            elif isinstance(value, list):
+                assert all(type(v) is int for v in value), (key, value)
+                lines.append(f"{key} = {value}")
             else:
                 assert type(value) in (int, float), (key, value)
                 lines.append(f"{key} = {value}")

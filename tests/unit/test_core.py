@@ -267,7 +267,7 @@ def test_unknown_worker_is_told_to_disconnect(
     assert len(h.broker.workers) == 0 and h.broker.events == []
     h.send(generate("a"), 0.1)  # and it did not become a worker with credit
     assert h.drain_workers() == []
-    h.broker.abort_all("test over")
+    h.broker.abort_all("test over", 0.0)
     h.assert_each_answered_once()
 
 
@@ -727,7 +727,7 @@ def test_abort_all_answers_every_pending_request_once(h: BrokerHarness) -> None:
     h.drain_workers()
     h.tick(0.1, keepalive=(W1,))  # "expiring" is answered 504 and waits for its ack
     assert only_reply(h)["id"] == "expiring"
-    h.broker.abort_all("node is stopping")
+    h.broker.abort_all("node is stopping", 1.0)
     replies = {r["id"]: r for r in h.replies()}
     assert set(replies) == {"running", "queued"}
     for reply in replies.values():

@@ -1,0 +1,232 @@
+"""Which engine answers: migration modes, the circuit breaker and the fallback.
+
+Devices adopt a model beside their legacy rule engine in stages (DESIGN.md §4):
+
+* ``shadow``: the rules answer; the model gets a copy only when it has free
+  credit right now, so it can never delay an answer;
+* ``dual``: the rules answer; the model always runs a copy; both are compared;
+* ``degrade``: the model answers, and the rules take over when the breaker is
+  open, no model worker is registered, memory is under pressure, or the model
+  cannot produce a first token within the latency budget;
+* ``full``: the model only; typed errors when it cannot serve.
+
+Only ``route: "auto"`` requests follow the mode; ``llm`` and ``rules`` are
+explicit. The router is sans-I/O like the core: it decides, keeps the breaker's
+books, and queues migration records (plain dicts) for the node to log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from broker.admission import Shed
+from broker.breaker import BreakerSettings, CircuitBreaker, Permit
+from broker.errors import ErrorCode
+from broker.protocol import ClientRequest
+from broker.records import Job
+
+MODES = ("shadow", "dual", "degrade", "full")
+#: How much of a prompt a migration record keeps (chars).
+PROMPT_CHARS = 500
+
+
+@dataclass(frozen=True)
+class RoutingSettings:
+    """``mode`` (see above); ``ttft_budget_ms``: degrade mode's latency budget to
+    the first token (the seed's example: 200 ms)."""
+
+    mode: str = "degrade"
+    ttft_budget_ms: int = 200
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """What the router needs to know about the pool at one moment."""
+
+    llm_workers: int
+    llm_free: int
+    rules_workers: int
+    llm_wait_s: float
+    pressure: str
+
+
+@dataclass(frozen=True)
+class Route:
+    """A decision: the engine ``kind``, why it is a fallback (``degraded``, ""
+    if not), the breaker permit of a model call, and whether the model also
+    gets a ``copy`` (``shadow`` or ``dual``)."""
+
+    kind: str
+    degraded: str = ""
+    permit: Permit | None = None
+    copy: str = ""
+    watch_ttft: bool = False
+
+
+class Router:
+    """Applies the mode, owns the circuit breaker and the pairs awaiting comparison."""
+
+    def __init__(
+        self, settings: RoutingSettings | None = None, breaker: BreakerSettings | None = None
+    ) -> None:
+        self.settings = settings or RoutingSettings()
+        self.breaker = CircuitBreaker(breaker)
+        self.records: list[dict[str, Any]] = []
+        self._pairs: dict[int, dict[str, Any]] = {}
+
+    @property
+    def mode(self) -> str:
+        return self.settings.mode
+
+    def route(self, req: ClientRequest, pool: PoolView, now: float) -> Route | Shed:
+        """Decide where ``req`` goes (see the module docstring)."""
+        if req.route == "rules":
+            return Route("rules")
+        mode = "full" if req.route == "llm" else self.mode
+        if mode == "full" or (mode == "degrade" and pool.rules_workers == 0):
+            return self._model_only(now)
+        if mode in ("shadow", "dual"):
+            wants_copy = pool.llm_workers > 0 and (mode == "dual" or pool.llm_free > 0)
+            return Route("rules", copy=mode if wants_copy else "")
+        reason = self._fallback_reason(pool)
+        if reason:
+            return Route("rules", degraded=reason)
+        permit = self.breaker.allow(now)
+        if permit is None:
+            return Route("rules", degraded="circuit_open")
+        return Route("llm", permit=permit, watch_ttft=self.settings.ttft_budget_ms > 0)
+
+    def _model_only(self, now: float) -> Route | Shed:
+        permit = self.breaker.allow(now)
+        if permit is None:
+            return Shed(
+                ErrorCode.UNAVAILABLE,
+                "circuit_open",
+                "the model pool is failing (circuit breaker open)",
+                self.breaker.retry_after_ms(now),
+            )
+        return Route("llm", permit=permit)
+
+    def _fallback_reason(self, pool: PoolView) -> str:
+        if pool.llm_workers == 0:
+            return "no_model_worker"
+        if pool.pressure != "ok":
+            return "memory_pressure"
+        if pool.llm_wait_s * 1000 > self.settings.ttft_budget_ms:
+            return "latency_budget"
+        return ""
+
+    # ------------------------------------------------------------------ outcomes
+
+    def worker_failed(self, job: Job | None, now: float, reason: str) -> None:
+        """A model worker was lost (with ``job`` on it, or idle): a pool failure."""
+        if job is not None and job.permit is not None:
+            self.breaker.record(job.permit, now, ok=False)
+            job.permit = None  # a re-dispatch runs without a say in the verdict
+        elif job is None:
+            self.breaker.note_failure(now, reason)
+
+    def release(self, job: Job, now: float) -> None:
+        """The job stops being a model call without an outcome (rerouted, cancelled)."""
+        if job.permit is not None:
+            self.breaker.release(job.permit, now)
+            job.permit = None
+
+    def finished(self, job: Job, body: dict[str, Any], now: float) -> None:
+        """``job`` ended with the final ``body`` (sent to its client, or a copy's result)."""
+        self._settle_permit(job, body, now)
+        if job.copy_of is not None:
+            self._half(job.copy_of, "llm", job, body, now)
+        elif job.rid in self._pairs:
+            self._half(job.rid, "rules", job, body, now)
+        elif job.degraded:
+            self.records.append(
+                {
+                    "event": "fallback",
+                    "mode": self.mode,
+                    "id": job.req.id,
+                    "reason": job.degraded,
+                    "latency_ms": _ms(now - job.accepted_at),
+                }
+            )
+        elif job.kind == "llm":
+            outcome = _outcome(job, body, now)
+            del outcome["text"]  # latency is what the report needs, not every answer
+            self.records.append({"event": "llm", "mode": self.mode, "id": job.req.id, **outcome})
+
+    def open_pair(self, primary: Job, mode: str) -> None:
+        """``primary`` (answered by the rules) will be compared with a model copy."""
+        req = primary.req
+        prompt = req.prompt if req.prompt is not None else (req.messages or (("", ""),))[-1][1]
+        self._pairs[primary.rid] = {
+            "event": "pair",
+            "mode": mode,
+            "id": req.id,
+            "prompt": prompt[:PROMPT_CHARS],
+            "schema": req.json_schema is not None,
+            "rules": None,
+            "llm": None,
+        }
+
+    def copy_skipped(self, job: Job, reason: str) -> None:
+        """The model copy of ``job`` was not made (no free credit, queue full)."""
+        self.records.append(
+            {"event": "copy_skipped", "mode": self.mode, "id": job.req.id, "reason": reason}
+        )
+
+    def _half(self, rid: int, side: str, job: Job, body: dict[str, Any], now: float) -> None:
+        pair = self._pairs.get(rid)
+        if pair is None:
+            return
+        result = _outcome(job, body, now)
+        if side == "rules":
+            result |= {"confidence": body.get("confidence"), "rule": body.get("rule")}
+        pair[side] = result
+        if pair["rules"] is not None and pair["llm"] is not None:
+            self.records.append(self._pairs.pop(rid))
+
+    def _settle_permit(self, job: Job, body: dict[str, Any], now: float) -> None:
+        if job.permit is None:
+            return
+        permit, job.permit = job.permit, None
+        code = body.get("code")
+        if body.get("status") == "ok":
+            started = job.dispatched_at if job.dispatched_at is not None else now
+            first = job.first_token_at if job.first_token_at is not None else now
+            self.breaker.record(permit, now, ok=True, duration_s=first - started)
+        elif code in (ErrorCode.INTERNAL, ErrorCode.UNAVAILABLE):
+            self.breaker.record(permit, now, ok=False)
+        elif code == ErrorCode.DEADLINE_EXCEEDED and job.dispatched_at is not None:
+            elapsed = now - job.dispatched_at
+            if elapsed > self.breaker.settings.slow_call_ms / 1000:
+                self.breaker.record(permit, now, ok=True, duration_s=elapsed)
+            else:
+                self.breaker.release(permit, now)  # the budget was tight, not the pool slow
+        else:
+            self.breaker.release(permit, now)  # cancelled, too large: not the pool's fault
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """For ``status``: the mode, the budget and the breaker."""
+        return {
+            "mode": self.mode,
+            "ttft_budget_ms": self.settings.ttft_budget_ms,
+            "breaker": self.breaker.snapshot(now),
+            "pairs_pending": len(self._pairs),
+        }
+
+
+def _outcome(job: Job, body: dict[str, Any], now: float) -> dict[str, Any]:
+    ttft = None if job.first_token_at is None else _ms(job.first_token_at - job.accepted_at)
+    return {
+        "status": body.get("status"),
+        "text": body.get("text", ""),
+        "latency_ms": _ms(now - job.accepted_at),
+        "ttft_ms": ttft,
+        "worker": body.get("worker"),
+        "code": body.get("code"),
+    }
+
+
+def _ms(seconds: float) -> int:
+    return max(0, round(seconds * 1000))

@@ -1,0 +1,461 @@
+"""Capacity model: how many sequences fit in the memory budget, before anything starts.
+
+``total = weights + N x (KV per sequence + runtime per worker)`` (bytes), from the
+GGUF metadata (read without loading the weights) and the budget:
+
+* KV per sequence = ``kv_bytes_per_token x pad256(n_ctx)``; ``kv_bytes_per_token``
+  = sum over layers of ``n_head_kv x (key_length x bytes_K + value_length x
+  bytes_V)`` (llama.cpp src/llama-kv-cache.cpp; key/value length default to
+  embedding_length / head_count). Bytes per element are ggml's ``type_size /
+  block_size`` (gguf ``GGML_QUANT_SIZES``): f16 2, q8_0 34/32, q4_0 18/32.
+  llama.cpp pads the context, ``GGML_PAD(n_ctx, 256)`` (src/llama-context.cpp).
+  Sliding-window layers count in full: llama-cpp-python keeps llama.cpp's default
+  ``swa_full`` (logged "using full-size SWA cache"; the ``llama_kv_cache: size``
+  lines of the default model match this formula exactly).
+* Weights = the GGUF tensor bytes: one shared page cache when mmapped and not
+  repacked (``model.repack = false``), counted once; a private copy per worker
+  when repacked (see ``node.llama_engine``), counted per worker.
+* Runtime per worker = ``capacity.runtime_overhead`` (interpreter, libraries,
+  llama.cpp's fixed buffers; measured by ``scripts/bench_memory.py``) plus the
+  attention scratch that grows with the context: without flash attention
+  llama.cpp materialises f32 ``KQ`` and ``softmax(KQ)``, ``n_ctx x n_ubatch x
+  n_head`` each (fits the default model's measured private memory within 6 %
+  from n_ctx 256 to 8192).
+
+Sizes are binary (``G`` = GiB = 2**30, ``M`` = MiB; ``node.units``), as systemd's
+``MemoryMax=`` reads them. That makes the textbook example exact: 8G - 4.2G
+weights - 1.5G reserve = 2.3 GiB left; 2.3 GiB / 256 MiB = 9.2, so 9 sequences
+(in SI units, 2.3 GB / 256 MB = 8.98 would give 8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import mmap
+import struct
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psutil
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from broker.errors import ConfigError
+from node.model import resolve_model
+from node.units import format_size as _format_size
+from node.units import parse_size
+
+if TYPE_CHECKING:
+    from node.config import NodeConfig
+
+CTX_PAD = 256  # llama.cpp: GGML_PAD(n_ctx, 256)
+N_UBATCH = 512  # llama-cpp-python's default n_ubatch
+PAGE = 4096
+KV_TYPES = {
+    "f16": GGMLQuantizationType.F16,
+    "q8_0": GGMLQuantizationType.Q8_0,
+    "q4_0": GGMLQuantizationType.Q4_0,
+}
+
+
+def format_size(n: int) -> str:
+    """``node.units.format_size`` that also shows a deficit: ``-235.2 MiB``."""
+    return "-" + _format_size(-n) if n < 0 else _format_size(n)
+
+
+def config_size(value: str | int, key: str) -> int:
+    """Bytes of a size as an operator writes it (``node.units``: "8G", "1.5G", "256M").
+
+    Raises:
+        ConfigError: not a size; the message names ``key``.
+    """
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class ModelMeta:
+    """What the plan needs from a GGUF file (lengths in elements, weights in bytes)."""
+
+    path: str
+    name: str
+    n_layer: int
+    n_head: int
+    n_head_kv: tuple[int, ...]  # per layer; 0 = a layer without attention
+    key_length: int
+    value_length: int
+    weights_bytes: int  # sum of the tensors' n_bytes
+
+
+def read_gguf_meta(path: Path | str) -> ModelMeta:
+    """Read a GGUF file's metadata and tensor table without touching the weights.
+
+    A header walk (ggml docs/gguf.md) with the gguf package's tables, because
+    ``gguf.GGUFReader`` decodes every vocabulary string into numpy arrays: 17 s
+    and 740 MB RSS on the default model, against ~0.2 s and a few MB here.
+
+    Raises:
+        ConfigError: unreadable, not little-endian GGUF v2/v3, keys missing, or an
+            architecture the formula does not cover (MLA, recurrent state).
+    """
+    try:
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            kv, weights = _walk_gguf(buf)
+        arch = kv["general.architecture"]
+        if f"{arch}.attention.kv_lora_rank" in kv or f"{arch}.ssm.state_size" in kv:
+            raise ConfigError(f"{path}: {arch} (MLA/recurrent) needs --weights and --kv-per-seq")
+        n_layer, n_embd = int(kv[f"{arch}.block_count"]), int(kv[f"{arch}.embedding_length"])
+        heads = _per_layer(kv[f"{arch}.attention.head_count"], n_layer)
+        return ModelMeta(
+            path=str(path),
+            name=str(kv.get("general.name", Path(path).name)),
+            n_layer=n_layer,
+            n_head=heads[0],
+            n_head_kv=_per_layer(kv.get(f"{arch}.attention.head_count_kv", list(heads)), n_layer),
+            key_length=int(kv.get(f"{arch}.attention.key_length", n_embd // heads[0])),
+            value_length=int(kv.get(f"{arch}.attention.value_length", n_embd // heads[0])),
+            weights_bytes=weights,
+        )
+    except (OSError, ValueError, KeyError, IndexError, ZeroDivisionError, struct.error) as exc:
+        raise ConfigError(f"cannot read the GGUF metadata of {path}: {exc!r}") from exc
+
+
+def _per_layer(value: Any, n_layer: int) -> tuple[int, ...]:
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),) * n_layer
+
+
+#: GGUFValueType -> struct format; 8 = STRING, 9 = ARRAY.
+_SCALAR = dict(zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd", strict=True))
+_STRING, _ARRAY, _BIG_ARRAY = 8, 9, 4096  # longer arrays (the vocabulary) are not kept
+
+
+def _walk_gguf(buf: mmap.mmap) -> tuple[dict[str, Any], int]:
+    """(metadata, total tensor bytes) of a GGUF v2/v3 file."""
+    magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"not a little-endian GGUF v2/v3 file ({magic!r}, version {version})")
+    pos, kv, weights = 24, {}, 0
+    for _ in range(n_kv):
+        key, pos = _value(buf, pos, _STRING)
+        (vtype,) = struct.unpack_from("<I", buf, pos)
+        kv[key], pos = _value(buf, pos + 4, vtype)
+    for _ in range(n_tensors):
+        _, pos = _value(buf, pos, _STRING)
+        (n_dims,) = struct.unpack_from("<I", buf, pos)
+        *dims, ttype, _offset = struct.unpack_from(f"<{n_dims}QIQ", buf, pos + 4)
+        pos += 4 + 8 * n_dims + 12
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+        weights += math.prod(dims) // block * size
+    return kv, weights
+
+
+def _value(buf: mmap.mmap, pos: int, vtype: int) -> tuple[Any, int]:
+    if vtype == _STRING:
+        (n,) = struct.unpack_from("<Q", buf, pos)
+        return buf[pos + 8 : pos + 8 + n].decode("utf-8", "replace"), pos + 8 + n
+    if vtype != _ARRAY:
+        fmt = "<" + _SCALAR[vtype]
+        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+    etype, count = struct.unpack_from("<IQ", buf, pos)
+    pos += 12
+    if etype in _SCALAR and count > _BIG_ARRAY:
+        return None, pos + count * struct.calcsize("<" + _SCALAR[etype])
+    items = []
+    for _ in range(count):
+        item, pos = _value(buf, pos, etype)
+        if count <= _BIG_ARRAY:
+            items.append(item)
+    return (items if count <= _BIG_ARRAY else None), pos
+
+
+def bytes_per_element(kv_type: str) -> Fraction:
+    """ggml's ``type_size / block_size`` of a KV cache type: f16 2, q8_0 34/32, q4_0 18/32.
+
+    Raises:
+        ConfigError: not one of ``KV_TYPES``.
+    """
+    if kv_type not in KV_TYPES:
+        raise ConfigError(f"kv type must be one of {', '.join(KV_TYPES)}; got {kv_type!r}")
+    block, size = GGML_QUANT_SIZES[KV_TYPES[kv_type]]
+    return Fraction(size, block)
+
+
+def kv_bytes_per_token(meta: ModelMeta, type_k: str = "f16", type_v: str | None = None) -> int:
+    """Bytes of K and V cache per context cell, all layers (rounded up)."""
+    b_k, b_v = bytes_per_element(type_k), bytes_per_element(type_v or type_k)
+    per_head = meta.key_length * b_k + meta.value_length * b_v
+    return math.ceil(sum(h * per_head for h in meta.n_head_kv))
+
+
+def kv_cells(n_ctx: int) -> int:
+    """Context cells llama.cpp allocates for ``n_ctx``: rounded up to a multiple of 256."""
+    return -(-n_ctx // CTX_PAD) * CTX_PAD
+
+
+def attention_scratch(meta: ModelMeta, n_ctx: int, n_batch: int) -> int:
+    """Bytes of f32 ``KQ`` + ``softmax(KQ)``: ``2 x 4 x n_head x n_ubatch x cells``, with
+    n_ubatch = min(n_ctx, n_batch, 512) as llama-cpp-python sets it."""
+    return 2 * 4 * meta.n_head * min(n_ctx, n_batch, N_UBATCH) * kv_cells(n_ctx)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A memory plan for ``workers`` one-sequence workers (sizes in bytes).
+
+    ``per_worker = private weights + kv_per_seq + runtime_per_worker`` and ``left
+    = budget - reserve - shared weights``: ``left // per_worker`` sequences fit
+    before the margin. With it each worker is budgeted at its hard limit
+    ``memory_max = per_worker x (1 + margin)``, so ``fits_safe = left //
+    memory_max`` and the limits together never reach into the reserve.
+    ``memory_high = per_worker x (1 + margin / 2)`` is the soft line (v2 reclaims
+    and throttles above it; on v1 the node watches usage against it). Limits
+    cover private memory only: the shared weights must be charged to the node's
+    cgroup (faulted in before workers start), as page cache is charged to the
+    cgroup that first touches it.
+    """
+
+    budget: int
+    reserve: int
+    weights: int
+    kv_per_seq: int
+    workers: int
+    margin: float = 0.1
+    runtime_overhead: int = 0  # per worker, constant part
+    weights_shared: bool = True
+    budget_source: str = "given"
+    model: str = ""
+    n_ctx: int = 0  # 0 = sizes given by hand, no model read
+    n_batch: int = 0
+    kv_type: str = ""
+    kv_per_token: int = 0
+    scratch: int = 0  # per worker, grows with n_ctx
+
+    def __post_init__(self) -> None:
+        if min(self.budget, self.weights, self.kv_per_seq, self.reserve, self.workers) < 0:
+            raise ConfigError("sizes and the worker count must not be negative")
+        if not 0 <= self.margin < 1:
+            raise ConfigError(f"capacity.safety_margin must be in [0, 1); got {self.margin}")
+        if self.per_worker <= 0:
+            raise ConfigError("the per-sequence size must be positive (--kv-per-seq)")
+
+    @property
+    def runtime_per_worker(self) -> int:
+        """Everything private to a worker except its KV (and weights copy)."""
+        return self.runtime_overhead + self.scratch
+
+    @property
+    def shared_weights(self) -> int:
+        """Weights counted once (mmapped page cache), or 0 when each worker has a copy."""
+        return self.weights if self.weights_shared else 0
+
+    @property
+    def per_worker(self) -> int:
+        """Private memory of one worker, its sequence's KV included."""
+        private = 0 if self.weights_shared else self.weights
+        return private + self.kv_per_seq + self.runtime_per_worker
+
+    @property
+    def left(self) -> int:
+        """What the workers may use: budget - reserve - shared weights."""
+        return self.budget - self.reserve - self.shared_weights
+
+    @property
+    def total(self) -> int:
+        """Estimate of the model side: weights + N x (KV + runtime)."""
+        return self.shared_weights + self.workers * self.per_worker
+
+    @property
+    def memory_max(self) -> int:
+        """Per-worker cgroup ``memory.max``, page-rounded."""
+        return _page_up(self.per_worker * (1 + self.margin))
+
+    @property
+    def memory_high(self) -> int:
+        """Per-worker cgroup ``memory.high``, page-rounded."""
+        return _page_up(self.per_worker * (1 + self.margin / 2))
+
+    @property
+    def fits_before_margin(self) -> int:
+        """Concurrent sequences that fit on the bare estimates."""
+        return max(0, self.left // self.per_worker)
+
+    @property
+    def fits_safe(self) -> int:
+        """Concurrent sequences that fit with every worker at its ``memory_max``."""
+        return max(0, self.left // self.memory_max)
+
+    @property
+    def fits(self) -> bool:
+        """Whether the asked workers fit with the margin."""
+        return self.workers <= self.fits_safe
+
+    def as_dict(self) -> dict[str, Any]:
+        """Fields and derived values (``--json``, ``status``)."""
+        return dataclasses.asdict(self) | {k: getattr(self, k) for k in _DERIVED_KEYS}
+
+
+_DERIVED = "runtime_per_worker shared_weights per_worker left total memory_max memory_high"
+_DERIVED += " fits_before_margin fits_safe fits"
+_DERIVED_KEYS = _DERIVED.split()
+
+
+def _page_up(n: float) -> int:
+    return math.ceil(n / PAGE) * PAGE
+
+
+def model_plan(meta: ModelMeta, **ask: Any) -> Plan:
+    """The plan for ``meta``: ``ask`` holds ``Plan`` fields (budget, reserve, workers,
+    margin, ..., n_ctx, n_batch, kv_type); the model's sizes are derived."""
+    per_token = kv_bytes_per_token(meta, ask["kv_type"])
+    return Plan(
+        weights=meta.weights_bytes,
+        kv_per_seq=per_token * kv_cells(ask["n_ctx"]),
+        model=meta.name,
+        kv_per_token=per_token,
+        scratch=attention_scratch(meta, ask["n_ctx"], ask["n_batch"]),
+        **ask,
+    )
+
+
+def cgroup_memory_limit(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """The smallest memory limit on this process's cgroup or an ancestor (v2
+    ``memory.max``, v1 ``memory.limit_in_bytes``), or None when unlimited."""
+    limits: list[int] = []
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers and "memory" not in controllers.split(","):
+            continue
+        base = root / "memory" if controllers else root
+        name = "memory.limit_in_bytes" if controllers else "memory.max"
+        for node in [base / path.lstrip("/"), *(base / path.lstrip("/")).parents]:
+            limits += _read_limit(node / name)
+            if node == base:
+                break
+    return min(limits) if limits else None
+
+
+def _read_limit(path: Path) -> list[int]:
+    try:
+        limit = int(path.read_text())
+    except (OSError, ValueError):  # absent, or v2's "max"
+        return []
+    return [] if limit >= 1 << 62 else [limit]  # v1's "unlimited" is a page-rounded LONG_MAX
+
+
+def detect_budget() -> tuple[int, str]:
+    """(bytes, source): the node's cgroup memory limit when set, else total RAM."""
+    total, limit = psutil.virtual_memory().total, cgroup_memory_limit()
+    return (limit, "cgroup memory limit") if limit and limit < total else (total, "total RAM")
+
+
+def configured_budget(config: NodeConfig) -> tuple[int, str]:
+    """(bytes, source) of ``capacity.memory_budget``, or detected when it is "".
+
+    Raises:
+        ConfigError: ``capacity.memory_budget`` is not a size.
+    """
+    key, text = "capacity.memory_budget", config.capacity.memory_budget
+    return (config_size(text, key), key) if text else detect_budget()
+
+
+def config_plan(config: NodeConfig, **overrides: Any) -> tuple[Plan, ModelMeta | None]:
+    """The plan for ``config`` and the model's metadata (None for the test engine:
+    no model, only its runtime overhead is planned). ``overrides`` that are not
+    None replace ``Plan`` inputs (``budget``, ``reserve``, ``workers``, ``n_ctx``,
+    ``kv_type``; sizes in bytes).
+
+    Raises:
+        ConfigError: a bad capacity key (named), or the model cannot be read.
+    """
+    cap, m = config.capacity, config.model
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if "budget" not in given:
+        given["budget"], given["budget_source"] = configured_budget(config)
+    ask: dict[str, Any] = {
+        "reserve": config_size(cap.reserve, "capacity.reserve"),
+        "workers": config.workers.count,
+        "margin": cap.safety_margin,
+        "runtime_overhead": config_size(cap.runtime_overhead, "capacity.runtime_overhead"),
+        "weights_shared": not m.repack,
+    } | given
+    if config.workers.engine != "llama":
+        return Plan(weights=0, kv_per_seq=0, model="test engine", **ask), None
+    ask = {"n_ctx": m.n_ctx, "n_batch": m.n_batch, "kv_type": m.kv_type} | ask
+    meta = read_gguf_meta(resolve_model(m.path))
+    return model_plan(meta, **ask), meta
+
+
+def check_fits(config: NodeConfig) -> Plan:
+    """The plan for ``config``, or a refusal; ``edgenode start`` calls it first.
+
+    Raises:
+        ConfigError: the configured workers do not fit the budget with the margin
+            (the message says what was asked, what fits and which knob to turn),
+            or a capacity key is invalid.
+    """
+    plan, meta = config_plan(config)
+    if not plan.fits:
+        raise ConfigError(refusal(plan, meta))
+    return plan
+
+
+def refusal(plan: Plan, meta: ModelMeta | None) -> str:
+    """Why ``plan`` does not fit, and the knobs that would make it fit."""
+    return (
+        f"capacity: {plan.workers} worker(s) do not fit. Each needs {format_size(plan.per_worker)}"
+        f" ({breakdown(plan)}), {format_size(plan.memory_max)} with the {plan.margin:.0%} margin;"
+        f" {format_size(plan.left)} is left of the {format_size(plan.budget)} budget"
+        f" ({plan.budget_source}) after the {format_size(plan.reserve)} reserve and"
+        f" {format_size(plan.shared_weights)} of shared weights, so {plan.fits_safe} fit."
+        " Turn a knob: " + "; or ".join(advice(plan, meta)) + "."
+    )
+
+
+def breakdown(plan: Plan) -> str:
+    """One worker's estimate: ``KV 36.0 MiB + runtime 115.0 MiB`` (+ private weights)."""
+    parts = [] if plan.weights_shared else [f"weights {format_size(plan.weights)}"]
+    parts += [
+        f"KV {format_size(plan.kv_per_seq)}",
+        f"runtime {format_size(plan.runtime_per_worker)}",
+    ]
+    return " + ".join(parts)
+
+
+def advice(plan: Plan, meta: ModelMeta | None) -> list[str]:
+    """Knob settings that would make ``plan.workers`` fit, most direct first."""
+    tips = [f"workers.count = {plan.fits_safe} (--workers)"] if plan.fits_safe else []
+    if meta is not None:
+        ctxs = range(kv_cells(plan.n_ctx) - CTX_PAD, 0, -CTX_PAD)
+        ctx = next((n for n in ctxs if _replan(plan, meta, n_ctx=n).fits), None)
+        if ctx:
+            tips.append(f"model.n_ctx = {ctx} (--n-ctx)")
+        smaller = [k for k in KV_TYPES if bytes_per_element(k) < bytes_per_element(plan.kv_type)]
+        kv = next((k for k in smaller if _replan(plan, meta, kv_type=k).fits), None)
+        if kv:
+            tips.append(f'model.kv_type = "{kv}" (--kv-type; needs flash attention)')
+        if not plan.weights_shared and _replan(plan, meta, weights_shared=True).fits:
+            tips.append("model.repack = false (one shared copy of the weights)")
+    need = -(-(plan.reserve + plan.shared_weights + plan.workers * plan.memory_max) // (1 << 20))
+    tips.append(
+        f'capacity.memory_budget = "{need}M" or more (--memory), or a smaller capacity.reserve'
+        " (--reserve)"
+    )
+    return tips
+
+
+_ASK = "budget reserve workers margin runtime_overhead weights_shared budget_source n_ctx"
+_ASK_KEYS = [*_ASK.split(), "n_batch", "kv_type"]
+
+
+def _replan(plan: Plan, meta: ModelMeta, **changes: Any) -> Plan:
+    return model_plan(meta, **({k: getattr(plan, k) for k in _ASK_KEYS} | changes))

@@ -1,0 +1,182 @@
+"""``edgenode capacity``: print the memory plan, from the model or from sizes given by hand.
+
+With ``--weights`` and ``--kv-per-seq`` it is the textbook calculation (no model
+read, runtime 0): ``edgenode capacity --memory 8G --weights 4.2G --kv-per-seq
+256M --reserve 1.5G`` leaves 2.3 GiB, so 9 sequences fit before the margin.
+Without them it reads the configured model's GGUF metadata. Exit status 1 when
+the asked workers do not fit (the plan is printed anyway).
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from broker.errors import EdgeNodeError
+from node.capacity import (
+    KV_TYPES,
+    ModelMeta,
+    Plan,
+    advice,
+    breakdown,
+    bytes_per_element,
+    config_plan,
+    config_size,
+    configured_budget,
+    format_size,
+    kv_cells,
+)
+from node.config import NodeConfig, load_config
+from node.units import parse_size
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """Click callback: a size in binary units (``node.units``: 8G, 1.5G, 256M)."""
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"{exc} (binary units: 8G = 8 GiB)") from exc
+
+
+@click.command()
+@click.option(
+    "--memory",
+    metavar="SIZE",
+    callback=_size,
+    help="Budget (default: the cgroup limit, else total RAM).",
+)
+@click.option(
+    "--reserve",
+    metavar="SIZE",
+    callback=_size,
+    help="Kept for the host (default: capacity.reserve).",
+)
+@click.option(
+    "--weights", metavar="SIZE", callback=_size, help="Model weights, by hand (needs --kv-per-seq)."
+)
+@click.option(
+    "--kv-per-seq", metavar="SIZE", callback=_size, help="KV cache of one sequence, by hand."
+)
+@click.option("--workers", type=click.IntRange(min=0), help="Workers (default: workers.count).")
+@click.option("--n-ctx", type=click.IntRange(min=1), help="Context (default: model.n_ctx).")
+@click.option("--kv-type", type=click.Choice(list(KV_TYPES)), help="Default: model.kv_type.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def capacity(
+    ctx: click.Context,
+    memory: int | None,
+    reserve: int | None,
+    weights: int | None,
+    kv_per_seq: int | None,
+    workers: int | None,
+    n_ctx: int | None,
+    kv_type: str | None,
+    as_json: bool,
+) -> None:
+    """How many sequences fit in memory: total = weights + N x (KV per sequence + runtime)."""
+    if (weights is None) != (kv_per_seq is None):
+        raise click.UsageError("--weights and --kv-per-seq go together (sizes by hand)")
+    if weights is not None and (n_ctx is not None or kv_type is not None):
+        raise click.UsageError("--n-ctx and --kv-type apply to the model, not to sizes by hand")
+    try:
+        config = load_config((ctx.obj or {}).get("config"))
+        if weights is not None and kv_per_seq is not None:
+            plan, meta = _manual(config, memory, reserve, weights, kv_per_seq, workers), None
+        else:
+            plan, meta = config_plan(
+                config,
+                budget=memory,
+                reserve=reserve,
+                workers=workers,
+                n_ctx=n_ctx,
+                kv_type=kv_type,
+            )
+    except EdgeNodeError as exc:
+        raise click.ClickException(exc.message) from exc
+    if as_json:
+        tips = [] if plan.fits else advice(plan, meta)
+        click.echo(json.dumps(plan.as_dict() | {"advice": tips}, indent=2, sort_keys=True))
+    else:
+        click.echo(render(plan, meta, config))
+    if not plan.fits:
+        ctx.exit(1)
+
+
+def _manual(
+    config: NodeConfig,
+    memory: int | None,
+    reserve: int | None,
+    weights: int,
+    kv_per_seq: int,
+    workers: int | None,
+) -> Plan:
+    """The textbook plan: sizes by hand, weights shared, no runtime overhead."""
+    budget, source = (memory, "given") if memory is not None else configured_budget(config)
+    if reserve is None:
+        reserve = config_size(config.capacity.reserve, "capacity.reserve")
+    count = config.workers.count if workers is None else workers
+    return Plan(
+        budget=budget,
+        reserve=reserve,
+        weights=weights,
+        kv_per_seq=kv_per_seq,
+        workers=count,
+        margin=config.capacity.safety_margin,
+        budget_source=source,
+    )
+
+
+def render(plan: Plan, meta: ModelMeta | None, config: NodeConfig) -> str:
+    """The plan as an operator reads it: formula with numbers, budget, fit, limits, knobs."""
+    s = format_size
+    lines = _model_lines(plan, meta) if meta else [f"sizes by hand ({plan.model or 'no model'})"]
+    sharing = "shared (mmapped, counted once)" if plan.weights_shared else "private copy per worker"
+    lines += [
+        f"weights     {s(plan.weights)}, {sharing}",
+        f"budget      {s(plan.budget)} ({plan.budget_source}) - reserve {s(plan.reserve)}"
+        f" - shared weights {s(plan.shared_weights)} = {s(plan.left)} left",
+        f"per worker  {breakdown(plan)} = {s(plan.per_worker)}",
+        f"total       weights {s(plan.shared_weights)} + {plan.workers} x {s(plan.per_worker)}"
+        f" = {s(plan.total)} for {plan.workers} worker(s)",
+        f"fits        {plan.fits_before_margin} sequences before the margin"
+        f" ({s(plan.left)} / {s(plan.per_worker)} = {max(plan.left, 0) / plan.per_worker:.1f})",
+        f"            {plan.fits_safe} with the {plan.margin:.0%} safety margin"
+        f" ({s(plan.left)} / {s(plan.memory_max)} per worker)",
+        f"limits      per worker: memory.high = {s(plan.memory_high)},"
+        f" memory.max = {s(plan.memory_max)}"
+        f" (estimate + {plan.margin / 2:.0%} / + {plan.margin:.0%})",
+    ]
+    configured = getattr(config.workers, "memory_max", None)  # the sandbox's own setting
+    if configured is not None:
+        lines.append(f"            (configured workers.memory_max: {configured})")
+    if plan.fits:
+        lines.append(f"verdict     OK: {plan.workers} worker(s) asked, {plan.fits_safe} fit")
+    else:
+        lines.append(
+            f"verdict     DOES NOT FIT: {plan.workers} worker(s) asked, {plan.fits_safe} fit"
+        )
+        lines += [f"  turn a knob: {tip}" for tip in advice(plan, meta)]
+    return "\n".join(lines)
+
+
+def _model_lines(plan: Plan, meta: ModelMeta) -> list[str]:
+    s = format_size
+    kinds = set(meta.n_head_kv)
+    heads = (
+        f"{meta.n_layer} layers x {kinds.pop()} KV head(s)"
+        if len(kinds) == 1
+        else f"{sum(meta.n_head_kv)} KV heads over {meta.n_layer} layers"
+    )
+    b = float(bytes_per_element(plan.kv_type))
+    return [
+        f"model       {meta.name} ({meta.path})",
+        f"KV/token    {heads} x ({meta.key_length} + {meta.value_length}) x {b:g} B"
+        f" ({plan.kv_type}) = {plan.kv_per_token:,} B",
+        f"KV/seq      {plan.kv_per_token:,} B x {kv_cells(plan.n_ctx)} cells"
+        f" (n_ctx {plan.n_ctx}, padded to 256) = {s(plan.kv_per_seq)}",
+        f"runtime     {s(plan.runtime_overhead)} overhead + {s(plan.scratch)} attention scratch"
+        f" = {s(plan.runtime_per_worker)} per worker",
+    ]

@@ -1,0 +1,200 @@
+"""The worker pool on this host: core plan, cgroups, supervisor, rule worker.
+
+``WorkerPool`` owns everything the node does to keep its worker processes
+fenced in: it plans cores (``node.affinity``), opens the node's cgroups
+(``node.sandbox``) before any zmq thread exists, gives each model worker a
+fresh cgroup before every spawn, supervises the processes, turns an OOM kill
+seen in a cgroup into an exit reason, and removes every cgroup on stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from node.affinity import CpuPlan, plan_cpus
+from node.config import NodeConfig, memory_max_bytes
+from node.engine import EngineSpec
+from node.sandbox import MemoryReading, Sandbox, cgroup_name, limits_for, options_for
+from node.supervisor import Supervisor
+from node.units import format_size, parse_cores
+from node.worker import WorkerSpec
+
+log = logging.getLogger("edgenode.pool")
+
+RULES_WORKER = "rules-0"
+
+
+class WorkerPool:
+    """The model workers (``llm-N``) and the rule worker (``rules-0``) of one node.
+
+    Args:
+        config: the node's configuration.
+        model_path: the resolved GGUF file (or "test" for the test engine).
+        rules_path: the resolved rules file, or None for no rule worker.
+        run_dir: logs go to ``<run_dir>/logs``; the cgroup name derives from it.
+
+    Raises:
+        ConfigError: an impossible core reservation (before anything starts).
+    """
+
+    def __init__(
+        self, config: NodeConfig, model_path: str, rules_path: str | None, run_dir: Path
+    ) -> None:
+        self.config = config
+        w = config.workers
+        self.plan: CpuPlan = plan_cpus(
+            w.count,
+            w.cpus,
+            cpu_quota_cores=parse_cores(w.cpu_quota),
+            max_threads=w.threads,
+            nice=w.nice,
+        )
+        self.sandbox = Sandbox(options_for(w, self.plan, cgroup_name(run_dir)))
+        self.specs = self._model_specs(model_path)
+        if rules_path is not None:
+            self.specs.append(self._rules_spec(rules_path))
+        self.oom_kills: dict[str, int] = {}
+        self.supervisor = Supervisor(
+            self.specs,
+            log_dir=run_dir / "logs",
+            ready_timeout_s=w.ready_timeout_ms / 1000,
+            backoff_s=w.restart_backoff_ms / 1000,
+            backoff_max_s=w.restart_backoff_max_ms / 1000,
+            log_level=config.node.log_level,
+            prepare=self._prepare,
+            explain=self._explain,
+        )
+
+    def _model_specs(self, model_path: str) -> list[WorkerSpec]:
+        c = self.config
+        specs = []
+        for placement in self.plan.workers:
+            engine = EngineSpec(
+                kind=c.workers.engine,
+                model_path=model_path,
+                n_ctx=c.model.n_ctx,
+                n_batch=c.model.n_batch,
+                threads=placement.threads,
+                chat_format=c.model.chat_format,
+                repack=c.model.repack,
+                test_token_ms=c.workers.test_token_ms,
+                test_load_ms=c.workers.test_load_ms,
+            )
+            specs.append(
+                WorkerSpec(
+                    worker_id=f"llm-{placement.index}",
+                    backend=c.backend,
+                    engine=engine,
+                    heartbeat_interval_ms=c.broker.heartbeat_interval_ms,
+                    heartbeat_liveness=c.broker.heartbeat_liveness,
+                    cpus=placement.cpus if self.plan.restricts else (),
+                    nice=placement.nice,
+                )
+            )
+        return specs
+
+    def _rules_spec(self, rules_path: str) -> WorkerSpec:
+        """The rule worker: tiny, on the host's cores, never starved by the model's nice."""
+        c = self.config
+        engine = EngineSpec(kind="rules", model_path=rules_path, n_ctx=0, n_batch=0, threads=1)
+        return WorkerSpec(
+            worker_id=RULES_WORKER,
+            backend=c.backend,
+            engine=engine,
+            heartbeat_interval_ms=c.broker.heartbeat_interval_ms,
+            heartbeat_liveness=c.broker.heartbeat_liveness,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def open(self) -> None:
+        """Open the cgroups (before any zmq context: joining a cpuset can reset the
+        affinity of every thread) and reap a crashed run's leftovers.
+
+        Raises:
+            SandboxError: ``sandbox = "required"`` and cgroups cannot be used.
+        """
+        self.sandbox.open()
+        self._prefault()
+
+    def _prefault(self) -> None:
+        """Read the mmapped model once from the node's own cgroup.
+
+        The kernel charges a page-cache page to the cgroup that first touches it.
+        Shared weights belong in the node's budget, counted once: were the first
+        worker to fault them in, its private limit would have to hold them all.
+        """
+        spec = self.specs[0].engine if self.specs else None
+        if spec is None or spec.kind != "llama" or spec.repack or not self.sandbox.active:
+            return
+        with open(spec.model_path, "rb", buffering=0) as fh:
+            while fh.read(1 << 20):
+                pass
+
+    def start(self, on_exit: Callable[[str, str], None]) -> None:
+        """Spawn every worker; ``on_exit(worker_id, reason)`` hears of each exit."""
+        self.supervisor.on_exit = on_exit
+        self.supervisor.start()
+
+    def stop(self, grace_s: float) -> None:
+        """Stop the workers, then remove every cgroup (killing stragglers)."""
+        try:
+            self.supervisor.stop(grace_s)
+        finally:
+            self.sandbox.close()
+
+    def _prepare(self, spec: WorkerSpec) -> WorkerSpec:
+        """A fresh cgroup for a model worker's next incarnation."""
+        if not self.sandbox.active or spec.worker_id == RULES_WORKER:
+            return spec
+        paths = self.sandbox.create_worker(
+            spec.worker_id, limits_for(self.config.workers, spec.cpus)
+        )
+        return dataclasses.replace(spec, cgroup_procs=paths)
+
+    def _explain(self, worker_id: str, returncode: int) -> str | None:
+        """Name an OOM kill the cgroup recorded (the signal alone says SIGKILL)."""
+        reading = self.memory(worker_id)
+        if reading is None or reading.oom_kills == 0:
+            return None
+        self.oom_kills[worker_id] = self.oom_kills.get(worker_id, 0) + reading.oom_kills
+        limit = format_size(reading.limit) if reading.limit is not None else "its limit"
+        return f"OOM-killed in its cgroup at memory.max {limit}"
+
+    # ------------------------------------------------------------------ readings
+
+    @property
+    def worker_limits(self) -> int | None:
+        """Bytes the model workers may use together (their memory.max summed), or None."""
+        one = memory_max_bytes(self.config.workers)
+        return None if one is None else one * self.config.workers.count
+
+    def memory(self, worker_id: str | None = None) -> MemoryReading | None:
+        """A worker's (or, with None, the whole node's) cgroup memory, if sandboxed."""
+        if not self.sandbox.active:
+            return None
+        try:
+            return self.sandbox.memory(worker_id)
+        except OSError:
+            return None  # the cgroup is being recreated for a restart
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per worker: process state, cgroup, memory, OOM kills, cpus, threads."""
+        out = []
+        for entry, spec in zip(self.supervisor.status(), self.specs, strict=True):
+            wid = entry["worker_id"]
+            reading = self.memory(wid) if wid != RULES_WORKER else None
+            entry |= {
+                "cgroup": self.sandbox.cgroup_of(wid) if self.sandbox.active else None,
+                "memory": reading.as_dict() if reading is not None else None,
+                "oom_kills": self.oom_kills.get(wid, 0),
+                "cpus": list(spec.cpus),
+                "threads": spec.engine.threads,
+                "engine": spec.engine.kind,
+            }
+            out.append(entry)
+        return out

@@ -1,0 +1,96 @@
+"""The human view of ``edgenode status`` (the ``--json`` view is the raw map)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from node.units import format_size
+
+
+def render_status(node: dict[str, Any]) -> str:
+    """Header lines (node, gate, breaker, sandbox), the worker table, counters."""
+    routing = node.get("routing", {})
+    lines = [
+        f"edgenode pid {node.get('pid')}  model {Path(str(node.get('model'))).name}  "
+        f"engine {node.get('engine')}  mode {routing.get('mode', '-')}",
+        f"frontend {node.get('endpoints', {}).get('frontend')}",
+        _gate_line(node),
+        _breaker_line(routing.get("breaker")),
+        _sandbox_line(node.get("sandbox")),
+        _capacity_line(node.get("capacity"), node.get("memory", {})),
+        "",
+        f"{'WORKER':<8} {'STATE':<10} {'PID':>7} {'CREDIT':>6} {'RESTARTS':>8} {'CPUS':>5} "
+        f"{'THR':>3} {'MEM/LIMIT':>13} {'PEAK':>7} {'OOM':>3}  LAST EXIT",
+    ]
+    registered = {w["worker_id"]: w for w in node.get("workers", [])}
+    for proc in node.get("processes", []):
+        lines.append(_worker_line(proc, registered.get(proc["worker_id"])))
+    counters = node.get("counters", {})
+    if counters:
+        lines += ["", "requests: " + ", ".join(f"{k} {v}" for k, v in sorted(counters.items()))]
+    return "\n".join(line for line in lines if line is not None)
+
+
+def _gate_line(node: dict[str, Any]) -> str:
+    memory = node.get("memory", {})
+    pressure = node.get("pressure", "ok")
+    if memory.get("budget"):
+        pressure += (
+            f" (working set {_size(memory.get('working_set'))} of "
+            f"{_size(memory['budget'])}, {memory.get('used_pct')}%)"
+        )
+    return (
+        f"gate: queue {node['queue_depth']}/{node['queue_bound']}  in-flight "
+        f"{node['in_flight']}  free credit {node['credit']} (limit "
+        f"{node.get('credit_limit', '-')})  memory pressure {pressure}"
+    )
+
+
+def _breaker_line(breaker: dict[str, Any] | None) -> str:
+    if not breaker:
+        return "breaker: -"
+    rates = []
+    for key, label in (("failure_rate_pct", "failures"), ("slow_call_rate_pct", "slow")):
+        value = breaker.get(key)
+        if value is not None:
+            rates.append(f"{label} {value:.0f}%")
+    calls = breaker.get("calls", "?")
+    return f"breaker: {breaker.get('state')} ({', '.join(rates) or 'no rate yet'}, {calls} calls)"
+
+
+def _sandbox_line(sandbox: dict[str, Any] | None) -> str:
+    if not sandbox:
+        return "sandbox: -"
+    if not sandbox.get("cgroup"):
+        return f"sandbox: off ({sandbox.get('reason') or sandbox.get('mode')})"
+    return f"sandbox: {sandbox.get('backend')} ({sandbox.get('layout')}) {sandbox['cgroup']}"
+
+
+def _capacity_line(plan: dict[str, Any] | None, memory: dict[str, Any]) -> str | None:
+    if not plan:
+        return None
+    measured = memory.get("working_set")
+    return (
+        f"capacity plan: {_size(plan.get('per_worker'))} per worker (memory.max "
+        f"{_size(plan.get('memory_max'))}), {_size(plan.get('total'))} in all of "
+        f"{_size(plan.get('budget'))}; measured working set {_size(measured)}"
+    )
+
+
+def _worker_line(proc: dict[str, Any], reg: dict[str, Any] | None) -> str:
+    state = reg["state"] if reg and proc["state"] == "ready" else proc["state"]
+    credit = f"{reg['credit']}/{reg['slots']}" if reg else "-"
+    memory = proc.get("memory") or {}
+    used = f"{_size(memory.get('current'))}/{_size(memory.get('limit'))}" if memory else "-"
+    cpus = ",".join(str(c) for c in proc.get("cpus") or []) or "all"
+    return (
+        f"{proc['worker_id']:<8} {state:<10} {proc['pid'] or '-':>7} {credit:>6} "
+        f"{proc['restarts']:>8} {cpus:>5} {proc.get('threads', '-'):>3} {used:>13} "
+        f"{_size(memory.get('peak')):>7} {proc.get('oom_kills', 0):>3}  "
+        f"{proc['last_exit'] or '-'}"
+    )
+
+
+def _size(value: Any) -> str:
+    return format_size(value) if isinstance(value, int) else "-"

@@ -1,0 +1,378 @@
+"""Capacity model: the textbook example, the default model's real metadata, KV byte math,
+padding, shared vs private weights, refusals that name the knob, and the CLI."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+
+from broker.errors import ConfigError
+from node.capacity import (
+    ModelMeta,
+    Plan,
+    attention_scratch,
+    bytes_per_element,
+    cgroup_memory_limit,
+    check_fits,
+    config_plan,
+    kv_bytes_per_token,
+    kv_cells,
+    read_gguf_meta,
+)
+from node.cli_capacity import capacity
+from node.config import from_dict
+from node.model import resolve_model
+from node.units import parse_size
+
+MiB, GiB = 1 << 20, 1 << 30
+TEXTBOOK = ["--memory", "8G", "--weights", "4.2G", "--kv-per-seq", "256M", "--reserve", "1.5G"]
+
+
+@pytest.fixture(scope="module")
+def gemma() -> ModelMeta:
+    """The default model's metadata (Gemma 3 270M Q4_K_M), read without its weights."""
+    try:
+        path = resolve_model("default")
+    except ConfigError as exc:
+        pytest.skip(f"default model not available: {exc.message}")
+    return read_gguf_meta(path)
+
+
+def config(**sections: dict[str, Any]) -> Any:
+    """A NodeConfig with a fixed budget and runtime, so plans do not depend on the host."""
+    data: dict[str, dict[str, Any]] = {
+        "capacity": {"memory_budget": "8G", "reserve": "1G", "runtime_overhead": "88M"}
+    }
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return from_dict(data)
+
+
+def textbook(**changes: Any) -> Plan:
+    args: dict[str, Any] = {
+        "budget": parse_size("8G"),
+        "reserve": parse_size("1.5G"),
+        "weights": parse_size("4.2G"),
+        "kv_per_seq": parse_size("256M"),
+        "workers": 2,
+    }
+    return Plan(**(args | changes))
+
+
+# ---------------------------------------------------------------- the textbook example
+
+
+def test_textbook_example_leaves_2_3_gib_and_fits_9_sequences_before_the_margin() -> None:
+    plan = textbook()
+    assert abs(plan.left - 2.3 * GiB) < 1  # 8 - 4.2 - 1.5, in GiB
+    assert plan.fits_before_margin == 9  # 2.3 GiB / 256 MiB = 9.2
+    assert plan.fits_safe == 8  # each budgeted at 256 MiB x 1.1 = 281.6 MiB
+    assert plan.runtime_per_worker == 0
+    assert plan.total == parse_size("4.2G") + 2 * 256 * MiB
+    assert plan.fits
+
+
+def test_sizes_are_binary_which_is_what_makes_the_example_come_out_at_9() -> None:
+    assert parse_size("8G") == 8 * GiB and parse_size("256M") == 256 * MiB
+    si_left = 8e9 - 4.2e9 - 1.5e9
+    assert int(si_left // 256e6) == 8  # in SI units the same numbers would give 8
+
+
+def test_limits_follow_the_documented_formula_and_never_reach_into_the_reserve() -> None:
+    plan = textbook(workers=8, runtime_overhead=10 * MiB)
+    per_worker = 266 * MiB
+    assert plan.per_worker == per_worker
+    assert plan.memory_max == -(-int(per_worker * 1.1) // 4096) * 4096
+    assert plan.memory_high == -(-int(per_worker * 1.05) // 4096) * 4096
+    assert plan.fits_safe * plan.memory_max <= plan.left
+    assert plan.memory_high < plan.memory_max
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"margin": 1.0}, "safety_margin"),
+        ({"margin": -0.1}, "safety_margin"),
+        ({"kv_per_seq": 0}, "per-sequence size must be positive"),
+        ({"reserve": -1}, "must not be negative"),
+    ],
+)
+def test_impossible_plan_inputs_are_config_errors(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        textbook(**changes)
+
+
+# ---------------------------------------------------------------- KV cache math
+
+
+def test_default_model_metadata_gives_18432_bytes_of_f16_kv_per_token(gemma: ModelMeta) -> None:
+    assert (gemma.n_layer, gemma.n_head, gemma.key_length, gemma.value_length) == (18, 4, 256, 256)
+    assert gemma.n_head_kv == (1,) * 18
+    assert kv_bytes_per_token(gemma) == 18 * 1 * (256 + 256) * 2 == 18_432
+    assert gemma.weights_bytes == 246_587_904  # sum of the 236 tensors' n_bytes (235.2 MiB)
+
+
+def test_quantized_kv_types_use_ggml_block_sizes(gemma: ModelMeta) -> None:
+    assert bytes_per_element("f16") == 2
+    assert bytes_per_element("q8_0") == Fraction(34, 32)
+    assert bytes_per_element("q4_0") == Fraction(18, 32)
+    assert kv_bytes_per_token(gemma, "q8_0") == 18 * (256 + 256) * 34 // 32 == 9_792
+    assert kv_bytes_per_token(gemma, "q4_0") == 18 * (256 + 256) * 18 // 32 == 5_184
+    assert kv_bytes_per_token(gemma, "f16", "q8_0") == 18 * (256 * 2 + 256 * 34 // 32)
+    with pytest.raises(ConfigError, match="kv type must be one of"):
+        bytes_per_element("q3_k")
+
+
+@pytest.mark.parametrize(
+    ("n_ctx", "cells"), [(1, 256), (256, 256), (257, 512), (1000, 1024), (2048, 2048)]
+)
+def test_context_is_padded_to_a_multiple_of_256(n_ctx: int, cells: int) -> None:
+    assert kv_cells(n_ctx) == cells
+
+
+def test_kv_per_sequence_uses_the_padded_context(gemma: ModelMeta) -> None:
+    plan, _ = config_plan(config(model={"n_ctx": 1000}))
+    assert plan.kv_per_seq == 18_432 * 1024
+    plan, _ = config_plan(config())
+    assert plan.kv_per_seq == 18_432 * 2048 == 36 * MiB
+
+
+def test_attention_scratch_grows_with_context_and_micro_batch(gemma: ModelMeta) -> None:
+    assert attention_scratch(gemma, 2048, 512) == 2 * 4 * 4 * 512 * 2048 == 32 * MiB
+    assert attention_scratch(gemma, 2048, 128) == 8 * MiB  # n_ubatch follows n_batch down
+    assert attention_scratch(gemma, 2048, 4096) == 32 * MiB  # ... but not above 512
+    assert attention_scratch(gemma, 200, 512) == 2 * 4 * 4 * 200 * 256  # n_ubatch <= n_ctx
+
+
+def test_default_config_plans_the_real_default_model(gemma: ModelMeta) -> None:
+    plan, meta = config_plan(config())
+    assert meta == gemma
+    assert plan.kv_per_token == 18_432 and plan.kv_type == "f16" and plan.n_ctx == 2048
+    assert plan.runtime_per_worker == 88 * MiB + 32 * MiB
+    assert plan.per_worker == 36 * MiB + 120 * MiB
+    assert plan.total == gemma.weights_bytes + 2 * plan.per_worker
+    assert plan.budget == 8 * GiB and plan.budget_source == "capacity.memory_budget"
+
+
+# ---------------------------------------------------------------- weights: shared or private
+
+
+def test_mmapped_weights_are_counted_once_repacked_ones_per_worker() -> None:
+    shared = textbook(workers=3, weights=GiB, kv_per_seq=100 * MiB)
+    private = textbook(workers=3, weights=GiB, kv_per_seq=100 * MiB, weights_shared=False)
+    assert shared.total == GiB + 3 * 100 * MiB
+    assert private.total == 3 * (GiB + 100 * MiB)
+    assert shared.left == 8 * GiB - parse_size("1.5G") - GiB
+    assert private.left == 8 * GiB - parse_size("1.5G")
+    assert private.per_worker == GiB + 100 * MiB
+    assert shared.fits_before_margin > private.fits_before_margin
+
+
+def test_model_repack_makes_the_weights_private(gemma: ModelMeta) -> None:
+    shared, _ = config_plan(config())
+    private, _ = config_plan(config(model={"repack": True}))
+    assert shared.weights_shared and not private.weights_shared
+    assert private.per_worker - shared.per_worker == gemma.weights_bytes
+    assert private.total - shared.total == gemma.weights_bytes  # 2 copies instead of 1
+
+
+# ---------------------------------------------------------------- refusing what cannot fit
+
+
+def test_check_fits_returns_the_plan_when_it_fits(gemma: ModelMeta) -> None:
+    plan = check_fits(config())
+    assert plan.fits and plan.workers == 2
+
+
+def test_check_fits_refuses_too_many_workers_and_names_the_knobs(gemma: ModelMeta) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_fits(config(workers={"count": 6}, capacity={"memory_budget": "2G"}))
+    message = info.value.message
+    assert "6 worker(s) do not fit" in message and "so 4 fit" in message
+    assert "workers.count = 4" in message
+    assert "model.n_ctx = 768" in message
+    assert 'capacity.memory_budget = "2289M"' in message
+
+
+def test_check_fits_suggests_a_smaller_kv_type_when_that_is_enough(gemma: ModelMeta) -> None:
+    # n_ctx 8192: 360 MiB per worker with f16 (no room for 2), 292.5 MiB with q8_0.
+    cfg = config(model={"n_ctx": 8192}, capacity={"memory_budget": "1960M"})
+    with pytest.raises(ConfigError) as info:
+        check_fits(cfg)
+    assert 'model.kv_type = "q8_0"' in info.value.message
+    assert check_fits(
+        config(model={"n_ctx": 8192, "kv_type": "q8_0"}, capacity={"memory_budget": "1960M"})
+    )
+
+
+def test_check_fits_refuses_when_the_weights_alone_do_not_fit(gemma: ModelMeta) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_fits(config(capacity={"memory_budget": "1G", "reserve": "900M"}))
+    message = info.value.message
+    assert "so 0 fit" in message and "workers.count" not in message
+    assert "capacity.memory_budget" in message
+
+
+def test_check_fits_suggests_turning_repack_off(gemma: ModelMeta) -> None:
+    # Shared: 1 GiB + 235 MiB + 2 x 172 MiB fits 1700M; two private copies do not.
+    with pytest.raises(ConfigError, match=r"model\.repack = false"):
+        check_fits(config(model={"repack": True}, capacity={"memory_budget": "1700M"}))
+    assert check_fits(config(capacity={"memory_budget": "1700M"}))
+
+
+def test_the_test_engine_reads_no_model() -> None:
+    plan = check_fits(config(workers={"engine": "test"}, model={"path": "/nonexistent.gguf"}))
+    assert plan.weights == 0 and plan.kv_per_seq == 0 and plan.per_worker == 88 * MiB
+
+
+@pytest.mark.parametrize(
+    ("section", "named"),
+    [
+        ({"reserve": "lots"}, "capacity.reserve"),
+        ({"memory_budget": "8X"}, "capacity.memory_budget"),
+        ({"runtime_overhead": "-5M"}, "capacity.runtime_overhead"),
+    ],
+)
+def test_bad_sizes_are_config_errors_naming_the_key(section: dict[str, str], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        config_plan(config(workers={"engine": "test"}, capacity=section))
+
+
+def test_bad_kv_type_is_a_config_error(gemma: ModelMeta) -> None:
+    with pytest.raises(ConfigError, match="kv type must be one of f16, q8_0, q4_0"):
+        check_fits(config(model={"kv_type": "f32"}))
+
+
+# ---------------------------------------------------------------- reading GGUF files
+
+
+def write_gguf(path: Path, **extra: Any) -> Path:
+    """A tiny GGUF: 4 layers, 8 heads, per-layer KV heads, no key_length (E/H = 32),
+    a 5000-entry vocabulary (skipped by the reader) and f32, f16 and q8_0 tensors."""
+    w = GGUFWriter(str(path), "llama")
+    w.add_name("tiny")
+    w.add_block_count(4)
+    w.add_embedding_length(256)
+    w.add_head_count(8)
+    w.add_head_count_kv([2, 2, 0, 2])
+    w.add_token_list([f"t{i}" for i in range(5000)])
+    w.add_token_scores([0.0] * 5000)
+    for key, value in extra.items():
+        w.add_uint32(key, value)
+    w.add_tensor("a", np.zeros((4, 64), dtype=np.float32))
+    w.add_tensor("b", np.zeros((8, 32), dtype=np.float16))
+    w.add_tensor("c", np.zeros((2, 68), dtype=np.uint8), raw_dtype=GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_reader_agrees_with_gguf_reader_on_a_small_file(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "tiny.gguf")
+    meta = read_gguf_meta(path)
+    reference = GGUFReader(path)
+    assert meta.weights_bytes == sum(int(t.n_bytes) for t in reference.tensors) == 1024 + 512 + 136
+    assert meta.n_head_kv == (2, 2, 0, 2)
+    assert meta.key_length == meta.value_length == 256 // 8  # default: embedding / heads
+    assert kv_bytes_per_token(meta) == (2 + 2 + 0 + 2) * (32 * 2 + 32 * 2)
+    assert meta.name == "tiny" and meta.n_layer == 4
+
+
+def test_reader_refuses_what_the_formula_does_not_cover(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "mla.gguf", **{"llama.attention.kv_lora_rank": 512})
+    with pytest.raises(ConfigError, match="MLA"):
+        read_gguf_meta(path)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + b"\x00" * 20)
+    with pytest.raises(ConfigError, match="GGUF"):
+        read_gguf_meta(junk)
+
+
+# ---------------------------------------------------------------- budget detection
+
+
+def cgroup_tree(tmp_path: Path, files: dict[str, str], proc: str) -> tuple[Path, Path]:
+    for rel, text in files.items():
+        (tmp_path / "fs" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / rel).write_text(text)
+    (tmp_path / "cgroup").write_text(proc)
+    return tmp_path / "cgroup", tmp_path / "fs"
+
+
+def test_v2_limit_is_the_smallest_on_the_path(tmp_path: Path) -> None:
+    proc, root = cgroup_tree(
+        tmp_path, {"a/memory.max": "1073741824\n", "a/b/memory.max": "max\n"}, "0::/a/b\n"
+    )
+    assert cgroup_memory_limit(proc, root) == GiB
+
+
+def test_v1_unlimited_and_hybrid_without_v2_memory(tmp_path: Path) -> None:
+    files = {"memory/x/memory.limit_in_bytes": "9223372036854771712\n"}
+    proc, root = cgroup_tree(tmp_path, files, "4:memory:/x\n0::/\n")
+    assert cgroup_memory_limit(proc, root) is None
+    (root / "memory" / "memory.limit_in_bytes").write_text(str(512 * MiB))
+    assert cgroup_memory_limit(proc, root) == 512 * MiB
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def run_cli(tmp_path: Path, *args: str, toml: str = "[workers]\ncount = 2\n") -> Any:
+    path = tmp_path / "edgenode.toml"
+    path.write_text(toml)
+    return CliRunner().invoke(capacity, list(args), obj={"config": str(path)})
+
+
+def test_cli_reproduces_the_textbook_example(tmp_path: Path) -> None:
+    result = run_cli(tmp_path, *TEXTBOOK)
+    assert result.exit_code == 0, result.output
+    assert "- reserve 1.5 GiB - shared weights 4.2 GiB = 2.3 GiB left" in result.output
+    assert "9 sequences before the margin (2.3 GiB / 256 MiB = 9.2)" in result.output
+    assert "8 with the 10% safety margin" in result.output
+    assert "runtime 0 B" in result.output
+
+
+def test_cli_textbook_json(tmp_path: Path) -> None:
+    result = run_cli(tmp_path, *TEXTBOOK, "--workers", "12", "--json")
+    assert result.exit_code == 1  # 12 asked, 8 fit
+    data = json.loads(result.output)
+    assert data["fits_before_margin"] == 9 and data["fits_safe"] == 8 and not data["fits"]
+    assert any("workers.count = 8" in tip for tip in data["advice"])
+
+
+def test_cli_prints_the_default_models_real_numbers(tmp_path: Path, gemma: ModelMeta) -> None:
+    toml = '[capacity]\nmemory_budget = "8G"\nruntime_overhead = "88M"\n'
+    result = run_cli(tmp_path, toml=toml)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "18 layers x 1 KV head(s) x (256 + 256) x 2 B (f16) = 18,432 B" in out
+    assert "2048 cells (n_ctx 2048, padded to 256) = 36 MiB" in out
+    assert "weights     235.2 MiB, shared" in out
+    assert "verdict     OK: 2 worker(s) asked" in out
+
+
+def test_cli_overrides_and_knobs_when_it_does_not_fit(tmp_path: Path, gemma: ModelMeta) -> None:
+    toml = '[capacity]\nruntime_overhead = "88M"\n'
+    result = run_cli(tmp_path, "--memory", "2G", "--workers", "6", "--n-ctx", "1000", toml=toml)
+    assert result.exit_code == 1
+    assert "1024 cells (n_ctx 1000" in result.output
+    assert "DOES NOT FIT: 6 worker(s) asked" in result.output
+    assert "turn a knob: workers.count = " in result.output
+
+
+def test_cli_rejects_bad_sizes_and_half_manual_mode(tmp_path: Path) -> None:
+    bad = run_cli(tmp_path, "--memory", "8X", "--weights", "1G", "--kv-per-seq", "1M")
+    assert bad.exit_code == 2 and "not a size" in bad.output
+    half = run_cli(tmp_path, "--weights", "1G")
+    assert half.exit_code == 2 and "--weights and --kv-per-seq go together" in half.output
+    mixed = run_cli(tmp_path, *TEXTBOOK, "--n-ctx", "4096")
+    assert mixed.exit_code == 2 and "apply to the model" in mixed.output
