@@ -67,7 +67,8 @@ class TestEngine:
     starting with a directive drive fault tests of the worker process:
     ``!crash`` exits the process at once (exit 3); ``!hang`` blocks without
     progress and ignores cancellation; ``!slow <ms>`` sets the per-token delay
-    for this request.
+    for this request; ``!hog <MiB>`` allocates and touches that much memory
+    (kept until the process ends), like a model outgrowing its cgroup.
     """
 
     __test__ = False  # not a pytest test class
@@ -79,6 +80,7 @@ class TestEngine:
         self.n_ctx = spec.n_ctx
         self.token_s = spec.test_token_ms / 1000
         self.steps = 0
+        self._hogged: list[bytearray] = []
 
     def run(self, job: dict[str, Any], cancelled: threading.Event, emit: Emit) -> dict[str, Any]:
         """See ``Engine.run``."""
@@ -91,6 +93,12 @@ class TestEngine:
             threading.Event().wait()  # blocks forever, deaf to CANCEL
         if words[:1] == ["!slow"] and len(words) > 1 and words[1].isdigit():
             delay = int(words[1]) / 1000
+        if words[:1] == ["!hog"] and len(words) > 1 and words[1].isdigit():
+            # bytearray pages are zero-filled lazily: write one byte per page.
+            block = bytearray(int(words[1]) << 20)
+            for i in range(0, len(block), 4096):
+                block[i] = 1
+            self._hogged.append(block)
         pieces = ["echo:", *words][: int(job.get("max_tokens", 16))]
         out: list[str] = []
         for i, piece in enumerate(pieces):
