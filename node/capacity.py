@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import mmap
-import struct
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -43,6 +41,7 @@ import psutil
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from broker.errors import ConfigError
+from node.gguf_meta import ModelMeta, read_gguf_meta
 from node.model import resolve_model
 from node.units import format_size as _format_size
 from node.units import parse_size
@@ -75,101 +74,6 @@ def config_size(value: str | int, key: str) -> int:
         return parse_size(value)
     except ValueError as exc:
         raise ConfigError(f"{key}: {exc}") from exc
-
-
-@dataclass(frozen=True)
-class ModelMeta:
-    """What the plan needs from a GGUF file (lengths in elements, weights in bytes)."""
-
-    path: str
-    name: str
-    n_layer: int
-    n_head: int
-    n_head_kv: tuple[int, ...]  # per layer; 0 = a layer without attention
-    key_length: int
-    value_length: int
-    weights_bytes: int  # sum of the tensors' n_bytes
-
-
-def read_gguf_meta(path: Path | str) -> ModelMeta:
-    """Read a GGUF file's metadata and tensor table without touching the weights.
-
-    A header walk (ggml docs/gguf.md) with the gguf package's tables, because
-    ``gguf.GGUFReader`` decodes every vocabulary string into numpy arrays: 17 s
-    and 740 MB RSS on the default model, against ~0.2 s and a few MB here.
-
-    Raises:
-        ConfigError: unreadable, not little-endian GGUF v2/v3, keys missing, or an
-            architecture the formula does not cover (MLA, recurrent state).
-    """
-    try:
-        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            kv, weights = _walk_gguf(buf)
-        arch = kv["general.architecture"]
-        if f"{arch}.attention.kv_lora_rank" in kv or f"{arch}.ssm.state_size" in kv:
-            raise ConfigError(f"{path}: {arch} (MLA/recurrent) needs --weights and --kv-per-seq")
-        n_layer, n_embd = int(kv[f"{arch}.block_count"]), int(kv[f"{arch}.embedding_length"])
-        heads = _per_layer(kv[f"{arch}.attention.head_count"], n_layer)
-        return ModelMeta(
-            path=str(path),
-            name=str(kv.get("general.name", Path(path).name)),
-            n_layer=n_layer,
-            n_head=heads[0],
-            n_head_kv=_per_layer(kv.get(f"{arch}.attention.head_count_kv", list(heads)), n_layer),
-            key_length=int(kv.get(f"{arch}.attention.key_length", n_embd // heads[0])),
-            value_length=int(kv.get(f"{arch}.attention.value_length", n_embd // heads[0])),
-            weights_bytes=weights,
-        )
-    except (OSError, ValueError, KeyError, IndexError, ZeroDivisionError, struct.error) as exc:
-        raise ConfigError(f"cannot read the GGUF metadata of {path}: {exc!r}") from exc
-
-
-def _per_layer(value: Any, n_layer: int) -> tuple[int, ...]:
-    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),) * n_layer
-
-
-#: GGUFValueType -> struct format; 8 = STRING, 9 = ARRAY.
-_SCALAR = dict(zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd", strict=True))
-_STRING, _ARRAY, _BIG_ARRAY = 8, 9, 4096  # longer arrays (the vocabulary) are not kept
-
-
-def _walk_gguf(buf: mmap.mmap) -> tuple[dict[str, Any], int]:
-    """(metadata, total tensor bytes) of a GGUF v2/v3 file."""
-    magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
-    if magic != b"GGUF" or version not in (2, 3):
-        raise ValueError(f"not a little-endian GGUF v2/v3 file ({magic!r}, version {version})")
-    pos, kv, weights = 24, {}, 0
-    for _ in range(n_kv):
-        key, pos = _value(buf, pos, _STRING)
-        (vtype,) = struct.unpack_from("<I", buf, pos)
-        kv[key], pos = _value(buf, pos + 4, vtype)
-    for _ in range(n_tensors):
-        _, pos = _value(buf, pos, _STRING)
-        (n_dims,) = struct.unpack_from("<I", buf, pos)
-        *dims, ttype, _offset = struct.unpack_from(f"<{n_dims}QIQ", buf, pos + 4)
-        pos += 4 + 8 * n_dims + 12
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
-        weights += math.prod(dims) // block * size
-    return kv, weights
-
-
-def _value(buf: mmap.mmap, pos: int, vtype: int) -> tuple[Any, int]:
-    if vtype == _STRING:
-        (n,) = struct.unpack_from("<Q", buf, pos)
-        return buf[pos + 8 : pos + 8 + n].decode("utf-8", "replace"), pos + 8 + n
-    if vtype != _ARRAY:
-        fmt = "<" + _SCALAR[vtype]
-        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
-    etype, count = struct.unpack_from("<IQ", buf, pos)
-    pos += 12
-    if etype in _SCALAR and count > _BIG_ARRAY:
-        return None, pos + count * struct.calcsize("<" + _SCALAR[etype])
-    items = []
-    for _ in range(count):
-        item, pos = _value(buf, pos, etype)
-        if count <= _BIG_ARRAY:
-            items.append(item)
-    return (items if count <= _BIG_ARRAY else None), pos
 
 
 def bytes_per_element(kv_type: str) -> Fraction:

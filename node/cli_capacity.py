@@ -16,7 +16,6 @@ import click
 from broker.errors import EdgeNodeError
 from node.capacity import (
     KV_TYPES,
-    ModelMeta,
     Plan,
     advice,
     breakdown,
@@ -28,6 +27,7 @@ from node.capacity import (
     kv_cells,
 )
 from node.config import NodeConfig, load_config
+from node.gguf_meta import ModelMeta
 from node.units import parse_size
 
 

@@ -15,7 +15,6 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from broker.errors import ConfigError
 from node.capacity import (
-    ModelMeta,
     Plan,
     attention_scratch,
     bytes_per_element,
@@ -24,10 +23,10 @@ from node.capacity import (
     config_plan,
     kv_bytes_per_token,
     kv_cells,
-    read_gguf_meta,
 )
 from node.cli_capacity import capacity
 from node.config import from_dict
+from node.gguf_meta import ModelMeta, read_gguf_meta
 from node.model import resolve_model
 from node.units import parse_size
 
