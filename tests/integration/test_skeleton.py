@@ -162,3 +162,16 @@ def test_cli_background_start_status_ask_stop(make_node: NodeFactory) -> None:
     assert stopped.returncode == 0, stopped.stderr
     assert leftover_processes(node.run_dir) == []
     assert node.cli("status").returncode == 3
+
+
+def test_start_refuses_a_plan_that_cannot_fit(make_node: NodeFactory) -> None:
+    node = make_node(
+        start=False,
+        workers={"count": 40},
+        capacity={"memory_budget": "2G", "reserve": "512M", "runtime_overhead": "88M"},
+    )
+    result = node.cli("start", "--wait-s", "30")
+    assert result.returncode == 1
+    assert "40 worker(s) do not fit" in result.stderr and "workers.count" in result.stderr
+    assert leftover_processes(node.run_dir) == []
+    assert not (node.run_dir / "edgenode.pid").exists()
