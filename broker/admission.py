@@ -160,7 +160,7 @@ class AdmissionGate:
                 "already in flight",
                 self.retry_after(slots),
             )
-        wait_s = self.expected_wait_s(req.priority, slots, free)
+        wait_s = self.expected_wait_s(req.priority, slots, free, kind)
         # Without workers or a measured service time there is no basis to refuse.
         if slots and self.stats.samples and wait_s > deadline_s:
             return Shed(
@@ -172,11 +172,12 @@ class AdmissionGate:
             )
         return evict
 
-    def expected_wait_s(self, priority: str, slots: int, free: int) -> float:
-        """Seconds until a new request of ``priority`` would start (Little's law)."""
+    def expected_wait_s(self, priority: str, slots: int, free: int, kind: str = "llm") -> float:
+        """Seconds until a new request of ``priority`` for ``kind``'s workers would
+        start (Little's law over the requests queued ahead of it for the same kind)."""
         ahead = 0
         for p in PRIORITIES:
-            ahead += len(self._queues[p])
+            ahead += sum(1 for j in self._queues[p].values() if j.kind == kind)
             if p == priority:
                 break
         if free > ahead:
@@ -233,4 +234,5 @@ class AdmissionGate:
     def shed_for_pressure(self) -> list[Job]:
         """Queued jobs the current pressure no longer admits (to answer 503)."""
         classes = {"ok": (), "high": ("sheddable",), "critical": ("normal", "sheddable")}
-        return [j for p in classes[self.pressure] for j in self._queues[p].values()]
+        queued = (j for p in classes[self.pressure] for j in self._queues[p].values())
+        return [j for j in queued if j.kind == "llm"]  # the rules need no memory to speak of

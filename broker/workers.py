@@ -171,6 +171,10 @@ class WorkerRegistry:
         ]
         return min(sizes) if sizes else None
 
+    def slots(self, kind: str) -> int:
+        """Sequences the workers of ``kind`` run at once."""
+        return sum(w.slots for w in self._by_identity.values() if w.kind == kind)
+
     def total_slots(self) -> int:
         """Sequences the registered pool runs at once (0 when no worker is registered)."""
         return sum(w.slots for w in self._by_identity.values())

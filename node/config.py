@@ -231,8 +231,9 @@ def validate(config: NodeConfig) -> NodeConfig:
     _positive("workers.threads", w.threads, 1)
     _positive("model.n_ctx", m.n_ctx, 64)
     _positive("model.n_batch", m.n_batch, 1)
+    _positive("broker.max_queue", b.max_queue, 0)  # 0 = 8 per pool slot
     for name in (
-        "max_queue",
+        "max_in_flight_per_client",
         "default_timeout_ms",
         "max_timeout_ms",
         "default_max_tokens",

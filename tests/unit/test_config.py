@@ -126,7 +126,8 @@ def test_wrong_type_is_named(tmp_path: Path, text: str, named: str) -> None:
 @pytest.mark.parametrize(
     ("data", "named"),
     [
-        ({"broker": {"max_queue": 0}}, "broker.max_queue"),
+        ({"broker": {"max_queue": -1}}, "broker.max_queue"),  # 0 = 8 per pool slot
+        ({"broker": {"max_in_flight_per_client": 0}}, "broker.max_in_flight_per_client"),
         ({"broker": {"heartbeat_liveness": 0}}, "broker.heartbeat_liveness"),
         ({"broker": {"default_timeout_ms": 700_000}}, "broker.default_timeout_ms"),
         ({"workers": {"count": -1}}, "workers.count"),

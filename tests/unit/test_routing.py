@@ -1,0 +1,127 @@
+"""Routing with a fake clock: what counts against the breaker, the latency budget,
+per-engine wait estimates."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from broker.breaker import BreakerSettings
+from broker.core import Broker
+from broker.protocol import WorkerCommand
+from broker.routing import RoutingSettings
+from brokerkit import FAST, W1, W2, BrokerHarness, bodies, generate
+
+REQUEST = WorkerCommand.REQUEST
+RULES = b"rules-ident"
+QUICK_BREAKER = BreakerSettings(
+    minimum_calls=2,
+    failure_rate_pct=50.0,
+    open_wait_ms=1000,
+    half_open_probes=1,
+    half_open_successes=1,
+)
+
+
+def harness(mode: str = "degrade", budget_ms: int = 200, **settings: Any) -> BrokerHarness:
+    h = BrokerHarness(replace(FAST, **settings))
+    h.broker = Broker(
+        h.broker.settings, routing=RoutingSettings(mode, budget_ms), breaker=QUICK_BREAKER
+    )
+    return h
+
+
+def breaker_state(h: BrokerHarness, now: float) -> str:
+    return str(h.broker.router.breaker.state(now).value)
+
+
+def test_the_brokers_own_503s_do_not_open_the_breaker() -> None:
+    h = harness(max_queue=1)
+    h.ready(W1, 0.0)
+    h.send(generate("run"), 0.0)  # runs
+    h.send(generate("s1", priority="sheddable"), 0.0)  # queued, holds a permit
+    h.send(generate("c1", priority="critical"), 0.1)  # evicts s1: a 503 by the broker
+    h.broker.set_pressure("critical", 0.2)  # cancels nothing here: no sheddable work runs
+    h.broker.set_pressure("ok", 0.3)
+    h.broker.abort_all("stopping", 0.4)  # shutdown 503s for the rest
+    replies = {r["id"]: r for r in h.replies() if r["status"] == "error"}
+    assert replies["s1"]["reason"] == "queue_full"
+    assert breaker_state(h, 0.5) == "closed"
+    assert h.broker.router.breaker.snapshot(0.5)["failures"] == 0
+
+
+def test_worker_crashes_do_open_the_breaker() -> None:
+    h = harness()
+    h.ready(W1, 0.0, worker_id="llm-0")
+    h.ready(W2, 0.0, worker_id="llm-1")
+    h.send(generate("a"), 0.0)
+    h.send(generate("b"), 0.0)
+    h.drain_workers()
+    h.broker.worker_exited("llm-0", "killed by SIGKILL", 0.1)
+    h.broker.worker_exited("llm-1", "killed by SIGKILL", 0.1)
+    assert breaker_state(h, 0.2) == "open"
+
+
+def test_clean_disconnects_and_stopping_workers_are_not_failures() -> None:
+    h = harness()
+    h.ready(W1, 0.0, worker_id="llm-0")
+    h.ready(W2, 0.0, worker_id="llm-1")
+    h.worker_send(W1, WorkerCommand.DISCONNECT, {"reason": "worker stopping"}, 0.1)
+    h.broker.draining = True
+    h.broker.worker_exited("llm-1", "exit 0", 0.2)
+    h.ready(W2, 0.3, worker_id="llm-1")
+    h.ready(b"newer", 0.4, worker_id="llm-1")  # replaces the W2 incarnation
+    assert h.broker.router.breaker.snapshot(0.5)["failures"] == 0
+
+
+def test_zero_latency_budget_means_no_budget() -> None:
+    h = harness(budget_ms=0)
+    h.ready(W1, 0.0)
+    h.ready(RULES, 0.0, engine="rules")
+    h.broker.stats.observe_service(5.0)  # slow model, long queue: still the model's
+    h.send(generate("busy"), 0.0)
+    h.send(generate("waits"), 0.0)
+    assert [r for r in h.replies() if r["status"] == "error"] == []
+    for i in range(1, 31):  # three seconds of a healthy, busy, progressing model
+        h.heartbeat(W1, i / 10, advance=1)
+        h.tick(i / 10, keepalive=(RULES,))
+    requests = bodies(h.drain_workers(), RULES, REQUEST)
+    assert requests == []  # nothing was handed to the rules
+    assert h.broker.status(3.0)["queue_depth"] == 1
+
+
+def test_latency_budget_hands_a_slow_first_token_to_the_rules() -> None:
+    h = harness(budget_ms=200)
+    h.ready(W1, 0.0)
+    h.ready(RULES, 0.0, engine="rules")
+    h.send(generate("slow"), 0.0)
+    (req,) = bodies(h.drain_workers(), W1, REQUEST)
+    h.tick(0.25, keepalive=(W1, RULES))
+    out = h.drain_workers()
+    assert [m.body["rid"] for m in out if m.command is WorkerCommand.CANCEL] == [req["rid"]]
+    (handed,) = bodies(out, RULES, REQUEST)
+    h.final(RULES, handed["rid"], 0.26, text='{"intent":"unknown"}', confidence=0.0)
+    (reply,) = h.replies()
+    assert (reply["served_by"], reply["degraded"], reply["degrade_reason"]) == (
+        "rules",
+        True,
+        "latency_budget",
+    )
+    h.final(W1, req["rid"], 0.3, status="cancelled", code=499)  # the ack frees the credit
+    assert h.credit(W1) == 1
+    h.assert_each_answered_once()
+
+
+def test_a_rules_request_does_not_wait_for_the_model_queue() -> None:
+    h = harness(mode="full", max_queue=16)
+    h.ready(W1, 0.0)
+    h.ready(RULES, 0.0, engine="rules")
+    h.send(generate("warm"), 0.0)
+    (req,) = bodies(h.drain_workers(), W1, REQUEST)
+    h.final(W1, req["rid"], 4.0)  # the model takes 4 s per request
+    h.replies()
+    for i in range(4):  # a long model queue
+        h.send(generate(f"m{i}", timeout_ms=60_000), 4.0)
+    h.send(generate("r", route="rules", timeout_ms=500), 4.0)
+    assert [r for r in h.replies() if r["status"] == "error"] == []
+    assert len(bodies(h.drain_workers(), RULES, REQUEST)) == 1
