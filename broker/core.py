@@ -115,8 +115,8 @@ class Broker:
             identity,
             req,
             self.workers.min_n_ctx(route.kind),
-            self.workers.total_slots(),
-            self._free_credit(),
+            self.workers.slots(route.kind),
+            self._free_credit(route.kind),
             timeout_ms / 1000,
             route.kind,
         )
@@ -137,6 +137,8 @@ class Broker:
             self._deadlines.set(("ttft", job.rid), now + budget_s)
         if route.copy:
             self._copy_to_model(job, route.copy, now)
+        elif route.copy_skipped:
+            self.router.copy_skipped(job, route.copy_skipped)
         self.stats.count("admitted")
         self._dispatch(now)
 
@@ -152,7 +154,7 @@ class Broker:
     def _pool_view(self, req: ClientRequest) -> PoolView:
         llm = self.workers.of_kind("llm")
         slots = sum(w.slots for w in llm)
-        free = min(sum(w.credit for w in llm), self._free_credit())
+        free = self._free_credit("llm")
         return PoolView(
             llm_workers=len(llm),
             llm_free=free,
@@ -236,7 +238,8 @@ class Broker:
             self._shed_job(job, message, "memory_pressure", now)
         if level == "critical":
             for job in list(self._jobs.values()):
-                if job.worker and not job.replied and job.req.priority == "sheddable":
+                sheddable = job.req.priority == "sheddable" and job.kind == "llm"
+                if job.worker and not job.replied and sheddable:
                     self._shed_job(job, message, "memory_pressure", now)
         self._dispatch(now)
 
@@ -267,7 +270,9 @@ class Broker:
             known = self.workers.get(identity)
             if known is not None:
                 # It will re-register under a fresh identity: stop routing to this one.
-                self._lose_worker(known, f"protocol error: {exc.message}", now, notify=False)
+                self._lose_worker(
+                    known, f"protocol error: {exc.message}", now, notify=False, failure=False
+                )
             else:
                 self._send_worker(identity, WorkerCommand.DISCONNECT, {"reason": "protocol error"})
             return
@@ -293,7 +298,7 @@ class Broker:
                 worker.slots = slots
                 self._dispatch(now)
         elif command is WorkerCommand.DISCONNECT:
-            self._lose_worker(worker, "disconnected", now, notify=False)
+            self._lose_worker(worker, "disconnected", now, notify=False, failure=False)
 
     def _register(self, identity: bytes, body: dict[str, Any], now: float) -> None:
         if self.workers.get(identity) is not None:
@@ -305,7 +310,9 @@ class Broker:
             return
         stale = self.workers.by_worker_id(worker.worker_id)
         if stale is not None:
-            self._lose_worker(stale, "replaced by a new incarnation", now, notify=False)
+            self._lose_worker(
+                stale, "replaced by a new incarnation", now, notify=False, failure=False
+            )
         self.workers.add(worker)
         self.events.append(WorkerEvent("ready", worker.worker_id, worker.info.get("pid")))
         self._dispatch(now)
@@ -401,11 +408,24 @@ class Broker:
         """The supervisor reaped this worker's process: fail over without waiting."""
         worker = self.workers.by_worker_id(worker_id)
         if worker is not None:
-            self._lose_worker(worker, reason, now, notify=False)
+            # A crash is the pool's failure; an exit while the node stops is not.
+            self._lose_worker(worker, reason, now, notify=False, failure=not self.draining)
 
     def _lose_worker(
-        self, worker: WorkerState, reason: str, now: float, *, notify: bool = True
+        self,
+        worker: WorkerState,
+        reason: str,
+        now: float,
+        *,
+        notify: bool = True,
+        failure: bool = True,
     ) -> None:
+        """Unregister ``worker``; re-dispatch, hand over or answer its requests.
+
+        ``notify``: tell the supervisor to kill it (the broker's own verdict).
+        ``failure``: count it against the model pool's circuit breaker (not for
+        a clean DISCONNECT or an incarnation replaced by a newer one).
+        """
         self.workers.remove(worker.identity)
         self.stats.count("workers_lost")
         if notify:
@@ -413,14 +433,14 @@ class Broker:
             self.events.append(WorkerEvent("lost", worker.worker_id, pid, reason))
         # If it is merely slow it must not keep the requests: make it re-register.
         self._send_worker(worker.identity, WorkerCommand.DISCONNECT, {"reason": reason})
-        if worker.kind == "llm" and not worker.active:
+        if worker.kind == "llm" and failure and not worker.active:
             self.router.worker_failed(None, now, reason)
         for rid in sorted(worker.active):
             job = self._jobs.get(rid)
             if job is None:
                 continue
             self._deadlines.discard(("ack", rid))
-            if worker.kind == "llm":
+            if worker.kind == "llm" and failure:
                 self.router.worker_failed(job, now, reason)
             if job.replied:
                 self._forget(job)
@@ -495,21 +515,28 @@ class Broker:
 
     # ------------------------------------------------------------------ dispatch
 
-    def _free_credit(self) -> int:
-        """Credit the broker may still use: the pool's, less what pressure withholds."""
-        slots = self.workers.total_slots()
-        in_flight = sum(len(w.active) for w in self.workers)
-        return min(self.workers.total_credit(), self.gate.concurrency(slots) - in_flight)
+    def _free_credit(self, kind: str) -> int:
+        """Credit of ``kind``'s workers the broker may still use; under memory
+        pressure the gate withholds some of the model's (the rules need none)."""
+        pool = self.workers.of_kind(kind)
+        slots = sum(w.slots for w in pool)
+        in_flight = sum(len(w.active) for w in pool)
+        limit = self.gate.concurrency(slots) if kind == "llm" else slots
+        return min(sum(w.credit for w in pool), limit - in_flight)
 
     def _dispatch(self, now: float) -> None:
         """Send queued requests, by priority then age, while credit allows."""
+        free = {"llm": self._free_credit("llm"), "rules": self._free_credit("rules")}
         for job in self.gate:
-            if self._free_credit() <= 0:
-                return
+            if free[job.kind] <= 0:
+                if not any(n > 0 for n in free.values()):
+                    return
+                continue
             worker = self.workers.pick(job.kind)
             if worker is None:
                 continue  # another kind of worker may still take later requests
             self.gate.remove(job)
+            free[job.kind] -= 1
             worker.active.add(job.rid)
             if len(worker.active) == 1:
                 worker.progress_at = now  # the stall clock starts when work starts
@@ -539,7 +566,7 @@ class Broker:
             "queue_bound": self.gate.queue_bound(slots),
             "in_flight": sum(1 for j in self._jobs.values() if j.worker and not j.replied),
             "credit": self.workers.total_credit(),
-            "credit_limit": self.gate.concurrency(slots),
+            "credit_limit": self.gate.concurrency(self.workers.slots("llm")),
             "pressure": self.gate.pressure,
             "routing": self.router.snapshot(now),
             "draining": self.draining,

@@ -25,6 +25,7 @@ from broker.breaker import BreakerSettings, CircuitBreaker, Permit
 from broker.errors import ErrorCode
 from broker.protocol import ClientRequest
 from broker.records import Job
+from broker.stats import RETRY_AFTER_MIN_MS
 
 MODES = ("shadow", "dual", "degrade", "full")
 #: How much of a prompt a migration record keeps (chars).
@@ -54,14 +55,16 @@ class PoolView:
 @dataclass(frozen=True)
 class Route:
     """A decision: the engine ``kind``, why it is a fallback (``degraded``, ""
-    if not), the breaker permit of a model call, and whether the model also
-    gets a ``copy`` (``shadow`` or ``dual``)."""
+    if not), the breaker permit of a model call, whether the model also
+    gets a ``copy`` (``shadow`` or ``dual``), and why a copy was not made
+    (``copy_skipped``: ``no_credit``, ``no_model_worker``; "" if none was due)."""
 
     kind: str
     degraded: str = ""
     permit: Permit | None = None
     copy: str = ""
     watch_ttft: bool = False
+    copy_skipped: str = ""
 
 
 class Router:
@@ -87,8 +90,11 @@ class Router:
         if mode == "full" or (mode == "degrade" and pool.rules_workers == 0):
             return self._model_only(now)
         if mode in ("shadow", "dual"):
-            wants_copy = pool.llm_workers > 0 and (mode == "dual" or pool.llm_free > 0)
-            return Route("rules", copy=mode if wants_copy else "")
+            if pool.llm_workers == 0:
+                return Route("rules", copy_skipped="no_model_worker")
+            if mode == "shadow" and pool.llm_free <= 0:
+                return Route("rules", copy_skipped="no_credit")
+            return Route("rules", copy=mode)
         reason = self._fallback_reason(pool)
         if reason:
             return Route("rules", degraded=reason)
@@ -104,7 +110,8 @@ class Router:
                 ErrorCode.UNAVAILABLE,
                 "circuit_open",
                 "the model pool is failing (circuit breaker open)",
-                self.breaker.retry_after_ms(now),
+                # Half-open with every probe out says 0: still not "retry at once".
+                max(RETRY_AFTER_MIN_MS, self.breaker.retry_after_ms(now)),
             )
         return Route("llm", permit=permit)
 
@@ -113,7 +120,8 @@ class Router:
             return "no_model_worker"
         if pool.pressure != "ok":
             return "memory_pressure"
-        if pool.llm_wait_s * 1000 > self.settings.ttft_budget_ms:
+        budget = self.settings.ttft_budget_ms
+        if budget > 0 and pool.llm_wait_s * 1000 > budget:
             return "latency_budget"
         return ""
 
@@ -195,7 +203,9 @@ class Router:
             started = job.dispatched_at if job.dispatched_at is not None else now
             first = job.first_token_at if job.first_token_at is not None else now
             self.breaker.record(permit, now, ok=True, duration_s=first - started)
-        elif code in (ErrorCode.INTERNAL, ErrorCode.UNAVAILABLE):
+        elif code == ErrorCode.INTERNAL or body.get("reason") == "worker_lost":
+            # Only the pool's own failures: the broker's 503s (eviction, memory
+            # pressure, shutdown) say nothing about the model's health.
             self.breaker.record(permit, now, ok=False)
         elif code == ErrorCode.DEADLINE_EXCEEDED and job.dispatched_at is not None:
             elapsed = now - job.dispatched_at
