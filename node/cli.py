@@ -29,6 +29,7 @@ from node.cli_rules import rules
 from node.config import NodeConfig, load_config
 from node.model import resolve_model
 from node.pidfile import read_live_pid
+from node.pool import plan_workers
 from node.status_view import render_status
 
 #: ``edgenode status`` exit code when no node runs (LSB init-script convention).
@@ -89,6 +90,7 @@ def start(ctx: click.Context, foreground: bool, wait_s: float) -> None:
         if config.workers.engine == "llama":
             resolve_model(config.model.path)
         check_fits(config)
+        plan_workers(config.workers)  # an impossible core reservation
     except EdgeNodeError as exc:
         raise click.ClickException(exc.message) from exc
     if foreground:

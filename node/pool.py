@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from node.affinity import CpuPlan, plan_cpus
-from node.config import NodeConfig, memory_max_bytes
+from node.config import NodeConfig, WorkersSection, memory_max_bytes
 from node.engine import EngineSpec
 from node.sandbox import MemoryReading, Sandbox, cgroup_name, limits_for, options_for
 from node.supervisor import Supervisor
@@ -26,6 +26,21 @@ from node.worker import WorkerSpec
 log = logging.getLogger("edgenode.pool")
 
 RULES_WORKER = "rules-0"
+
+
+def plan_workers(w: WorkersSection) -> CpuPlan:
+    """The core plan for ``[workers]`` on this host (``edgenode start`` checks it first).
+
+    Raises:
+        ConfigError: an impossible reservation (cores outside the allowed set, all of them).
+    """
+    return plan_cpus(
+        w.count,
+        w.cpus,
+        cpu_quota_cores=parse_cores(w.cpu_quota),
+        max_threads=w.threads,
+        nice=w.nice,
+    )
 
 
 class WorkerPool:
@@ -46,18 +61,15 @@ class WorkerPool:
     ) -> None:
         self.config = config
         w = config.workers
-        self.plan: CpuPlan = plan_cpus(
-            w.count,
-            w.cpus,
-            cpu_quota_cores=parse_cores(w.cpu_quota),
-            max_threads=w.threads,
-            nice=w.nice,
-        )
+        self.plan: CpuPlan = plan_workers(w)
         self.sandbox = Sandbox(options_for(w, self.plan, cgroup_name(run_dir)))
         self.specs = self._model_specs(model_path)
         if rules_path is not None:
             self.specs.append(self._rules_spec(rules_path))
         self.oom_kills: dict[str, int] = {}
+        # The cgroup's OOM counter when the worker's current process was spawned:
+        # a restart reuses the cgroup, whose counter never goes down.
+        self._oom_base: dict[str, int] = {}
         self.supervisor = Supervisor(
             self.specs,
             log_dir=run_dir / "logs",
@@ -154,14 +166,19 @@ class WorkerPool:
         paths = self.sandbox.create_worker(
             spec.worker_id, limits_for(self.config.workers, spec.cpus)
         )
+        reading = self.memory(spec.worker_id)
+        self._oom_base[spec.worker_id] = reading.oom_kills if reading is not None else 0
         return dataclasses.replace(spec, cgroup_procs=paths)
 
     def _explain(self, worker_id: str, returncode: int) -> str | None:
-        """Name an OOM kill the cgroup recorded (the signal alone says SIGKILL)."""
+        """Name an OOM kill the cgroup recorded during this process's life
+        (the signal alone says SIGKILL)."""
         reading = self.memory(worker_id)
-        if reading is None or reading.oom_kills == 0:
+        new = 0 if reading is None else reading.oom_kills - self._oom_base.get(worker_id, 0)
+        if reading is None or new <= 0:
             return None
-        self.oom_kills[worker_id] = self.oom_kills.get(worker_id, 0) + reading.oom_kills
+        self._oom_base[worker_id] = reading.oom_kills
+        self.oom_kills[worker_id] = self.oom_kills.get(worker_id, 0) + new
         limit = format_size(reading.limit) if reading.limit is not None else "its limit"
         return f"OOM-killed in its cgroup at memory.max {limit}"
 

@@ -43,6 +43,9 @@ class WorkerHandle:
     failures_in_row: int = 0
     restart_at: float | None = None
     last_exit: str = ""
+    #: Why the node killed the current process (broker verdict, READY timeout);
+    #: prefixed to its exit reason once reaped, cleared at the next spawn.
+    kill_reason: str = ""
     log_file: IO[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -121,6 +124,7 @@ class Supervisor:
             close_fds=True,
         )
         handle.state = "starting"
+        handle.kill_reason = ""
         handle.started_at = self.clock()
         handle.restart_at = None
         log.info("spawned %s pid %d", handle.spec.worker_id, handle.proc.pid)
@@ -141,7 +145,7 @@ class Supervisor:
         if handle is None or handle.pid is None or (pid is not None and pid != handle.pid):
             return
         log.warning("killing %s pid %d: %s", worker_id, handle.pid, reason)
-        handle.last_exit = reason
+        handle.last_exit = handle.kill_reason = reason
         verdict = reason.split(":", 1)[0]
         handle.state = verdict if verdict in ("dead", "stalled", "hung") else "lost"
         _killpg(handle.pid, signal.SIGKILL)
@@ -160,6 +164,7 @@ class Supervisor:
                 and now - handle.started_at > self.ready_timeout_s
             ):
                 handle.last_exit = f"not READY within {self.ready_timeout_s:.0f}s"
+                handle.kill_reason = handle.last_exit
                 _killpg(proc.pid, signal.SIGKILL)
             if (
                 handle.state == "restarting"
@@ -176,8 +181,8 @@ class Supervisor:
         better = self.explain(handle.spec.worker_id, code) if self.explain is not None else None
         if better:
             reason = f"{better} ({reason})"
-        if handle.last_exit and code < 0:
-            reason = f"{handle.last_exit} ({reason})"
+        if handle.kill_reason and code < 0:
+            reason = f"{handle.kill_reason} ({reason})"
         handle.last_exit = reason
         log.warning("%s exited: %s", handle.spec.worker_id, reason)
         if self.on_exit is not None:

@@ -1,0 +1,523 @@
+#!/usr/bin/env python3
+"""Does the host notice the model? A wake-up latency probe beside busy workers (not a test).
+
+A small probe process stands in for the host's own control loop: at nice 0,
+pinned to core ``--probe-core`` (0), it sleeps 1 ms ``--iterations`` times and
+records how late each wake-up is (µs past the requested time). Two real nodes
+run side by side (engine llama, default model, ``sandbox = "required"``, each
+in its own run dir and cgroup):
+
+* ``reserved``: ``workers.cpus = [1]``: the workers (both, sharing core 1) may
+  not run on the probe's core;
+* ``unreserved``: ``workers.cpus = []`` (the baseline): no reservation; the
+  plan still gives each worker a core of its own, so one worker runs on the
+  probe's core (at nice 10).
+
+Each of ``--rounds`` rounds probes three cases in a rotating order: both nodes
+idle; the reserved node's workers all generating flat out; the unreserved
+node's likewise (one client per worker, each streaming long generations back to
+back for the whole probe window; they are cancelled after it). Interleaving
+matters on a shared machine: the host's other load, which the benchmark cannot
+stop, then falls on every case alike.
+
+Before the first round each worker evaluates one context-filling prompt, so the
+KV cache and the attention scratch are touched (the steady state the capacity
+plan estimates).
+
+Printed: p50/p99/max lateness over all rounds of a case, and the median of the
+rounds' p99; busy/idle p99 ratios; the share of the probe windows during which
+every worker had a generation in flight; tokens per second; the busy share of
+each core and the CPU used by processes that are neither the nodes nor the probe
+(``other``: the benchmark cannot stop other work on a shared machine, it can
+only show it). Then per worker the capacity plan's estimate
+(``status['capacity']['per_worker']``) against the measured memory: the
+worker's cgroup (usage and peak) and its private memory from
+``/proc/<pid>/smaps`` (``scripts/bench_memory.py``'s reading: private bytes
+minus the model file's).
+
+Usage: ``python scripts/bench_isolation.py [--iterations 3000] [--rounds 3] [--json]``.
+Needs root (cgroups and cpusets) and at least 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from bench_memory import smaps
+
+from broker import protocol as p
+from broker.client import Client
+from node.model import resolve_model
+from node.units import format_size
+from nodeproc import NodeProcess
+
+MiB = 1 << 20
+N_CTX = 2048  # the default model.n_ctx
+
+#: The probe: pin, then sleep 1 ms N times; print each wake-up's lateness in ns,
+#: the window (CLOCK_MONOTONIC, comparable with this process's clock) and its CPU time.
+PROBE = """
+import json, os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+n, period = int(sys.argv[2]), 1_000_000
+late = []
+start = time.monotonic()
+for _ in range(n):
+    target = time.monotonic_ns() + period
+    time.sleep(period / 1e9)
+    late.append(time.monotonic_ns() - target)
+end = time.monotonic()
+print(json.dumps({"late_ns": late, "start": start, "end": end, "cpu_s": time.process_time()}))
+"""
+
+#: A base model keeps going on a story; EOS ends one early now and then, and the
+#: generator sends the next at once.
+STORY = "Chapter one. The old lighthouse keeper climbed the stairs and"
+
+
+# --------------------------------------------------------------------------- probe
+
+
+def cpu_ticks() -> list[tuple[float, float]]:
+    """(busy, total) seconds per core since boot, from /proc/stat."""
+    hz = os.sysconf("SC_CLK_TCK")
+    out = []
+    with open("/proc/stat") as fh:
+        for line in fh:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name != "cpu":
+                v = [int(x) for x in fields]
+                idle = v[3] + v[4]  # idle + iowait
+                out.append(((sum(v[:8]) - idle) / hz, sum(v[:8]) / hz))
+    return out
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds used so far by ``pid`` and its live descendants."""
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
+
+
+def probe(core: int, iterations: int, node_pids: list[int]) -> dict[str, Any]:
+    """Run the probe on ``core`` (nice 0, a fresh process); its output plus CPU accounting."""
+    ticks, node_cpu = cpu_ticks(), sum(map(tree_cpu, node_pids))
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, str(core), str(iterations)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=iterations / 100 + 60,
+    )
+    after, node_after = cpu_ticks(), sum(map(tree_cpu, node_pids))
+    result: dict[str, Any] = json.loads(out.stdout)
+    busy = [b1 - b0 for (b0, _), (b1, _) in zip(ticks, after, strict=True)]
+    total = [t1 - t0 for (_, t0), (_, t1) in zip(ticks, after, strict=True)]
+    result["core_busy"] = [b / t if t else 0.0 for b, t in zip(busy, total, strict=True)]
+    wall = total[0] or 1.0
+    # Cores' worth of CPU used by everything else: the host's other work.
+    result["other_cores"] = max(0.0, (sum(busy) - (node_after - node_cpu) - result["cpu_s"]) / wall)
+    return result
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Lateness over all rounds (µs), the median of the rounds' p99, CPU shares."""
+    late = [ns / 1000 for r in rounds for ns in r["late_ns"]]
+    return {
+        "p50_us": round(statistics.median(late), 1),
+        "p99_us": round(pct(late, 0.99), 1),
+        "max_us": round(max(late), 1),
+        "p99_rounds_us": [round(pct([ns / 1000 for ns in r["late_ns"]], 0.99), 1) for r in rounds],
+        "p99_median_us": round(
+            statistics.median(pct([ns / 1000 for ns in r["late_ns"]], 0.99) for r in rounds), 1
+        ),
+        "core_busy": [
+            round(statistics.mean(c), 3)
+            for c in zip(*(r["core_busy"] for r in rounds), strict=True)
+        ],
+        "other_cores": round(statistics.mean(r["other_cores"] for r in rounds), 2),
+    }
+
+
+# --------------------------------------------------------------------------- load
+
+
+class Generator(threading.Thread):
+    """Streams long generations back to back while ``run_now`` is set; when it is
+    cleared the current one is cancelled, and ``idle`` is set once it has ended."""
+
+    def __init__(self, frontend: str, max_tokens: int, index: int) -> None:
+        super().__init__(daemon=True)
+        self.frontend, self.max_tokens, self.index = frontend, max_tokens, index
+        self.run_now = threading.Event()
+        self.idle = threading.Event()
+        self.idle.set()
+        self.halt = threading.Event()
+        self.spans: list[tuple[float, float]] = []  # (start, end) of each generation
+        self.current_start: float | None = None
+        self.token_times: list[float] = []
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.frontend)
+        n = 0
+        try:
+            while not self.halt.is_set():
+                if not self.run_now.wait(0.05):
+                    continue
+                self.idle.clear()
+                n += 1
+                self._one(sock, f"g{self.index}-{n}")
+                self.idle.set()
+        finally:
+            sock.close(0)
+
+    def _one(self, sock: zmq.Socket[bytes], rid: str) -> None:
+        body = {
+            "id": rid,
+            "op": "generate",
+            "prompt": STORY,
+            "max_tokens": self.max_tokens,
+            "temperature": 0.8,
+            "route": "llm",
+            "stream": True,
+        }
+        sock.send_multipart([b"", p.CLIENT_TAG, p.pack(body)])
+        self.current_start = start = time.monotonic()
+        cancelled = False
+        while True:
+            if not cancelled and (not self.run_now.is_set() or self.halt.is_set()):
+                cancel = {"id": f"{rid}-cancel", "op": "cancel", "target": rid}
+                sock.send_multipart([b"", p.CLIENT_TAG, p.pack(cancel)])
+                cancelled = True
+            if not sock.poll(50):
+                continue
+            reply = p.unpack_map(sock.recv_multipart()[-1])
+            if reply.get("id") != rid:
+                continue  # the cancel's own answer
+            if reply["status"] == "partial":
+                self.token_times.append(time.monotonic())
+                continue
+            if reply["status"] == "error" and reply.get("code") != 499:
+                self.errors.append(f"{reply.get('code')} {reply.get('message')}")
+            break
+        self.spans.append((start, time.monotonic()))
+        self.current_start = None
+
+    def covered(self, start: float, end: float) -> float:
+        """Seconds of [start, end] during which a generation was in flight."""
+        spans = list(self.spans)
+        if self.current_start is not None:
+            spans.append((self.current_start, end))
+        return sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans)
+
+    def tokens_in(self, start: float, end: float) -> int:
+        return sum(1 for t in list(self.token_times) if start <= t <= end)
+
+
+def llm_active(node: NodeProcess) -> int:
+    """Model workers running a request now."""
+    return sum(1 for w in node.status()["workers"] if w["kind"] == "llm" and w["active"])
+
+
+def wait_until(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def fill_contexts(frontend: str, workers: int, n_ctx: int) -> None:
+    """One context-filling prompt per worker at once, so the KV cache and the
+    attention scratch are touched: the steady-state peak the plan estimates."""
+    prompt = "robot " * (n_ctx - 64)  # one token per word with the default model
+
+    def one() -> None:
+        with Client(frontend, wait_ms=600_000) as client:
+            client.generate(prompt, max_tokens=16, route="llm", timeout_ms=300_000)
+
+    threads = [threading.Thread(target=one) for _ in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class Config:
+    """One node of the comparison, its generators and what was measured with it busy."""
+
+    def __init__(self, name: str, cpus: list[int], args: argparse.Namespace) -> None:
+        self.name, self.cpus = name, cpus
+        self.node = NodeProcess(
+            {
+                # "required": the table needs real cgroups and cpusets, or it would mislead.
+                "workers": {
+                    "engine": "llama",
+                    "count": args.workers,
+                    "cpus": cpus,
+                    "sandbox": "required",
+                },
+                "broker": {"stall_timeout_ms": 60_000},
+            }
+        )
+        self.gens = [Generator(self.node.frontend, args.max_tokens, i) for i in range(args.workers)]
+        self.busy: list[dict[str, Any]] = []
+        self.coverage: list[float] = []
+        self.rates: list[float] = []
+        self.memory: list[dict[str, Any]] = []
+        self.placement: dict[str, list[int]] = {}
+        self.capacity: dict[str, Any] = {}
+
+    def start(self, args: argparse.Namespace) -> None:
+        self.node.start(timeout=args.timeout)
+        status = self.node.status()
+        self.placement = {p["worker_id"]: p["cpus"] for p in status["processes"]}
+        self.capacity = status["capacity"]
+        fill_contexts(self.node.frontend, args.workers, N_CTX)
+        for g in self.gens:
+            g.start()
+
+    def busy_probe(self, args: argparse.Namespace, pids: list[int], last: bool) -> None:
+        """Every worker of this node generating for the whole probe window."""
+        for g in self.gens:
+            g.run_now.set()
+        wait_until(lambda: llm_active(self.node) == args.workers, 60)
+        time.sleep(1.0)  # past the prompt evaluation: decoding from here on
+        b = probe(args.probe_core, args.iterations, pids)
+        self.busy.append(b)
+        window = b["end"] - b["start"]
+        self.coverage.append(min(g.covered(b["start"], b["end"]) for g in self.gens) / window)
+        self.rates.append(sum(g.tokens_in(b["start"], b["end"]) for g in self.gens) / window)
+        if last:
+            self.memory = read_memory(self.node)  # still generating: the steady state
+        for g in self.gens:
+            g.run_now.clear()
+        for g in self.gens:
+            g.idle.wait(60)
+        wait_until(lambda: llm_active(self.node) == 0, 30)
+
+    def stop(self) -> None:
+        for g in self.gens:
+            g.halt.set()
+        for g in self.gens:
+            if g.is_alive():
+                g.join(timeout=30)
+        self.node.cleanup()
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "workers_cpus": self.cpus,
+            "placement": self.placement,
+            "busy": summarize(self.busy),
+            "busy_coverage": round(min(self.coverage), 4),
+            "tok_per_s": round(statistics.mean(self.rates), 1),
+            "errors": [e for g in self.gens for e in g.errors],
+            "capacity": self.capacity,
+            "memory": self.memory,
+        }
+
+
+def run(args: argparse.Namespace, reserved: list[int]) -> dict[str, Any]:
+    """Both nodes up at once; per round the probe runs idle, beside the reserved
+    node's workers busy and beside the unreserved node's, in a rotating order, so
+    the host's other load (which the benchmark cannot stop) hits every case alike."""
+    configs = [Config("reserved", reserved, args), Config("unreserved", [], args)]
+    idle: list[dict[str, Any]] = []
+    try:
+        for c in configs:
+            c.start(args)
+        pids = [c.node.proc.pid for c in configs if c.node.proc is not None]
+        cases: list[Config | None] = [None, *configs]
+        for r in range(args.rounds):
+            for case in cases[r % 3 :] + cases[: r % 3]:
+                if case is None:
+                    idle.append(probe(args.probe_core, args.iterations, pids))
+                else:
+                    case.busy_probe(args, pids, last=r == args.rounds - 1)
+    finally:
+        for c in configs:
+            c.stop()
+    return {"idle": summarize(idle), "configs": [c.result() for c in configs]}
+
+
+def read_memory(node: NodeProcess) -> list[dict[str, Any]]:
+    """Per model worker: its cgroup's usage, peak and limit, and its smaps private bytes."""
+    model = str(resolve_model("default"))
+    out = []
+    for proc in node.status()["processes"]:
+        if proc["engine"] != "llama" or not proc["pid"]:
+            continue
+        m = smaps(proc["pid"], model)
+        out.append(
+            {
+                "worker": proc["worker_id"],
+                "cgroup_current": proc["memory"]["current"],
+                "cgroup_peak": proc["memory"]["peak"],
+                "cgroup_limit": proc["memory"]["limit"],
+                "private": m["Private"] - m["model_private"],
+                "pss": m["Pss"],
+            }
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> None:
+    idle, configs = result["idle"], result["configs"]
+    print(
+        f"\nprobe: {args.rounds} rounds x {args.iterations} x 1 ms sleeps on core "
+        f"{args.probe_core}, nice 0; lateness = wake-up minus requested time (µs)"
+    )
+    header = (
+        f"{'case':<17} {'workers.cpus':<12} {'placement':<10} "
+        f"{'p50':>6} {'p99':>7} {'max':>8} {'p99 med':>8} {'busy':>5} "
+        f"{'core0':>6} {'core1':>6} {'other':>6} {'tok/s':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    rows = [("both nodes idle", "", "", idle, "", "")]
+    for c in configs:
+        place = " ".join(f"{w[4:]}:{','.join(map(str, v))}" for w, v in c["placement"].items() if v)
+        rows.append(
+            (
+                f"{c['name']} busy",
+                str(c["workers_cpus"]),
+                place,
+                c["busy"],
+                f"{c['busy_coverage']:.0%}",
+                str(c["tok_per_s"]),
+            )
+        )
+    for label, cpus, place, s, cover, rate in rows:
+        cores = [f"{x:.0%}" for x in s["core_busy"][:2]]
+        print(
+            f"{label:<17} {cpus:<12} {place:<10} {s['p50_us']:>6} {s['p99_us']:>7} "
+            f"{s['max_us']:>8} {s['p99_median_us']:>8} {cover:>5} {cores[0]:>6} {cores[1]:>6} "
+            f"{s['other_cores']:>6} {rate:>6}"
+        )
+    print(
+        "(p99 med = median of the rounds' p99; busy = share of the probe windows with every "
+        "worker generating;\n coreN = how busy each core was; other = cores' worth of CPU used "
+        "by processes outside the nodes and the probe)"
+    )
+    print(f"\np99 per round: idle {idle['p99_rounds_us']}")
+    for c in configs:
+        print(f"               {c['name']} busy {c['busy']['p99_rounds_us']}")
+    print("\nbusy/idle (1.0 = the host does not notice the model):")
+    for c in configs:
+        b = c["busy"]
+        print(
+            f"  {c['name']:<11} p99 {b['p99_us'] / idle['p99_us']:5.2f}x pooled, "
+            f"{b['p99_median_us'] / idle['p99_median_us']:5.2f}x median of rounds; "
+            f"p50 {b['p50_us'] / idle['p50_us']:.2f}x; max {b['max_us'] / idle['max_us']:.2f}x"
+        )
+    a, b = configs[0]["busy"], configs[1]["busy"]
+    print(
+        f"  busy p99, {configs[1]['name']} / {configs[0]['name']}: "
+        f"{b['p99_us'] / a['p99_us']:.2f}x pooled, "
+        f"{b['p99_median_us'] / a['p99_median_us']:.2f}x median of rounds"
+    )
+    for c in configs:
+        if c["errors"]:
+            print(f"  {c['name']}: generator errors: {c['errors']}")
+
+    print("\nmemory per worker: plan estimate vs measured (while generating, contexts filled)")
+    print(
+        f"{'config':<11} {'worker':<7} {'estimate':>9} {'cg usage':>9} {'err':>7} "
+        f"{'cg peak':>9} {'err':>7} {'private':>9} {'err':>7} {'cg limit':>9}"
+    )
+    for c in configs:
+        est = c["capacity"]["per_worker"]
+        for m in c["memory"]:
+            peak = m["cgroup_peak"]
+            limit = format_size(m["cgroup_limit"]) if m["cgroup_limit"] else "max"
+            print(
+                f"{c['name']:<11} {m['worker']:<7} {est / MiB:>8.1f}M "
+                f"{m['cgroup_current'] / MiB:>8.1f}M {_err(est, m['cgroup_current']):>7} "
+                f"{(peak or 0) / MiB:>8.1f}M {_err(est, peak):>7} "
+                f"{m['private'] / MiB:>8.1f}M {_err(est, m['private']):>7} {limit:>9}"
+            )
+    cap = configs[0]["capacity"]
+    print(
+        f"plan: per worker {format_size(cap['per_worker'])} (with the margin "
+        f"{format_size(cap['memory_max'])}), total {format_size(cap['total'])} of a "
+        f"{format_size(cap['budget'])} budget; err = (estimate - measured) / measured.\n"
+        "The cgroup misses what the worker's interpreter touched before it joined its "
+        "cgroup (charged to the node's leaf); private (smaps) counts it."
+    )
+
+
+def _err(estimate: int, measured: int | None) -> str:
+    return f"{(estimate - measured) / measured * 100:+.1f}%" if measured else "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=3000, help="sleeps per probe")
+    parser.add_argument("--rounds", type=int, default=3, help="idle/busy probe pairs per config")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--probe-core", type=int, default=0)
+    parser.add_argument("--reserve", default="1", help="workers.cpus of the reserved config")
+    parser.add_argument("--max-tokens", type=int, default=1024)
+    parser.add_argument("--timeout", type=float, default=240.0, help="node start timeout (s)")
+    parser.add_argument("--json", action="store_true", help="also print the results as JSON")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("needs root: the node creates cgroups and cpusets")
+    reserved = [int(c) for c in args.reserve.split(",")]
+    if args.probe_core in reserved or args.probe_core not in os.sched_getaffinity(0):
+        sys.exit(f"--probe-core {args.probe_core} must be an allowed core outside {reserved}")
+    load = os.getloadavg()
+    print(
+        f"host: {os.cpu_count()} CPUs, allowed {sorted(os.sched_getaffinity(0))}, "
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the run"
+    )
+    result = run(args, reserved)
+    report(result, args)
+    if args.json:
+        print(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main()
