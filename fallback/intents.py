@@ -9,10 +9,15 @@ values the default rules produce; a test keeps the two in step.
 The schema uses only what llama.cpp's JSON-Schema-to-grammar converter supports: ``object``
 with ``properties``/``required``/``additionalProperties: false``, ``string`` enums and
 ``number``.
+
+The schema fixes the shape, not the meaning: a model also needs to be told which intent a
+command is. ``INTENT_PROMPT`` is a few-shot system message for that (``INTENT_EXAMPLES``,
+each exactly what the default rules answer).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 INTENTS = (
@@ -79,3 +84,38 @@ def intent_errors(obj: Any, schema: dict[str, Any] = INTENT_SCHEMA) -> list[str]
         elif "enum" in spec and value not in spec["enum"]:
             errors.append(f"{key}: {value!r} is not one of {spec['enum']}")
     return errors
+
+
+#: Few-shot examples for ``INTENT_PROMPT``: (command, the default rules' answer). One or two
+#: per intent family, worded unlike the commands a test or benchmark asks, so agreement
+#: measures understanding rather than copying.
+INTENT_EXAMPLES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("switch on the lights in the bathroom", {"intent": "lights_on", "room": "bathroom"}),
+    ("turn off the office lights", {"intent": "lights_off", "room": "office"}),
+    ("set the heating to 19 degrees", {"intent": "thermostat_set", "temperature_c": 19}),
+    ("lock the patio door", {"intent": "door_lock", "door": "patio"}),
+    ("unlock the garage door", {"intent": "door_unlock", "door": "garage"}),
+    ("drive backward 3 meters",
+     {"intent": "robot_move", "direction": "backward", "distance_m": 3}),
+    ("turn right", {"intent": "robot_move", "direction": "right"}),
+    ("robot, halt", {"intent": "robot_stop"}),
+    ("head back to the charging station", {"intent": "robot_dock"}),
+    ("how much battery is left?", {"intent": "status_query", "target": "battery"}),
+    ("is the garage door locked?",
+     {"intent": "status_query", "target": "door", "door": "garage"}),
+)  # fmt: skip
+
+#: System message of a chat request that asks a model for the rules' intents (send it with
+#: ``json_schema=INTENT_SCHEMA``). Written for base models too: the node renders chat for a
+#: model without a chat template as a plain "Q: ... / A: ..." transcript under the system
+#: message, which these examples continue. Measured with the default Gemma 3 270M (base,
+#: temperature 0): 7 of 12 commands of the default rule set answered exactly as the rules,
+#: 8 of 12 with the same intent.
+INTENT_PROMPT = (
+    "Translate each smart-home or robot command into a JSON intent. "
+    "Use only the fields the command mentions.\n\n"
+    + "\n".join(
+        f"Q: {command}\nA: {json.dumps(answer, separators=(',', ':'))}"
+        for command, answer in INTENT_EXAMPLES
+    )
+)

@@ -8,6 +8,7 @@ and process tests, never for the model's own end-to-end tests.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -68,7 +69,9 @@ class TestEngine:
     ``!crash`` exits the process at once (exit 3); ``!hang`` blocks without
     progress and ignores cancellation; ``!slow <ms>`` sets the per-token delay
     for this request; ``!hog <MiB>`` allocates and touches that much memory
-    (kept until the process ends), like a model outgrowing its cgroup.
+    (kept until the process ends), like a model outgrowing its cgroup;
+    ``!json <object>`` answers with that JSON object (compact, four characters
+    per token) instead of the echo, like a model held to a ``json_schema``.
     """
 
     __test__ = False  # not a pytest test class
@@ -99,16 +102,21 @@ class TestEngine:
             for i in range(0, len(block), 4096):
                 block[i] = 1
             self._hogged.append(block)
-        pieces = ["echo:", *words][: int(job.get("max_tokens", 16))]
+        if words[:1] == ["!json"]:
+            obj, _ = json.JSONDecoder().raw_decode(prompt.split(None, 1)[1])
+            answer = json.dumps(obj, separators=(",", ":"))
+            tokens = [answer[i : i + 4] for i in range(0, len(answer), 4)]
+        else:
+            tokens = ["echo:", *(" " + w for w in words)]
+        pieces = tokens[: int(job.get("max_tokens", 16))]
         out: list[str] = []
-        for i, piece in enumerate(pieces):
+        for token in pieces:
             if cancelled.wait(delay):
                 raise Cancelled("cancelled", partial_text="".join(out))
             self.steps += 1
-            token = piece if i == 0 else " " + piece
             out.append(token)
             emit(token)
-        finish = "length" if len(pieces) < len(words) + 1 else "stop"
+        finish = "length" if len(pieces) < len(tokens) else "stop"
         usage = {"prompt_tokens": len(words), "completion_tokens": len(pieces)}
         return {"text": "".join(out), "finish_reason": finish, "usage": usage}
 

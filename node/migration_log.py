@@ -10,7 +10,8 @@ Record shapes (the broker's side; ``id`` is the client's request id):
   returned. ``rules`` = {status, text, latency_ms, confidence, rule}, ``llm`` = {status,
   text, latency_ms, ttft_ms, worker, code}.
 * ``fallback``: degrade mode answered from the rules instead of the model (``reason``).
-* ``copy_skipped``: the model got no copy (shadow: no free credit; dual: queue full).
+* ``copy_skipped``: the model got no copy (``reason``: ``no_credit``, shadow's model was busy;
+  ``no_model_worker``; ``queue_full``; ``circuit_open``).
 * ``llm``: a request answered by the model (latency_ms, ttft_ms, status).
 
 Added here: ``ts`` (ISO-8601 UTC wall time, ms) on every record; on ``pair`` records

@@ -12,7 +12,14 @@ import pytest
 from broker.errors import Cancelled, ConfigError, ProtocolError
 from fallback.compare import compare_json, compare_outputs, compare_text, token_f1
 from fallback.engine import MAX_MATCH_CHARS, RuleEngine, condition_holds, field_value
-from fallback.intents import DOORS, INTENT_SCHEMA, ROOMS, intent_errors
+from fallback.intents import (
+    DOORS,
+    INTENT_EXAMPLES,
+    INTENT_PROMPT,
+    INTENT_SCHEMA,
+    ROOMS,
+    intent_errors,
+)
 from fallback.rules import Condition, RulesError, load_rules, loads_rules
 from fallback.template import Unconvertible, parse_json_template, parse_template, render_json
 
@@ -146,6 +153,16 @@ def test_every_schema_room_is_understood(room: str) -> None:
 @pytest.mark.parametrize("door", DOORS)
 def test_every_schema_door_is_understood(door: str) -> None:
     assert json.loads(ask(f"lock the {door} door")["text"]) == {"intent": "door_lock", "door": door}
+
+
+@pytest.mark.parametrize(("text", "expected"), INTENT_EXAMPLES, ids=[e[0] for e in INTENT_EXAMPLES])
+def test_the_model_prompt_teaches_what_the_rules_answer(
+    text: str, expected: dict[str, Any]
+) -> None:
+    answer = ask(text)["text"]
+    assert json.loads(answer) == expected and intent_errors(expected) == []
+    assert f"Q: {text}\nA: {answer}" in INTENT_PROMPT  # compact, as the rules write it
+    assert text not in {c[0] for c in COMMANDS}
 
 
 def test_intent_schema_checker_rejects_off_schema_output() -> None:
