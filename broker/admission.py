@@ -162,7 +162,7 @@ class AdmissionGate:
             )
         wait_s = self.expected_wait_s(req.priority, slots, free, kind)
         # Without workers or a measured service time there is no basis to refuse.
-        if slots and self.stats.samples and wait_s > deadline_s:
+        if slots and self.stats.samples_of(kind) and wait_s > deadline_s:
             return Shed(
                 ErrorCode.UNAVAILABLE,
                 "deadline_unmeetable",
@@ -182,7 +182,7 @@ class AdmissionGate:
                 break
         if free > ahead:
             return 0.0
-        return (ahead - free + 1) / max(1, slots) * self.stats.service_s
+        return (ahead - free + 1) / max(1, slots) * self.stats.service_time(kind)
 
     def retry_after(self, slots: int) -> int:
         """Advice for a shed client, from the live service time and the queue."""

@@ -358,7 +358,7 @@ class Broker:
     def _reply_final(self, job: Job, worker: WorkerState, body: dict[str, Any], now: float) -> None:
         reply, outcome = final_reply(job, worker.kind, worker.worker_id, body, now)
         if outcome == "ok" and job.dispatched_at is not None:
-            self.stats.observe_service(now - job.dispatched_at)
+            self.stats.observe_service(now - job.dispatched_at, job.kind)
         self.stats.count(outcome)
         self._answer(job, reply, now)
 

@@ -11,30 +11,55 @@ RETRY_AFTER_MAX_MS = 30_000
 
 
 class Stats:
-    """Counters by outcome and an EWMA of service time (seconds per request)."""
+    """Counters by outcome and, per engine kind, an EWMA of service time
+    (seconds per request): a rule answer (~1 ms) must not dilute the model's
+    (seconds), nor the model's make rule requests look slow."""
 
     #: EWMA weight of the newest sample (about the last 10 requests dominate).
     ALPHA = 0.2
 
     def __init__(self, initial_service_s: float = 1.0) -> None:
         self.counters: Counter[str] = Counter()
-        self.service_s = initial_service_s
-        self.samples = 0
+        self.initial_service_s = initial_service_s
+        self._service: dict[str, float] = {}
+        self._samples: Counter[str] = Counter()
+
+    @property
+    def service_s(self) -> float:
+        """The model's mean service time (s)."""
+        return self.service_time("llm")
+
+    @service_s.setter
+    def service_s(self, seconds: float) -> None:
+        self._service["llm"] = seconds
+
+    @property
+    def samples(self) -> int:
+        """How many model service times were observed."""
+        return self._samples["llm"]
+
+    def service_time(self, kind: str) -> float:
+        """Mean service time of ``kind``'s workers (s); the initial guess until measured."""
+        return self._service.get(kind, self.initial_service_s)
+
+    def samples_of(self, kind: str) -> int:
+        """How many service times of ``kind`` were observed."""
+        return self._samples[kind]
 
     def count(self, outcome: str) -> None:
         """Add one to the counter ``outcome``."""
         self.counters[outcome] += 1
 
-    def observe_service(self, seconds: float) -> None:
-        """Fold one request's dispatch-to-final time into the EWMA."""
+    def observe_service(self, seconds: float, kind: str = "llm") -> None:
+        """Fold one request's dispatch-to-final time into ``kind``'s EWMA."""
         seconds = max(0.0, seconds)
-        self.samples += 1
-        if self.samples == 1:
-            self.service_s = seconds  # the first measurement beats the guess
+        self._samples[kind] += 1
+        if self._samples[kind] == 1:
+            self._service[kind] = seconds  # the first measurement beats the guess
         else:
-            self.service_s += self.ALPHA * (seconds - self.service_s)
+            self._service[kind] += self.ALPHA * (seconds - self._service[kind])
 
-    def retry_after_ms(self, queued: int, slots: int) -> int:
+    def retry_after_ms(self, queued: int, slots: int, kind: str = "llm") -> int:
         """Time until the queue ahead would have drained, in ms, clamped.
 
         Little's law over the pool: ``queued / slots`` rounds of one mean
@@ -43,6 +68,7 @@ class Stats:
         Args:
             queued: requests waiting ahead of a retry.
             slots: sequences the pool runs at once (>= 1).
+            kind: whose service time applies (``llm`` or ``rules``).
         """
-        estimate = (queued / max(1, slots) + 1) * self.service_s * 1000
+        estimate = (queued / max(1, slots) + 1) * self.service_time(kind) * 1000
         return int(min(RETRY_AFTER_MAX_MS, max(RETRY_AFTER_MIN_MS, estimate)))

@@ -125,3 +125,23 @@ def test_a_rules_request_does_not_wait_for_the_model_queue() -> None:
     h.send(generate("r", route="rules", timeout_ms=500), 4.0)
     assert [r for r in h.replies() if r["status"] == "error"] == []
     assert len(bodies(h.drain_workers(), RULES, REQUEST)) == 1
+
+
+def test_service_times_are_kept_per_engine() -> None:
+    h = harness(mode="full", max_queue=16)
+    h.ready(W1, 0.0)
+    h.ready(RULES, 0.0, engine="rules")
+    h.send(generate("model"), 0.0)
+    (m,) = bodies(h.drain_workers(), W1, REQUEST)
+    h.final(W1, m["rid"], 5.0)  # the model: 5 s
+    h.send(generate("rule", route="rules"), 5.0)
+    (r,) = bodies(h.drain_workers(), RULES, REQUEST)
+    h.final(RULES, r["rid"], 5.002)  # the rules: 2 ms
+    h.replies()
+    stats = h.broker.stats
+    assert stats.service_time("llm") == 5.0 and stats.service_time("rules") < 0.01
+    # A backlog of rule requests with tight budgets is fine: the rules are fast.
+    for i in range(6):
+        h.send(generate(f"r{i}", route="rules", timeout_ms=300), 6.0)
+    assert [r for r in h.replies() if r["status"] == "error"] == []
+    assert stats.retry_after_ms(4, 1, "rules") == 50 < stats.retry_after_ms(4, 1, "llm")
