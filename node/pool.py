@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,12 @@ class WorkerPool:
             engine=engine,
             heartbeat_interval_ms=c.broker.heartbeat_interval_ms,
             heartbeat_liveness=c.broker.heartbeat_liveness,
+            cpus=self._host_cpus(),
         )
+
+    def _host_cpus(self) -> tuple[int, ...]:
+        """The cores left to the host when some are reserved for the model, else ()."""
+        return self.plan.host if self.config.workers.cpus and self.plan.host else ()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -131,6 +137,11 @@ class WorkerPool:
             SandboxError: ``sandbox = "required"`` and cgroups cannot be used.
         """
         self.sandbox.open()
+        host = self._host_cpus()
+        if host:
+            # The broker (and its zmq threads, created later) stays off the model's
+            # reserved cores, so answers from the rules never queue behind tokens.
+            os.sched_setaffinity(0, host)
         self._prefault()
 
     def _prefault(self) -> None:

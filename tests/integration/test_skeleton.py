@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import psutil
 import pytest
 import zmq
 
@@ -175,3 +176,16 @@ def test_start_refuses_a_plan_that_cannot_fit(make_node: NodeFactory) -> None:
     assert "40 worker(s) do not fit" in result.stderr and "workers.count" in result.stderr
     assert leftover_processes(node.run_dir) == []
     assert not (node.run_dir / "edgenode.pid").exists()
+
+
+def test_reserved_cores_keep_the_broker_and_rules_off_the_models_cores(
+    make_node: NodeFactory,
+) -> None:
+    node = make_node(workers={"cpus": [1]}, fallback={"rules": "default"})
+    status = node.status()
+    by_id = {p["worker_id"]: p for p in status["processes"]}
+    assert psutil.Process(status["pid"]).cpu_affinity() == [0]
+    assert psutil.Process(by_id["rules-0"]["pid"]).cpu_affinity() == [0]
+    for wid in ("llm-0", "llm-1"):
+        assert psutil.Process(by_id[wid]["pid"]).cpu_affinity() == [1]
+        assert psutil.Process(by_id[wid]["pid"]).nice() == 10
