@@ -17,8 +17,8 @@ from typing import Any
 from broker import protocol as p
 from broker.admission import PRESSURE_LEVELS, AdmissionGate, Shed, TokenCounter
 from broker.breaker import BreakerSettings
-from broker.deadlines import DeadlineHeap
 from broker.errors import EdgeNodeError, ErrorCode, ProtocolError
+from broker.jobs import JobTable
 from broker.protocol import ClientRequest, WorkerCommand
 from broker.records import BrokerSettings, Job, WorkerEvent
 from broker.replies import final_reply
@@ -60,10 +60,7 @@ class Broker:
         self.to_workers: list[list[bytes]] = []
         self.events: list[WorkerEvent] = []
         self._status_hook = status_hook
-        self._jobs: dict[int, Job] = {}
-        self._by_client_id: dict[tuple[bytes, str | int], int] = {}
-        self._deadlines: DeadlineHeap[tuple[str, int]] = DeadlineHeap()
-        self._next_rid = 1
+        self.jobs = JobTable()
         self._next_heartbeat = 0.0
         self.draining = False
 
@@ -96,7 +93,7 @@ class Broker:
 
     def _accept(self, identity: bytes, req: ClientRequest, now: float) -> None:
         key = (identity, req.id)
-        if key in self._by_client_id:
+        if self.jobs.of_client(*key) is not None:
             message = f"id {req.id!r} is already in flight"
             self._refuse(identity, req.id, Shed(ErrorCode.BAD_REQUEST, "duplicate_id", message))
             return
@@ -129,12 +126,12 @@ class Broker:
             self._shed_job(decision, "evicted by a higher-priority request", "queue_full", now)
         job = self._new_job(identity, req, now, now + timeout_ms / 1000, route.kind)
         job.degraded, job.permit = route.degraded, route.permit
-        self._by_client_id[key] = job.rid
+        self.jobs.bind(job)
         self.gate.opened(identity)
         self.gate.push(job)
         if route.watch_ttft:
             budget_s = self.router.settings.ttft_budget_ms / 1000
-            self._deadlines.set(("ttft", job.rid), now + budget_s)
+            self.jobs.arm("ttft", job.rid, now + budget_s)
         if route.copy:
             self._copy_to_model(job, route.copy, now)
         elif route.copy_skipped:
@@ -145,11 +142,7 @@ class Broker:
     def _new_job(
         self, client: bytes, req: ClientRequest, now: float, deadline: float, kind: str
     ) -> Job:
-        job = Job(self._next_rid, client, req, now, deadline, kind=kind)
-        self._next_rid += 1
-        self._jobs[job.rid] = job
-        self._deadlines.set(("job", job.rid), deadline)
-        return job
+        return self.jobs.new(client, req, now, deadline, kind)
 
     def _pool_view(self, req: ClientRequest) -> PoolView:
         llm = self.workers.of_kind("llm")
@@ -187,14 +180,14 @@ class Broker:
         self.router.release(job, now)
         new = self._new_job(job.client, job.req, job.accepted_at, job.deadline, "rules")
         new.degraded = reason
-        self._by_client_id[(job.client, job.req.id)] = new.rid
+        self.jobs.bind(new)
         job.replied = True  # handed over, not answered: the client still waits
         self.gate.push(new, front=True)
         if job.worker is None:
             self._forget(job)
         else:
             self._send_worker(job.worker, WorkerCommand.CANCEL, {"rid": job.rid})
-            self._deadlines.set(("ack", job.rid), now + self.settings.cancel_grace_ms / 1000)
+            self.jobs.arm("ack", job.rid, now + self.settings.cancel_grace_ms / 1000)
         self.stats.count(f"fallback_{reason}")
 
     def _can_fall_back(self, job: Job) -> bool:
@@ -237,7 +230,7 @@ class Broker:
         for job in self.gate.shed_for_pressure():
             self._shed_job(job, message, "memory_pressure", now)
         if level == "critical":
-            for job in list(self._jobs.values()):
+            for job in self.jobs:
                 sheddable = job.req.priority == "sheddable" and job.kind == "llm"
                 if job.worker and not job.replied and sheddable:
                     self._shed_job(job, message, "memory_pressure", now)
@@ -245,8 +238,7 @@ class Broker:
 
     def _cancel_by_client(self, identity: bytes, req: ClientRequest, now: float) -> None:
         assert req.target is not None
-        rid = self._by_client_id.get((identity, req.target))
-        job = self._jobs.get(rid) if rid is not None else None
+        job = self.jobs.of_client(identity, req.target)
         if job is None or job.replied:
             self._send_client(
                 identity,
@@ -326,7 +318,7 @@ class Broker:
         rid = body.get("rid")
         if not isinstance(rid, int) or rid not in worker.active:
             return None
-        return self._jobs.get(rid)
+        return self.jobs.get(rid)
 
     def _on_partial(self, worker: WorkerState, body: dict[str, Any], now: float) -> None:
         if "progress" in body:
@@ -349,7 +341,7 @@ class Broker:
         if isinstance(rid, int):
             worker.active.discard(rid)  # the credit returns with the ack, never earlier
         if job is not None:
-            self._deadlines.discard(("ack", job.rid))
+            self.jobs.disarm("ack", job.rid)
             if not job.replied:
                 self._reply_final(job, worker, body, now)
             self._forget(job)
@@ -366,9 +358,8 @@ class Broker:
 
     def tick(self, now: float) -> None:
         """Expire deadlines, check liveness and send heartbeats due at ``now``."""
-        for key in self._deadlines.pop_expired(now):
-            kind, rid = key
-            job = self._jobs.get(rid)
+        for kind, rid in self.jobs.expired(now):
+            job = self.jobs.get(rid)
             if job is None:
                 continue
             if kind == "job" and not job.replied:
@@ -391,7 +382,7 @@ class Broker:
     def next_wakeup(self, now: float) -> float:
         """Seconds until the next ``tick`` is due (the I/O loop's poll timeout)."""
         due = [self._next_heartbeat]
-        deadline = self._deadlines.next_deadline()
+        deadline = self.jobs.next_timer()
         if deadline is not None:
             due.append(deadline)
         return max(0.0, min(due) - now)
@@ -436,10 +427,10 @@ class Broker:
         if worker.kind == "llm" and failure and not worker.active:
             self.router.worker_failed(None, now, reason)
         for rid in sorted(worker.active):
-            job = self._jobs.get(rid)
+            job = self.jobs.get(rid)
             if job is None:
                 continue
-            self._deadlines.discard(("ack", rid))
+            self.jobs.disarm("ack", rid)
             if worker.kind == "llm" and failure:
                 self.router.worker_failed(job, now, reason)
             if job.replied:
@@ -487,7 +478,7 @@ class Broker:
             self._forget(job)
             return
         self._send_worker(job.worker, WorkerCommand.CANCEL, {"rid": job.rid})
-        self._deadlines.set(("ack", job.rid), now + self.settings.cancel_grace_ms / 1000)
+        self.jobs.arm("ack", job.rid, now + self.settings.cancel_grace_ms / 1000)
 
     def _answer(self, job: Job, body: dict[str, Any], now: float) -> None:
         """Send ``job``'s one final reply; the client may reuse its id at once.
@@ -498,20 +489,13 @@ class Broker:
         self.router.finished(job, body, now)
         if job.copy_of is not None:
             return
-        self._release_id(job)
+        self.jobs.release(job)
         self.gate.closed(job.client)
         self._send_client(job.client, body)
 
     def _forget(self, job: Job) -> None:
-        self._jobs.pop(job.rid, None)
+        self.jobs.forget(job)
         self.gate.remove(job)
-        self._deadlines.discard(("job", job.rid))
-        self._release_id(job)
-
-    def _release_id(self, job: Job) -> None:
-        key = (job.client, job.req.id)
-        if self._by_client_id.get(key) == job.rid:  # never a newer request's mapping
-            del self._by_client_id[key]
 
     # ------------------------------------------------------------------ dispatch
 
@@ -564,7 +548,7 @@ class Broker:
             "protocol": p.PROTOCOL_VERSION,
             "queue_depth": len(self.gate),
             "queue_bound": self.gate.queue_bound(slots),
-            "in_flight": sum(1 for j in self._jobs.values() if j.worker and not j.replied),
+            "in_flight": self.jobs.running(),
             "credit": self.workers.total_credit(),
             "credit_limit": self.gate.concurrency(self.workers.slots("llm")),
             "pressure": self.gate.pressure,
@@ -579,7 +563,7 @@ class Broker:
 
     def abort_all(self, message: str, now: float) -> None:
         """Answer every request still without a final reply with 503 (shutdown)."""
-        for job in list(self._jobs.values()):
+        for job in self.jobs:
             if not job.replied:
                 body = p.error_reply(
                     job.req.id,
@@ -593,4 +577,4 @@ class Broker:
 
     def pending_jobs(self) -> int:
         """Accepted requests without a final reply yet (0 means drained)."""
-        return sum(1 for j in self._jobs.values() if not j.replied)
+        return self.jobs.pending()

@@ -105,7 +105,11 @@ def test_priority_evicts_the_newest_lower_class_request_when_full() -> None:
     (run,) = bodies(h.drain_workers(), W1, REQUEST)
     h.final(W1, run["rid"], 1.0)
     (nxt,) = bodies(h.drain_workers(), W1, REQUEST)
-    assert nxt["prompt"] == "hello" and h.broker._jobs[nxt["rid"]].req.id == "crit"
+    assert (
+        nxt["prompt"] == "hello"
+        and (job := h.broker.jobs.get(nxt["rid"])) is not None
+        and job.req.id == "crit"
+    )
 
 
 def test_request_that_cannot_start_before_its_deadline_is_refused_at_once() -> None:

@@ -1,0 +1,94 @@
+"""The broker's ledger of accepted requests: jobs by id, client ids, timers.
+
+``JobTable`` owns everything keyed by a job: the jobs themselves (by the
+broker's request id), the mapping from a client's own ``(identity, id)`` to the
+job answering it, and the timers (a ``DeadlineHeap`` keyed ``(timer, rid)``:
+``job`` = the request's deadline, ``ttft`` = degrade mode's first-token budget,
+``ack`` = the grace a cancelled worker has to acknowledge).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from broker.deadlines import DeadlineHeap
+from broker.protocol import ClientRequest
+from broker.records import Job
+
+ClientKey = tuple[bytes, str | int]
+
+
+class JobTable:
+    """Jobs, the client ids bound to them, and their timers (monotonic seconds)."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[int, Job] = {}
+        self._by_client: dict[ClientKey, int] = {}
+        self._timers: DeadlineHeap[tuple[str, int]] = DeadlineHeap()
+        self._next_rid = 1
+
+    def __iter__(self) -> Iterator[Job]:
+        return iter(list(self._jobs.values()))
+
+    def new(self, client: bytes, req: ClientRequest, now: float, deadline: float, kind: str) -> Job:
+        """A new job with a fresh request id, its ``job`` deadline armed."""
+        job = Job(self._next_rid, client, req, now, deadline, kind=kind)
+        self._next_rid += 1
+        self._jobs[job.rid] = job
+        self._timers.set(("job", job.rid), deadline)
+        return job
+
+    def get(self, rid: object) -> Job | None:
+        """The job with broker request id ``rid``, if it is still known."""
+        return self._jobs.get(rid) if isinstance(rid, int) else None
+
+    # ------------------------------------------------------------------ client ids
+
+    def bind(self, job: Job) -> None:
+        """Make ``job`` the one answering its client's id (accept, hand-over)."""
+        self._by_client[(job.client, job.req.id)] = job.rid
+
+    def of_client(self, client: bytes, client_id: str | int) -> Job | None:
+        """The job answering a client's id, if one is in flight."""
+        return self.get(self._by_client.get((client, client_id)))
+
+    def release(self, job: Job) -> None:
+        """Free the client's id (answered): never a newer job's binding."""
+        key = (job.client, job.req.id)
+        if self._by_client.get(key) == job.rid:
+            del self._by_client[key]
+
+    def forget(self, job: Job) -> None:
+        """Drop ``job`` entirely (its ``job`` timer too; an ``ack`` timer is the caller's)."""
+        self._jobs.pop(job.rid, None)
+        self._timers.discard(("job", job.rid))
+        self.release(job)
+
+    # ------------------------------------------------------------------ timers
+
+    def arm(self, timer: str, rid: int, at: float) -> None:
+        """Set ``timer`` (``job``, ``ttft`` or ``ack``) of job ``rid`` to fire at ``at``."""
+        self._timers.set((timer, rid), at)
+
+    def disarm(self, timer: str, rid: int) -> None:
+        """Cancel ``timer`` of job ``rid`` (lazy: the heap skips it later)."""
+        self._timers.discard((timer, rid))
+
+    def expired(self, now: float) -> list[tuple[str, int]]:
+        """``(timer, rid)`` of every timer due at ``now``, earliest first. The
+        caller looks each job up as it goes: handling one may end another."""
+        return self._timers.pop_expired(now)
+
+    def next_timer(self) -> float | None:
+        """When the earliest timer fires, or None."""
+        return self._timers.next_deadline()
+
+    # ------------------------------------------------------------------ counts
+
+    def pending(self) -> int:
+        """Jobs still without a final reply."""
+        return sum(1 for j in self._jobs.values() if not j.replied)
+
+    def running(self) -> int:
+        """Jobs on a worker and not yet answered."""
+        return sum(1 for j in self._jobs.values() if j.worker and not j.replied)
