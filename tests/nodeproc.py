@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,17 @@ class NodeProcess:
             if str(self.run_dir) in cmdline:
                 proc.kill()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, every: float = 0.02) -> Any:
+    """Poll until ``predicate()`` is truthy; returns its value or fails the test."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def leftover_processes(run_dir: Path) -> list[int]:

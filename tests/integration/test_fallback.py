@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 
 from fallback.intents import INTENT_SCHEMA
-from nodeproc import Collector, NodeProcess
+from nodeproc import Collector, NodeProcess, wait_for
 
 NodeFactory = Callable[..., NodeProcess]
 
@@ -33,17 +33,6 @@ QUICK_BREAKER = {
     "half_open_successes": 1,
 }
 KITCHEN_ON = {"intent": "lights_on", "room": "kitchen"}
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, every: float = 0.02) -> Any:
-    """Poll until ``predicate()`` is truthy; returns its value or fails the test."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def migration_log(node: NodeProcess) -> Path:

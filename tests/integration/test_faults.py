@@ -25,20 +25,9 @@ from broker.errors import EdgeNodeError
 from node.engine import EngineSpec
 from node.model import resolve_model
 from node.worker import WorkerSpec
-from nodeproc import REPO, Collector, NodeProcess
+from nodeproc import REPO, Collector, NodeProcess, wait_for
 
 NodeFactory = Callable[..., NodeProcess]
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, every: float = 0.02) -> Any:
-    """Poll until ``predicate()`` is truthy; returns its value or fails the test."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def busy_worker(node: NodeProcess) -> dict[str, Any]:

@@ -20,6 +20,7 @@ cgroup) and, with the same run dir, the same cgroup name.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -37,8 +38,12 @@ from node.cgroupfs import parse_keyed, read_int, read_optional
 from node.sandbox import NODE_LEAF, cgroup_name, read_layout
 from node.sandbox import Host as CgroupHost
 from nodeproc import Collector, NodeProcess, leftover_processes
+from nodeproc import wait_for as _wait_for
 
 pytestmark = pytest.mark.system
+
+#: Restarts back off (0.5 s, 1 s, ...): these waits get longer than the default.
+wait_for = functools.partial(_wait_for, timeout=15.0, every=0.05)
 
 NodeFactory = Callable[..., NodeProcess]
 MiB = 2**20
@@ -53,17 +58,6 @@ def usable() -> None:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, every: float = 0.05) -> Any:
-    """Poll until ``predicate()`` is truthy; returns its value or fails the test."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def processes(status: dict[str, Any]) -> dict[str, dict[str, Any]]:

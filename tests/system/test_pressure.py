@@ -6,15 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from broker.errors import Unavailable
-from nodeproc import NodeProcess
+from nodeproc import NodeProcess, wait_for
 
 pytestmark = pytest.mark.system
 
@@ -30,16 +28,6 @@ for i in range(0, len(block), 4096):
 print("ready", flush=True)
 time.sleep(600)
 """
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 @pytest.fixture
@@ -83,6 +71,8 @@ def test_hog_in_the_node_cgroup_sheds_sheddable_work_and_admission_recovers(
     finally:
         hog.kill()
         hog.wait()
+        if hog.stdout is not None:
+            hog.stdout.close()  # an unclosed pipe would warn in whichever test runs next
     assert hog.returncode == -9  # killed by the test, not by the OOM killer
     wait_for(lambda: node.status()["pressure"] == "ok")
     status = node.status()
