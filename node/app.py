@@ -101,15 +101,7 @@ class Node:
             on_event=lambda ev: _on_worker_event(pool, ev),
             on_tick=on_tick,
         )
-        wake_r, wake_w = socket.socketpair()
-        wake_r.setblocking(False)
-        wake_w.setblocking(False)
-        signal.set_wakeup_fd(wake_w.fileno())
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
-        # SIGCHLD only needs to wake the loop so an exited worker is reaped at once.
-        signal.signal(signal.SIGCHLD, lambda *_: None)
-        loop.add_fd(wake_r.fileno(), lambda: _drain_fd(wake_r))
+        wake_r, wake_w = self._install_signals(loop)
         try:
             pool.start(lambda wid, why: broker.worker_exited(wid, why, time.monotonic()))
             log.info(
@@ -133,6 +125,19 @@ class Node:
                 (self.run_dir / name).unlink(missing_ok=True)
             log.info("edgenode stopped")
         return 0
+
+    def _install_signals(self, loop: BrokerLoop) -> tuple[socket.socket, socket.socket]:
+        """Route SIGTERM/SIGINT to a clean stop and wake the loop on any signal."""
+        wake_r, wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
+        signal.set_wakeup_fd(wake_w.fileno())
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        # SIGCHLD only needs to wake the loop so an exited worker is reaped at once.
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        loop.add_fd(wake_r.fileno(), lambda: _drain_fd(wake_r))
+        return wake_r, wake_w
 
     def _drain(self, loop: BrokerLoop, broker: Broker, pool: WorkerPool) -> None:
         """No new work; let in-flight requests finish within the grace, answer the rest."""

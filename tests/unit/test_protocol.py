@@ -29,7 +29,7 @@ def valid(**fields: Any) -> dict[str, Any]:
     return {k: v for k, v in msg.items() if v is not None}
 
 
-def rejects(msg: dict[str, Any], *names: str) -> ProtocolError:
+def assert_rejected(msg: dict[str, Any], *names: str) -> ProtocolError:
     """Assert that ``msg`` is refused with a ProtocolError naming all of ``names``."""
     with pytest.raises(ProtocolError) as info:
         p.parse_client_request(msg)
@@ -164,7 +164,7 @@ def test_every_field_is_carried() -> None:
 
 
 def test_missing_id_is_named() -> None:
-    err = rejects(valid(id=None), "'id'")
+    err = assert_rejected(valid(id=None), "'id'")
     assert "missing" in err.message
 
 
@@ -185,7 +185,7 @@ def test_missing_id_is_named() -> None:
     ],
 )
 def test_bad_id_types_are_rejected(bad: Any) -> None:
-    rejects(valid(id=bad), "'id'")
+    assert_rejected(valid(id=bad), "'id'")
 
 
 @pytest.mark.parametrize("good", ["x", "x" * 128, 0, 2**63 - 1])
@@ -202,12 +202,12 @@ def test_request_id_of_only_returns_valid_ids() -> None:
 
 
 def test_missing_op_is_named() -> None:
-    rejects({"id": "r1"}, "'op'", "missing")
+    assert_rejected({"id": "r1"}, "'op'", "missing")
 
 
 @pytest.mark.parametrize("bad", ["complete", "GENERATE", "", 1, ["generate"]])
 def test_unknown_op_is_named(bad: Any) -> None:
-    err = rejects(valid(op=bad), "'op'")
+    err = assert_rejected(valid(op=bad), "'op'")
     assert "generate" in err.message  # the choices are listed
 
 
@@ -218,11 +218,11 @@ def test_ping_and_status_need_only_id_and_op(op: str) -> None:
 
 
 def test_unknown_field_is_named() -> None:
-    rejects(valid(promt="typo"), "'promt'")
+    assert_rejected(valid(promt="typo"), "'promt'")
 
 
 def test_unknown_field_wins_over_other_errors() -> None:
-    rejects({"op": "nope", "colour": "red"}, "'colour'")
+    assert_rejected({"op": "nope", "colour": "red"}, "'colour'")
 
 
 # --------------------------------------------------------------------------- requests: body
@@ -230,7 +230,7 @@ def test_unknown_field_wins_over_other_errors() -> None:
 
 @pytest.mark.parametrize(("bad", "word"), [(None, "missing"), ("", "empty"), (42, "string")])
 def test_generate_needs_a_non_empty_prompt(bad: Any, word: str) -> None:
-    err = rejects(valid(prompt=bad), "'prompt'")
+    err = assert_rejected(valid(prompt=bad), "'prompt'")
     assert word in err.message
 
 
@@ -273,13 +273,13 @@ def test_chat_messages_shape(messages: Any, named: str) -> None:
     msg: dict[str, Any] = {"id": 1, "op": "chat"}
     if messages is not None:
         msg["messages"] = messages
-    rejects(msg, named)
+    assert_rejected(msg, named)
 
 
 def test_cancel_needs_a_valid_target() -> None:
     assert p.parse_client_request({"id": 2, "op": "cancel", "target": "r1"}).target == "r1"
-    rejects({"id": 2, "op": "cancel"}, "'target'", "missing")
-    rejects({"id": 2, "op": "cancel", "target": True}, "'target'")
+    assert_rejected({"id": 2, "op": "cancel"}, "'target'", "missing")
+    assert_rejected({"id": 2, "op": "cancel", "target": True}, "'target'")
 
 
 # --------------------------------------------------------------------------- requests: ranges
@@ -333,7 +333,7 @@ def test_range_limits_are_inclusive(name: str, value: Any, expected: Any) -> Non
     ],
 )
 def test_out_of_range_or_mistyped_numbers_are_named(name: str, value: Any) -> None:
-    rejects(valid(**{name: value}), f"'{name}'")
+    assert_rejected(valid(**{name: value}), f"'{name}'")
 
 
 @pytest.mark.parametrize(
@@ -350,16 +350,16 @@ def test_stop_accepts_a_string_or_a_list(value: Any, expected: tuple[str, ...]) 
     ids=["empty-str", "empty-item", "int-item", "none-item", "map", "too-many", "too-long", "int"],
 )
 def test_bad_stop_is_named(value: Any) -> None:
-    rejects(valid(stop=value), "'stop'")
+    assert_rejected(valid(stop=value), "'stop'")
 
 
 @pytest.mark.parametrize("value", [1, 0, "yes", "true"])
 def test_stream_must_be_a_bool(value: Any) -> None:
-    rejects(valid(stream=value), "'stream'")
+    assert_rejected(valid(stream=value), "'stream'")
 
 
 def test_json_schema_must_be_a_map() -> None:
-    rejects(valid(json_schema=["type", "object"]), "'json_schema'")
+    assert_rejected(valid(json_schema=["type", "object"]), "'json_schema'")
 
 
 @pytest.mark.parametrize("route", p.ROUTES)
@@ -377,7 +377,7 @@ def test_every_priority_is_accepted(priority: str) -> None:
     [("route", "gpu"), ("route", 1), ("priority", "urgent"), ("priority", ["normal"])],
 )
 def test_bad_route_or_priority_is_named(name: str, value: Any) -> None:
-    rejects(valid(**{name: value}), f"'{name}'")
+    assert_rejected(valid(**{name: value}), f"'{name}'")
 
 
 def test_engine_fields_carry_only_what_a_worker_needs() -> None:
