@@ -44,6 +44,22 @@ class Shed:
     retry_after_ms: int | None = None
 
 
+#: Template tokens a chat message may add around its content (role markers,
+#: turn delimiters): Gemma's template uses 4-5.
+CHAT_TOKENS_PER_MESSAGE = 6
+
+
+def byte_bound(req: ClientRequest) -> int:
+    """An upper bound on the prompt's tokens without tokenizing: every token of a
+    byte-level BPE or SentencePiece (byte-fallback) vocabulary covers at least one
+    byte, plus BOS and the chat template's tokens per message."""
+    if req.prompt is not None:
+        return len(req.prompt.encode()) + 1
+    messages = req.messages or ()
+    text = sum(len(content.encode()) for _, content in messages)
+    return text + 1 + CHAT_TOKENS_PER_MESSAGE * len(messages)
+
+
 class AdmissionGate:
     """One FIFO per priority, per-client in-flight counts and the pressure level.
 
@@ -191,8 +207,11 @@ class AdmissionGate:
     def _size(self, req: ClientRequest, n_ctx: int | None) -> Shed | None:
         if self.count_tokens is None or n_ctx is None:
             return None
+        max_tokens = req.max_tokens or self.settings.default_max_tokens
+        if byte_bound(req) + max_tokens <= n_ctx:
+            return None  # fits for sure: skip tokenizing (milliseconds on the loop)
         prompt = self.count_tokens(req)
-        wanted = prompt + (req.max_tokens or self.settings.default_max_tokens)
+        wanted = prompt + max_tokens
         if wanted <= n_ctx:
             return None
         return Shed(

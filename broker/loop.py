@@ -28,6 +28,11 @@ SNDHWM = 1000
 RCVHWM = 1000
 #: Upper bound on messages read from one socket before others get a turn.
 BATCH = 256
+#: Client messages handled per turn, and the time they may take (s): admitting
+#: one may tokenize a long prompt (~7 µs per token here), and workers' heartbeats
+#: must not wait behind a burst of them.
+CLIENT_BATCH = 16
+CLIENT_TIME_S = 0.05
 
 
 def secure_ipc_dir(endpoint: str) -> None:
@@ -118,7 +123,9 @@ class BrokerLoop:
         if self.backend in ready:
             self._drain(self.backend, self.broker.handle_worker)
         if self.frontend in ready:
-            self._drain(self.frontend, self.broker.handle_client)
+            self._drain(self.frontend, self.broker.handle_client, CLIENT_BATCH, CLIENT_TIME_S)
+            # Read what workers sent meanwhile, so liveness judges fresh news.
+            self._drain(self.backend, self.broker.handle_worker)
         for fd, callback in self._extra.items():
             if fd in ready:
                 callback()
@@ -143,13 +150,22 @@ class BrokerLoop:
                 if self._on_event is not None:
                     self._on_event(event)
 
-    def _drain(self, sock: zmq.Socket[bytes], handle: Callable[[list[bytes], float], None]) -> None:
-        for _ in range(BATCH):
+    def _drain(
+        self,
+        sock: zmq.Socket[bytes],
+        handle: Callable[[list[bytes], float], None],
+        batch: int = BATCH,
+        budget_s: float | None = None,
+    ) -> None:
+        stop_at = None if budget_s is None else self.clock() + budget_s
+        for _ in range(batch):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             handle(frames, self.clock())
+            if stop_at is not None and self.clock() >= stop_at:
+                return  # the rest waits for the next turn (poll returns at once)
 
     def _send(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
         try:

@@ -25,6 +25,7 @@ import llama_cpp
 import llama_cpp.llama_cpp as llama_c
 from llama_cpp.llama_grammar import LlamaGrammar
 
+from broker.admission import CHAT_TOKENS_PER_MESSAGE
 from broker.errors import Cancelled, InternalError, ProtocolError, TooLarge
 from broker.protocol import ClientRequest
 from node.engine import Emit, EngineSpec
@@ -208,12 +209,6 @@ def _model_params(use_extra_bufts: bool) -> Iterator[None]:
         yield
     finally:
         llama_c.llama_model_default_params = original
-
-
-#: Template tokens a chat message adds around its content (role markers, turn
-#: delimiters); Gemma's template uses 4-5. An estimate: the worker still
-#: refuses exactly, with 413, what the broker let through.
-CHAT_TOKENS_PER_MESSAGE = 6
 
 
 def make_token_counter(model_path: str) -> Callable[[ClientRequest], int]:

@@ -203,3 +203,20 @@ def test_no_workers_means_queue_not_refuse() -> None:
     h.send(generate("early", timeout_ms=1000), 0.0)
     assert h.replies() == [] and h.broker.status(0.0)["queue_depth"] == 1
     assert CLIENT in h.broker.gate._per_client
+
+
+def test_prompts_that_surely_fit_are_not_tokenized() -> None:
+    calls: list[str] = []
+
+    def counting(req: ClientRequest) -> int:
+        calls.append(req.prompt or "")
+        return len(req.prompt or "")
+
+    h = harness()
+    h.broker.gate.count_tokens = counting
+    h.ready(W1, 0.0)  # n_ctx 2048
+    h.send(generate("small", prompt="turn on the lights", max_tokens=64), 0.0)
+    assert calls == []  # 19 bytes + 64 tokens cannot exceed 2048 tokens
+    h.send(generate("big", prompt="w" * 2040, max_tokens=64), 0.0)
+    assert len(calls) == 1  # might not fit: counted exactly (and refused, 413)
+    assert [r["code"] for r in h.replies() if r["status"] == "error"] == [413]
