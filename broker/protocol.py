@@ -94,9 +94,9 @@ def unpack_map(data: bytes) -> dict[str, Any]:
             raise ProtocolError(
                 "map keys (field names) must be msgpack str, got an integer"
             ) from exc
-        raise ProtocolError(f"body is not valid msgpack: {exc}") from exc
+        raise ProtocolError(f"body is not valid msgpack: {exc or type(exc).__name__}") from exc
     except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(f"body is not valid msgpack: {type(exc).__name__}") from exc
+        raise ProtocolError(f"body is not valid msgpack: {exc or type(exc).__name__}") from exc
     if not isinstance(obj, dict):
         raise ProtocolError(f"body must be a msgpack map, got {type(obj).__name__}")
     _check_str_keys(obj)

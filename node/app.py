@@ -21,13 +21,14 @@ from broker.admission import TokenCounter
 from broker.core import Broker, WorkerEvent
 from broker.loop import BrokerLoop
 from node.capacity import check_fits
-from node.config import NodeConfig
+from node.config import NodeConfig, memory_max_bytes
 from node.engine import EngineSpec, make_token_counter
 from node.migration_log import MigrationLog, migration_log_path
 from node.model import resolve_model, resolve_rules
 from node.pidfile import remove_pidfile, write_pidfile
 from node.pool import WorkerPool
 from node.pressure import PressureMonitor
+from node.units import parse_size
 
 log = logging.getLogger("edgenode.node")
 
@@ -72,7 +73,7 @@ class Node:
             c.fallback.low_confidence,
             memory_peak=lambda wid: _peak(pool, wid),
         )
-        pressure = PressureMonitor(c.pressure, pool)
+        pressure = PressureMonitor(c.pressure, pool, self._default_budget())
         broker = Broker(
             c.broker,
             status_hook=lambda: self._status_extra(pool, model, pressure),
@@ -125,6 +126,16 @@ class Node:
                 (self.run_dir / name).unlink(missing_ok=True)
             log.info("edgenode stopped")
         return 0
+
+    def _default_budget(self) -> int | None:
+        """What the node's cgroup may hold when nothing sets a limit: the workers'
+        limits, plus what the node itself holds (the shared weights it faulted in,
+        its own and the rule worker's runtime)."""
+        one = memory_max_bytes(self.config.workers)
+        if one is None:
+            return None
+        own = 2 * parse_size(self.config.capacity.runtime_overhead)
+        return one * self.config.workers.count + self.plan.shared_weights + own
 
     def _install_signals(self, loop: BrokerLoop) -> tuple[socket.socket, socket.socket]:
         """Route SIGTERM/SIGINT to a clean stop and wake the loop on any signal."""

@@ -41,6 +41,7 @@ import psutil
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from broker.errors import ConfigError
+from node.config import memory_max_bytes
 from node.gguf_meta import ModelMeta, read_gguf_meta
 from node.model import resolve_model
 from node.units import format_size as _format_size
@@ -305,11 +306,20 @@ def check_fits(config: NodeConfig) -> Plan:
     Raises:
         ConfigError: the configured workers do not fit the budget with the margin
             (the message says what was asked, what fits and which knob to turn),
-            or a capacity key is invalid.
+            a worker's ``memory_max`` is below what one worker needs, or a
+            capacity key is invalid.
     """
     plan, meta = config_plan(config)
     if not plan.fits:
         raise ConfigError(refusal(plan, meta))
+    limit = memory_max_bytes(config.workers)
+    if config.workers.engine == "llama" and limit is not None and limit < plan.per_worker:
+        raise ConfigError(
+            f"capacity: workers.memory_max {format_size(limit)} is below the "
+            f"{format_size(plan.per_worker)} one worker needs ({breakdown(plan)}): every worker "
+            f"would be OOM-killed. Set workers.memory_max to {format_size(plan.memory_max)} or "
+            "more, or lower model.n_ctx."
+        )
     return plan
 
 

@@ -204,9 +204,10 @@ def status(ctx: click.Context, as_json: bool) -> None:
 @click.option(
     "--route",
     type=click.Choice(["auto", "llm", "rules"]),
-    default="auto",
+    default="llm",
     show_default=True,
-    help="auto follows the node's migration mode.",
+    help="llm asks the model, rules the rule engine; auto follows the node's migration "
+    "mode, as apps' requests do by default.",
 )
 @click.pass_context
 def ask(
@@ -226,6 +227,8 @@ def ask(
         fields["timeout_ms"] = timeout_ms
     messages = [{"role": "user", "content": text}]
     try:
+        with Client(config.frontend, wait_ms=2000) as probe:
+            probe.ping()  # fail in seconds, not after a whole budget, if no node runs
         with Client(config.frontend) as client:
             if stream:
                 s = (

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from node.affinity import CpuPlan, plan_cpus
-from node.config import NodeConfig, WorkersSection, memory_max_bytes
+from node.config import NodeConfig, WorkersSection
 from node.engine import EngineSpec
 from node.sandbox import MemoryReading, Sandbox, cgroup_name, limits_for, options_for
 from node.supervisor import Supervisor
@@ -194,12 +194,6 @@ class WorkerPool:
         return f"OOM-killed in its cgroup at memory.max {limit}"
 
     # ------------------------------------------------------------------ readings
-
-    @property
-    def worker_limits(self) -> int | None:
-        """Bytes the model workers may use together (their memory.max summed), or None."""
-        one = memory_max_bytes(self.config.workers)
-        return None if one is None else one * self.config.workers.count
 
     def memory(self, worker_id: str | None = None) -> MemoryReading | None:
         """A worker's (or, with None, the whole node's) cgroup memory, if sandboxed."""

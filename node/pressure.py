@@ -28,26 +28,27 @@ class MemorySource(Protocol):
 
     def memory(self, worker_id: str | None = None) -> MemoryReading | None: ...
 
-    @property
-    def worker_limits(self) -> int | None: ...
-
 
 class PressureMonitor:
     """Polls the node's cgroup and says when the pressure level changes."""
 
-    def __init__(self, settings: PressureSection, source: MemorySource) -> None:
+    def __init__(
+        self, settings: PressureSection, source: MemorySource, default_budget: int | None = None
+    ) -> None:
         self.settings = settings
         self.source = source
+        self.default_budget = default_budget
         self.level = "ok"
         self._next_poll = 0.0
         self._high_events: int | None = None
         self._last: dict[str, Any] = {}
 
     def budget(self, reading: MemoryReading) -> int | None:
-        """Bytes the node may use: configured, else its cgroup limit, else its workers'."""
+        """Bytes the node may use: configured, else its cgroup limit, else the default
+        the node computed (its workers' limits plus its own share)."""
         if self.settings.budget:
             return parse_size(self.settings.budget)
-        return reading.limit if reading.limit is not None else self.source.worker_limits
+        return reading.limit if reading.limit is not None else self.default_budget
 
     def poll(self, now: float) -> str | None:
         """At most every ``poll_ms``: the new level if it changed, else None."""

@@ -42,7 +42,7 @@ def _gate_line(node: dict[str, Any]) -> str:
         )
     return (
         f"gate: queue {node['queue_depth']}/{node['queue_bound']}  in-flight "
-        f"{node['in_flight']}  free credit {node['credit']} (limit "
+        f"{node['in_flight']}  free credit {node['credit']} (model credit usable now "
         f"{node.get('credit_limit', '-')})  memory pressure {pressure}"
     )
 
@@ -72,7 +72,7 @@ def _capacity_line(plan: dict[str, Any] | None, memory: dict[str, Any]) -> str |
         return None
     measured = memory.get("working_set")
     return (
-        f"capacity plan: {_size(plan.get('per_worker'))} per worker (memory.max "
+        f"capacity plan: {_size(plan.get('per_worker'))} per worker (suggested memory.max "
         f"{_size(plan.get('memory_max'))}), {_size(plan.get('total'))} in all of "
         f"{_size(plan.get('budget'))}; measured working set {_size(measured)}"
     )

@@ -375,3 +375,9 @@ def test_cli_rejects_bad_sizes_and_half_manual_mode(tmp_path: Path) -> None:
     assert half.exit_code == 2 and "--weights and --kv-per-seq go together" in half.output
     mixed = run_cli(tmp_path, *TEXTBOOK, "--n-ctx", "4096")
     assert mixed.exit_code == 2 and "apply to the model" in mixed.output
+
+
+def test_check_fits_refuses_a_worker_limit_below_one_workers_need() -> None:
+    config = from_dict({"workers": {"memory_max": "100M"}})
+    with pytest.raises(ConfigError, match=r"workers.memory_max 100 MiB is below the 156 MiB"):
+        check_fits(config)

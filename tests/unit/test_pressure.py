@@ -1,0 +1,59 @@
+"""The pressure monitor's levels and budget, on fake readings."""
+
+from __future__ import annotations
+
+from node.cgroup_backend import MemoryReading
+from node.config import PressureSection
+from node.pressure import PressureMonitor
+
+MiB = 1 << 20
+
+
+class FakeSource:
+    def __init__(self) -> None:
+        self.reading = MemoryReading(
+            current=0,
+            peak=None,
+            limit=None,
+            high=None,
+            oom_kills=0,
+            limit_hits=None,
+            high_events=None,
+            swap=None,
+        )
+
+    def memory(self, worker_id: str | None = None) -> MemoryReading | None:
+        return self.reading
+
+    def use(self, current_mib: int, inactive_mib: int = 0, limit_mib: int | None = None) -> None:
+        self.reading = MemoryReading(
+            current=current_mib * MiB,
+            peak=None,
+            limit=None if limit_mib is None else limit_mib * MiB,
+            high=None,
+            oom_kills=0,
+            limit_hits=None,
+            high_events=None,
+            swap=None,
+            inactive_file=inactive_mib * MiB,
+        )
+
+
+def test_levels_follow_the_working_set_with_hysteresis() -> None:
+    src = FakeSource()
+    mon = PressureMonitor(PressureSection(poll_ms=0), src, default_budget=1000 * MiB)
+    levels = []
+    for current, inactive in [(500, 0), (900, 0), (900, 300), (960, 0), (800, 0), (700, 0)]:
+        src.use(current, inactive)
+        levels.append(mon.poll(float(len(levels))) or mon.level)
+    # 90 % high; reclaimable cache does not count; 96 % critical; 80 % stays high
+    # (above clear_pct 75); 70 % clears.
+    assert levels == ["ok", "high", "ok", "critical", "high", "ok"]
+
+
+def test_the_cgroup_limit_wins_over_the_default_budget() -> None:
+    src = FakeSource()
+    mon = PressureMonitor(PressureSection(poll_ms=0), src, default_budget=10_000 * MiB)
+    src.use(900, limit_mib=1000)
+    assert mon.poll(0.0) == "high"
+    assert mon.snapshot()["budget"] == 1000 * MiB
