@@ -66,13 +66,7 @@ class Node:
 
     def _serve(self, pool: WorkerPool, model: str) -> int:
         c = self.config
-        migration = MigrationLog(
-            migration_log_path(self.run_dir),
-            c.fallback.log_max_bytes,
-            c.fallback.log_backups,
-            c.fallback.low_confidence,
-            memory_peak=lambda wid: _peak(pool, wid),
-        )
+        migration = self._migration_log(pool)
         pressure = PressureMonitor(c.pressure, pool, self._default_budget())
         broker = Broker(
             c.broker,
@@ -126,6 +120,17 @@ class Node:
                 (self.run_dir / name).unlink(missing_ok=True)
             log.info("edgenode stopped")
         return 0
+
+    def _migration_log(self, pool: WorkerPool) -> MigrationLog:
+        """The shadow/dual/degrade log, with each model worker's memory peak."""
+        f = self.config.fallback
+        return MigrationLog(
+            migration_log_path(self.run_dir),
+            f.log_max_bytes,
+            f.log_backups,
+            f.low_confidence,
+            memory_peak=lambda wid: _peak(pool, wid),
+        )
 
     def _default_budget(self) -> int | None:
         """What the node's cgroup may hold when nothing sets a limit: the workers'
