@@ -119,3 +119,20 @@ INTENT_PROMPT = (
         for command, answer in INTENT_EXAMPLES
     )
 )
+
+
+#: A fixed evaluation set for dual-run agreement: commands of the default rule set,
+#: none of them an example of ``INTENT_PROMPT`` (used by the real-model dual test and
+#: scripts/bench_shadow.py, so their figures compare).
+EVAL_COMMANDS = [
+    "Turn on the kitchen lights",
+    "Turn off the bedroom lights.",
+    "Set the thermostat to 21 degrees",
+    "Lock the front door",
+    "please unlock the back door",
+    "move forward 2 meters",
+    "turn left",
+    "stop the robot now",
+    "return to base",
+    "what's the battery level?",
+]

@@ -34,24 +34,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from broker.client import Client
-from fallback.intents import INTENT_PROMPT, INTENT_SCHEMA
+from fallback.intents import EVAL_COMMANDS, INTENT_PROMPT, INTENT_SCHEMA
 from node.report import format_report, summarize
 from nodeproc import NodeProcess
 
-#: The fixed command list (the same as tests/system/test_dual_real_model.py): commands of
-#: the default rule set, none of them an example of INTENT_PROMPT.
-COMMANDS = [
-    "Turn on the kitchen lights",
-    "Turn off the bedroom lights.",
-    "Set the thermostat to 21 degrees",
-    "Lock the front door",
-    "please unlock the back door",
-    "move forward 2 meters",
-    "turn left",
-    "stop the robot now",
-    "return to base",
-    "what's the battery level?",
-]
+COMMANDS = EVAL_COMMANDS
 WARMUP = 20
 
 

@@ -52,7 +52,12 @@ class NodeProcess:
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """Run ``edgenode ARGS`` against this node's config and run dir."""
-        cmd = [
+        return subprocess.run(
+            self._argv(*args), capture_output=True, text=True, timeout=timeout, cwd=REPO
+        )
+
+    def _argv(self, *args: str) -> list[str]:
+        return [
             sys.executable,
             "-m",
             "node.cli",
@@ -62,21 +67,10 @@ class NodeProcess:
             str(self.run_dir),
             *args,
         ]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
     def start(self, timeout: float = 60) -> NodeProcess:
         """Start in the foreground mode as a child and wait for every worker READY."""
-        cmd = [
-            sys.executable,
-            "-m",
-            "node.cli",
-            "-c",
-            str(self.config),
-            "--run-dir",
-            str(self.run_dir),
-            "start",
-            "--foreground",
-        ]
+        cmd = self._argv("start", "--foreground")
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 cmd, stdout=out, stderr=out, cwd=REPO, start_new_session=True

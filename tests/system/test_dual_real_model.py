@@ -20,26 +20,14 @@ from typing import Any
 
 import pytest
 
-from fallback.intents import INTENT_PROMPT, INTENT_SCHEMA
+from fallback.intents import EVAL_COMMANDS, INTENT_PROMPT, INTENT_SCHEMA
 from nodeproc import Collector, NodeProcess
 
 pytestmark = pytest.mark.system
 
 NodeFactory = Callable[..., NodeProcess]
 
-#: Smart-home and robot commands the default rules understand.
-COMMANDS = [
-    "Turn on the kitchen lights",
-    "Turn off the bedroom lights.",
-    "Set the thermostat to 21 degrees",
-    "Lock the front door",
-    "please unlock the back door",
-    "move forward 2 meters",
-    "turn left",
-    "stop the robot now",
-    "return to base",
-    "what's the battery level?",
-]
+COMMANDS = EVAL_COMMANDS
 
 
 def intent_request(rid: int, command: str) -> dict[str, Any]:

@@ -663,3 +663,12 @@ def test_compare_text_and_mixed() -> None:
     assert mixed.ratio == pytest.approx(2 / 3)  # precision 2/2, recall 2/4
     assert compare_outputs("[1, 2]", "[1, 2]").kind == "text"  # only objects are JSON here
     assert compare_outputs("{not json", "{not json").kind == "text"
+
+
+def test_the_dual_run_evaluation_set_is_understood_and_not_a_prompt_example() -> None:
+    from fallback.intents import EVAL_COMMANDS, INTENT_PROMPT
+
+    engine = RuleEngine(load_rules(SHIPPED))
+    for command in EVAL_COMMANDS:
+        assert engine.match(command) is not None, command
+        assert f"Q: {command}\n" not in INTENT_PROMPT
