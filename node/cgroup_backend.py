@@ -34,7 +34,8 @@ log = logging.getLogger("edgenode.sandbox")
 class Limits:
     """One worker's limits. Bytes, µs, core numbers; None = no limit.
 
-    ``cpus`` empty = the parent's cores.
+    ``cpus`` empty = the parent's cores. ``nice`` (0..19) becomes the cgroup's
+    CPU weight where the cpu controller is in use (``node.affinity.nice_weight``).
     """
 
     memory_max: int | None = None
@@ -42,6 +43,7 @@ class Limits:
     cpu_quota_us: int | None = None
     cpu_period_us: int = DEFAULT_PERIOD_US
     cpus: tuple[int, ...] = ()
+    nice: int = 0
 
 
 @dataclass(frozen=True)

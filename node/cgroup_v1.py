@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from broker.errors import SandboxError
-from node.affinity import format_cpus
+from node.affinity import format_cpus, nice_weight
 from node.cgroup_backend import (
     Limits,
     MemoryReading,
@@ -121,6 +121,9 @@ class V1Backend:
             if "cpu" in tree.controllers:
                 put(self.host, d / "cpu.cfs_period_us", str(limits.cpu_period_us))
                 put(self.host, d / "cpu.cfs_quota_us", str(limits.cpu_quota_us or -1))
+                # A cgroup is one scheduling entity: its threads' nice level no
+                # longer ranks it against the node's leaf, its weight does.
+                put(self.host, d / "cpu.shares", str(nice_weight(limits.nice)))
         self.high[name] = limits.memory_high
         return tuple(d / "cgroup.procs" for d in dirs)
 

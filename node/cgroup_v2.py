@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from broker.errors import SandboxError
-from node.affinity import format_cpus
+from node.affinity import cpu_weight_v2, format_cpus
 from node.cgroup_backend import (
     Limits,
     MemoryReading,
@@ -104,6 +104,8 @@ class V2Backend:
         if "cpu" in self.controllers:
             quota = _v2_value(limits.cpu_quota_us)
             put(self.host, d / "cpu.max", f"{quota} {limits.cpu_period_us}")
+            # One scheduling entity: its weight, not its threads' nice, ranks it.
+            put(self.host, d / "cpu.weight", str(cpu_weight_v2(limits.nice)))
         if "cpuset" in self.controllers and limits.cpus:
             put(self.host, d / "cpuset.cpus", format_cpus(limits.cpus))
         return (d / "cgroup.procs",)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from node.affinity import CpuPlan, plan_cpus
+from node.affinity import CpuPlan, plan_cpus, process_priority
 from node.config import NodeConfig, WorkersSection
 from node.engine import EngineSpec
 from node.sandbox import MemoryReading, Sandbox, cgroup_name, limits_for, options_for
@@ -27,6 +27,7 @@ from node.worker import WorkerSpec
 log = logging.getLogger("edgenode.pool")
 
 RULES_WORKER = "rules-0"
+NO_PRIORITY: dict[str, int | None] = {"nice": None, "autogroup_nice": None}
 
 
 def plan_workers(w: WorkersSection) -> CpuPlan:
@@ -205,7 +206,8 @@ class WorkerPool:
             return None  # the cgroup is being recreated for a restart
 
     def status(self) -> list[dict[str, Any]]:
-        """Per worker: process state, cgroup, memory, OOM kills, cpus, threads."""
+        """Per worker: process state, cgroup, memory, OOM kills, cpus, threads, nice
+        levels (``nice``, ``autogroup_nice``: see node.affinity)."""
         out = []
         for entry, spec in zip(self.supervisor.status(), self.specs, strict=True):
             wid = entry["worker_id"]
@@ -217,6 +219,7 @@ class WorkerPool:
                 "cpus": list(spec.cpus),
                 "threads": spec.engine.threads,
                 "engine": spec.engine.kind,
+                **(process_priority(entry["pid"]) if entry["pid"] else NO_PRIORITY),
             }
             out.append(entry)
         return out

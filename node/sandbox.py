@@ -23,9 +23,11 @@ the kernel has the file (v2 ``memory.swap.max`` = 0; v1
 the order that keeps memsw >= limit as the kernel demands, and
 ``memory.swappiness`` = 0); v2 ``memory.oom.group`` = 1 (the worker dies
 whole); CPU quota in µs per period (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` and
-``cpu.cfs_period_us``); cores (``cpuset.cpus``; on v1 also ``cpuset.mems``,
-copied from the parent: a new v1 cpuset starts empty and attaching to it fails
-with ENOSPC, cgroup-v1/cpusets.rst).
+``cpu.cfs_period_us``) and, with it, the weight of ``workers.nice`` (v2
+``cpu.weight``, v1 ``cpu.shares``: in a cgroup of its own a worker is ranked by
+its cgroup's weight, not its threads' nice level); cores (``cpuset.cpus``; on
+v1 also ``cpuset.mems``, copied from the parent: a new v1 cpuset starts empty
+and attaching to it fails with ENOSPC, cgroup-v1/cpusets.rst).
 
 Join before load. Pages are charged to the cgroup that first touches them and
 the charge does not move with the process (cgroup-v2.rst 5-5-3; v1 memory.rst
@@ -114,6 +116,7 @@ def limits_for(workers: WorkersSection, cpus: Sequence[int] = ()) -> Limits:
         memory_high=memory_high_bytes(workers),
         cpu_quota_us=quota_us(parse_cores(workers.cpu_quota)),
         cpus=tuple(cpus),
+        nice=workers.nice,
     )
 
 

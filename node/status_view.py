@@ -21,7 +21,7 @@ def render_status(node: dict[str, Any]) -> str:
         _capacity_line(node.get("capacity"), node.get("memory", {})),
         "",
         f"{'WORKER':<8} {'STATE':<10} {'PID':>7} {'CREDIT':>6} {'RESTARTS':>8} {'CPUS':>5} "
-        f"{'THR':>3} {'MEM/LIMIT':>13} {'PEAK':>7} {'OOM':>3}  LAST EXIT",
+        f"{'THR':>3} {'NICE':>5} {'MEM/LIMIT':>13} {'PEAK':>7} {'OOM':>3}  LAST EXIT",
     ]
     registered = {w["worker_id"]: w for w in node.get("workers", [])}
     for proc in node.get("processes", []):
@@ -86,10 +86,19 @@ def _worker_line(proc: dict[str, Any], reg: dict[str, Any] | None) -> str:
     cpus = ",".join(str(c) for c in proc.get("cpus") or []) or "all"
     return (
         f"{proc['worker_id']:<8} {state:<10} {proc['pid'] or '-':>7} {credit:>6} "
-        f"{proc['restarts']:>8} {cpus:>5} {proc.get('threads', '-'):>3} {used:>13} "
-        f"{_size(memory.get('peak')):>7} {proc.get('oom_kills', 0):>3}  "
+        f"{proc['restarts']:>8} {cpus:>5} {proc.get('threads', '-'):>3} {_nice(proc):>5} "
+        f"{used:>13} {_size(memory.get('peak')):>7} {proc.get('oom_kills', 0):>3}  "
         f"{proc['last_exit'] or '-'}"
     )
+
+
+def _nice(proc: dict[str, Any]) -> str:
+    """The nice level; "10/0" when the worker's autogroup, which is what ranks it
+    against the host's sessions, has another (node.affinity)."""
+    nice, group = proc.get("nice"), proc.get("autogroup_nice")
+    if nice is None:
+        return "-"
+    return str(nice) if group is None or group == nice else f"{nice}/{group}"
 
 
 def _size(value: Any) -> str:

@@ -13,6 +13,7 @@ import zmq
 
 from broker.client import Reply
 from broker.errors import ProtocolError
+from node.affinity import autogroups_enabled
 from nodeproc import NodeProcess, leftover_processes
 
 NodeFactory = Callable[..., NodeProcess]
@@ -189,3 +190,8 @@ def test_reserved_cores_keep_the_broker_and_rules_off_the_models_cores(
     for wid in ("llm-0", "llm-1"):
         assert psutil.Process(by_id[wid]["pid"]).cpu_affinity() == [1]
         assert psutil.Process(by_id[wid]["pid"]).nice() == 10
+        # ... and so is its session's autogroup, else nice 10 ranks it only
+        # within its own session (node/affinity.py, "Priority").
+        assert by_id[wid]["nice"] == 10
+        assert by_id[wid]["autogroup_nice"] == (10 if autogroups_enabled() else None)
+    assert by_id["rules-0"]["nice"] == 0

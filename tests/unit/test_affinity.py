@@ -1,21 +1,32 @@
-"""Core planning, n_threads from cores and quota, cpu lists, CPU amounts, and the
-in-worker calls (pin, renice) in a throwaway child process."""
+"""Core planning, n_threads from cores and quota, cpu lists, CPU amounts, CFS
+weights, and the in-worker calls (pin, renice, the autogroup's nice) in
+throwaway child processes."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from broker.errors import ConfigError, SandboxError
+from node import affinity
 from node.affinity import (
     Placement,
     apply_placement,
+    autogroup_nice,
+    autogroups_enabled,
+    cpu_weight_v2,
     format_cpus,
+    nice_weight,
     parse_cpus,
     pin,
     plan_cpus,
+    process_priority,
+    set_autogroup_nice,
     split_cores,
     threads_for_quota,
     usable_threads,
@@ -176,3 +187,88 @@ def test_pin_to_an_impossible_core_is_a_sandbox_error() -> None:
     with pytest.raises(SandboxError, match="cannot pin"):
         pin([max(os.sched_getaffinity(0)) + 4096])
     pin([])  # nothing planned: nothing to do
+
+
+def test_nice_weights_are_the_kernels() -> None:
+    assert [nice_weight(n) for n in (0, 1, 10, 19)] == [1024, 820, 110, 15]
+    assert [cpu_weight_v2(n) for n in (0, 5, 10, 19)] == [100, 33, 11, 1]
+    with pytest.raises(ConfigError, match=r"workers\.nice"):
+        nice_weight(20)
+
+
+def test_autogroup_nice_reads_the_proc_file(tmp_path: Path) -> None:
+    f = tmp_path / "autogroup"
+    f.write_text("/autogroup-52 nice 3\n")
+    assert autogroup_nice(f) == 3
+    f.write_text("garbage\n")
+    assert autogroup_nice(f) is None
+    assert autogroup_nice(tmp_path / "absent") is None
+
+
+def test_set_autogroup_nice_only_lowers_and_only_for_a_session_leader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = tmp_path / "autogroup"
+    f.write_text("/autogroup-52 nice 5\n")
+    monkeypatch.setattr(affinity, "autogroups_enabled", lambda: True)
+    monkeypatch.setattr(os, "getsid", lambda _pid: os.getpid())
+    assert set_autogroup_nice(10, f) is True
+    assert f.read_text() == "10\n"  # what the kernel is given; it shows "/autogroup-52 nice 10"
+    f.write_text("/autogroup-52 nice 10\n")
+    assert set_autogroup_nice(3, f) is False  # never raises the group's priority
+    assert f.read_text() == "/autogroup-52 nice 10\n"
+    monkeypatch.setattr(os, "getsid", lambda _pid: os.getpid() + 1)  # not a session leader
+    assert set_autogroup_nice(15, f) is False
+    assert f.read_text() == "/autogroup-52 nice 10\n"
+    monkeypatch.setattr(affinity, "autogroups_enabled", lambda: False)
+    monkeypatch.setattr(os, "getsid", lambda _pid: os.getpid())
+    assert set_autogroup_nice(15, f) is False  # no autogroups: the thread's nice is enough
+
+
+#: A worker's first steps, in a fresh interpreter: place itself, show its autogroup.
+PLACE = (
+    "import os, sys; from node.affinity import apply_placement; "
+    "apply_placement(tuple(os.sched_getaffinity(0)), 12); "
+    "print(os.getpriority(os.PRIO_PROCESS, 0), open('/proc/self/autogroup').read())"
+)
+
+needs_autogroups = pytest.mark.skipif(
+    not autogroups_enabled(), reason="kernel.sched_autogroup_enabled is not 1 here"
+)
+
+
+@needs_autogroups
+def test_a_worker_in_its_own_session_renices_its_autogroup() -> None:
+    # The case that made nice 10 useless: a session of its own is an autogroup
+    # that competes with the host's at nice 0 (node/affinity.py, "Priority").
+    out = subprocess.run(
+        [sys.executable, "-c", PLACE],
+        capture_output=True,
+        text=True,
+        check=True,
+        start_new_session=True,
+        cwd=Path(__file__).resolve().parents[2],
+    ).stdout.split()
+    assert out[0] == "12" and out[-2:] == ["nice", "12"]
+
+
+@needs_autogroups
+def test_a_process_that_is_not_a_session_leader_leaves_its_sessions_autogroup_alone() -> None:
+    before = autogroup_nice()
+    out = subprocess.run(
+        [sys.executable, "-c", PLACE],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    ).stdout.split()
+    assert out[0] == "12" and out[-1] == str(before)  # only the process was reniced
+    assert autogroup_nice() == before
+
+
+def test_process_priority_reads_nice_and_autogroup() -> None:
+    me = process_priority(os.getpid())
+    assert me["nice"] == os.getpriority(os.PRIO_PROCESS, 0)
+    assert me["autogroup_nice"] == (autogroup_nice() if autogroups_enabled() else None)
+    gone = process_priority(2**22 + 12345)  # above pid_max's default: no such process
+    assert gone == {"nice": None, "autogroup_nice": None}

@@ -47,6 +47,7 @@ V1_ONLY = (
     "memory.oom_control",
     "memory.swappiness",
     "cpu.cfs",
+    "cpu.shares",
 )
 #: What a fresh cgroup's files hold (cgroup-v2.rst, cgroup-v1/memory.rst, cpusets.rst).
 NEW_CGROUP = {
@@ -62,6 +63,7 @@ NEW_CGROUP = {
     "memory.oom.group": "0",
     "memory.events": EVENTS,
     "cpu.max": "max 100000",
+    "cpu.weight": "100",
     "cpuset.cpus": "",
     "cpuset.mems": "",
     "memory.limit_in_bytes": UNL,
@@ -74,6 +76,7 @@ NEW_CGROUP = {
     "memory.swappiness": "60",
     "cpu.cfs_period_us": "100000",
     "cpu.cfs_quota_us": "-1",
+    "cpu.shares": "1024",
 }
 V2_ROOT = {
     "cgroup.procs": "1\n",
@@ -98,6 +101,7 @@ V1_ROOTS = {
     "cpu,cpuacct": {
         "cgroup.procs": "1\n",
         "cpu.cfs_period_us": "100000",
+        "cpu.shares": "1024",
         "cpu.cfs_quota_us": "-1",
     },
     "cpuset": {"cgroup.procs": "1\n", "cpuset.cpus": "0-3", "cpuset.mems": "0"},
@@ -283,7 +287,9 @@ def opts(mode: str = "required", **kw: object) -> SandboxOptions:
     return SandboxOptions(mode=mode, **base)  # type: ignore[arg-type]
 
 
-LIMITS = Limits(memory_max=512 * 2**20, memory_high=460 * 2**20, cpu_quota_us=50_000, cpus=(1,))
+LIMITS = Limits(
+    memory_max=512 * 2**20, memory_high=460 * 2**20, cpu_quota_us=50_000, cpus=(1,), nice=10
+)
 
 # ---------------------------------------------------------------- detection
 
@@ -336,6 +342,7 @@ def test_v2_nested_own_cgroup_gets_node_leaf_and_workers(kernel: FakeKernel) -> 
     assert (wdir / "memory.swap.max").read_text() == "0"
     assert (wdir / "memory.oom.group").read_text() == "1"
     assert (wdir / "cpu.max").read_text() == "50000 100000"
+    assert (wdir / "cpu.weight").read_text() == "11"  # nice 10: 110 / 1024 of nice 0's 100
     assert (wdir / "cpuset.cpus").read_text() == "1"
 
     box.attach("llm-0", 5001)
@@ -489,6 +496,7 @@ def test_hybrid_uses_v1_and_copies_cpuset_from_the_parent(kernel: FakeKernel) ->
         assert (mem_base / w / "memory.swappiness").read_text() == "0"
         assert (cpu_base / w / "cpu.cfs_quota_us").read_text() == "50000"
         assert (cpu_base / w / "cpu.cfs_period_us").read_text() == "100000"
+        assert (cpu_base / w / "cpu.shares").read_text() == "110"  # nice 10's CFS weight
 
         box.attach("llm-0", 5001)
         assert box.holds("llm-0", 5001)
@@ -715,6 +723,7 @@ def test_config_keys_become_limits_and_options() -> None:
         memory_high=512 * 2**20 * 9 // 10,
         cpu_quota_us=50_000,
         cpus=(1,),
+        nice=10,  # the default workers.nice
     )
     o = options_for(w, name="edgenode-x")
     assert o == SandboxOptions(
