@@ -90,7 +90,7 @@ def start(ctx: click.Context, foreground: bool, wait_s: float) -> None:
         if config.workers.engine == "llama":
             resolve_model(config.model.path)
         check_fits(config)
-        plan_workers(config.workers)  # an impossible core reservation
+        plan_workers(config.workers, config.node.cpus)  # an impossible core reservation
     except EdgeNodeError as exc:
         raise click.ClickException(exc.message) from exc
     if foreground:

@@ -39,6 +39,7 @@ class NodeSection:
     backend: str = ""
     log_level: str = "info"
     start_timeout_ms: int = 120_000
+    cpus: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -249,6 +250,7 @@ def validate(config: NodeConfig) -> NodeConfig:
     if not m.path:
         raise ConfigError("model.path must be 'default' or a path to a GGUF file")
     _validate_isolation(w)
+    _core_list("node.cpus", config.node.cpus)
     _choice("routing.mode", config.routing.mode, MODES)
     _positive("routing.ttft_budget_ms", config.routing.ttft_budget_ms, 0)
     p = config.pressure
@@ -338,10 +340,14 @@ def _validate_isolation(w: WorkersSection) -> None:
         parse_cores(w.cpu_quota)
     except ValueError as exc:
         raise ConfigError(f"workers.cpu_quota: {exc}") from exc
-    if any(c < 0 for c in w.cpus) or len(set(w.cpus)) != len(w.cpus):
-        raise ConfigError(f"workers.cpus must list distinct core numbers >= 0, got {list(w.cpus)}")
+    _core_list("workers.cpus", w.cpus)
     if not 0 <= w.nice <= 19:
         raise ConfigError(f"workers.nice must be 0..19, got {w.nice}")
+
+
+def _core_list(key: str, cpus: tuple[int, ...]) -> None:
+    if any(c < 0 for c in cpus) or len(set(cpus)) != len(cpus):
+        raise ConfigError(f"{key} must list distinct core numbers >= 0, got {list(cpus)}")
 
 
 #: The smallest per-worker memory.max accepted (bytes): below it an interpreter cannot start.

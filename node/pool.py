@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +30,9 @@ RULES_WORKER = "rules-0"
 NO_PRIORITY: dict[str, int | None] = {"nice": None, "autogroup_nice": None}
 
 
-def plan_workers(w: WorkersSection) -> CpuPlan:
-    """The core plan for ``[workers]`` on this host (``edgenode start`` checks it first).
+def plan_workers(w: WorkersSection, node_cpus: Sequence[int] = ()) -> CpuPlan:
+    """The core plan for ``[workers]`` and ``node.cpus`` on this host (``edgenode
+    start`` checks it first).
 
     Raises:
         ConfigError: an impossible reservation (cores outside the allowed set, all of them).
@@ -42,6 +43,7 @@ def plan_workers(w: WorkersSection) -> CpuPlan:
         cpu_quota_cores=parse_cores(w.cpu_quota),
         max_threads=w.threads,
         nice=w.nice,
+        node=node_cpus,
     )
 
 
@@ -63,7 +65,7 @@ class WorkerPool:
     ) -> None:
         self.config = config
         w = config.workers
-        self.plan: CpuPlan = plan_workers(w)
+        self.plan: CpuPlan = plan_workers(w, config.node.cpus)
         self.sandbox = Sandbox(options_for(w, self.plan, cgroup_name(run_dir)))
         self.specs = self._model_specs(model_path)
         if rules_path is not None:
@@ -112,7 +114,7 @@ class WorkerPool:
         return specs
 
     def _rules_spec(self, rules_path: str) -> WorkerSpec:
-        """The rule worker: tiny, on the host's cores, never starved by the model's nice."""
+        """The rule worker: tiny, on the node's cores at nice 0, ahead of the model."""
         c = self.config
         engine = EngineSpec(kind="rules", model_path=rules_path, n_ctx=0, n_batch=0, threads=1)
         return WorkerSpec(
@@ -121,12 +123,8 @@ class WorkerPool:
             engine=engine,
             heartbeat_interval_ms=c.broker.heartbeat_interval_ms,
             heartbeat_liveness=c.broker.heartbeat_liveness,
-            cpus=self._host_cpus(),
+            cpus=self.plan.node,
         )
-
-    def _host_cpus(self) -> tuple[int, ...]:
-        """The cores left to the host when some are reserved for the model, else ()."""
-        return self.plan.host if self.config.workers.cpus and self.plan.host else ()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -138,11 +136,10 @@ class WorkerPool:
             SandboxError: ``sandbox = "required"`` and cgroups cannot be used.
         """
         self.sandbox.open()
-        host = self._host_cpus()
-        if host:
-            # The broker (and its zmq threads, created later) stays off the model's
-            # reserved cores, so answers from the rules never queue behind tokens.
-            os.sched_setaffinity(0, host)
+        if self.plan.node:
+            # The broker (and its zmq threads, created later) stays on the node's
+            # cores: the host's never see a token relayed (node/affinity.py).
+            os.sched_setaffinity(0, self.plan.node)
         self._prefault()
 
     def _prefault(self) -> None:

@@ -69,20 +69,55 @@ from nodeproc import NodeProcess
 MiB = 1 << 20
 N_CTX = 2048  # the default model.n_ctx
 
-#: The probe: pin, then sleep 1 ms N times; print each wake-up's lateness in ns,
-#: the window (CLOCK_MONOTONIC, comparable with this process's clock) and its CPU time.
+#: The probe, a periodic control loop: pin, then every 1 ms period wake at the
+#: period's release time and run ``work`` iterations of arithmetic (--duty of the
+#: period on an idle core). Per cycle: how late it woke and when its work ended
+#: (ns after the release time), the window (CLOCK_MONOTONIC, comparable with this
+#: process's clock) and its CPU time. A cycle that overruns its period is a missed
+#: deadline; the next release is then the next period boundary after "now", as a
+#: control loop that drops a cycle does.
 PROBE = """
 import json, os, sys, time
 os.sched_setaffinity(0, {int(sys.argv[1])})
-n, period = int(sys.argv[2]), 1_000_000
-late = []
+n, work, period = int(sys.argv[2]), int(sys.argv[3]), 1_000_000
+def spin(k):
+    x = 0
+    for i in range(k):
+        x += i
+    return x
+late, resp = [], []
 start = time.monotonic()
+release = time.monotonic_ns() + period
 for _ in range(n):
-    target = time.monotonic_ns() + period
-    time.sleep(period / 1e9)
-    late.append(time.monotonic_ns() - target)
+    now = time.monotonic_ns()
+    if release > now:
+        time.sleep((release - now) / 1e9)
+    late.append(time.monotonic_ns() - release)
+    spin(work)
+    done = time.monotonic_ns()
+    resp.append(done - release)
+    release += period
+    if release < done:
+        release += (done - release) // period * period + period
 end = time.monotonic()
-print(json.dumps({"late_ns": late, "start": start, "end": end, "cpu_s": time.process_time()}))
+print(json.dumps({"late_ns": late, "resp_ns": resp, "start": start, "end": end,
+                  "cpu_s": time.process_time()}))
+"""
+
+#: Calibration, on the probe's core with the nodes not yet started: iterations per ms.
+CALIBRATE = """
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+def spin(k):
+    x = 0
+    for i in range(k):
+        x += i
+    return x
+k, runs = 20_000, []
+for _ in range(40):
+    t = time.perf_counter(); spin(k); runs.append(time.perf_counter() - t)
+runs.sort()
+print(int(k / (runs[len(runs) // 2] * 1000)))
 """
 
 #: A base model keeps going on a story; EOS ends one early now and then, and the
@@ -124,15 +159,16 @@ def tree_cpu(pid: int) -> float:
     return total
 
 
-def probe(core: int, iterations: int, node_pids: list[int]) -> dict[str, Any]:
-    """Run the probe on ``core`` (nice 0, a fresh process); its output plus CPU accounting."""
+def probe(args: argparse.Namespace, node_pids: list[int]) -> dict[str, Any]:
+    """Run the probe on ``args.probe_core`` (nice 0, a fresh process, ``args.work``
+    iterations per cycle); its output plus CPU accounting."""
     ticks, node_cpu = cpu_ticks(), sum(map(tree_cpu, node_pids))
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, str(core), str(iterations)],
+        [sys.executable, "-c", PROBE, str(args.probe_core), str(args.iterations), str(args.work)],
         capture_output=True,
         text=True,
         check=True,
-        timeout=iterations / 100 + 60,
+        timeout=args.iterations / 100 + 60,
     )
     after, node_after = cpu_ticks(), sum(map(tree_cpu, node_pids))
     result: dict[str, Any] = json.loads(out.stdout)
@@ -145,6 +181,31 @@ def probe(core: int, iterations: int, node_pids: list[int]) -> dict[str, Any]:
     return result
 
 
+def calibrate(core: int, duty: float) -> int:
+    """Probe iterations per cycle for ``duty`` (0..1) of a 1 ms period on an idle ``core``."""
+    out = subprocess.run(
+        [sys.executable, "-c", CALIBRATE, str(core)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return max(1, int(int(out.stdout) * duty))
+
+
+def pin_threads_off(core: int) -> list[int]:
+    """Move every thread of this process (the load generator's clients) off ``core``:
+    they stand in for apps elsewhere, not for the host's control loop. Threads
+    created later inherit it. Returns the cores they may use."""
+    cores = sorted(os.sched_getaffinity(0) - {core})
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:
+            continue  # a thread that just ended
+    return cores
+
+
 def pct(values: list[float], q: float) -> float:
     """The q-quantile (0..1) by nearest rank."""
     ordered = sorted(values)
@@ -152,16 +213,26 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Lateness over all rounds (µs), the median of the rounds' p99, CPU shares."""
-    late = [ns / 1000 for r in rounds for ns in r["late_ns"]]
+    """Wake-up lateness and response (µs) over all rounds and per round, missed
+    deadlines, CPU shares."""
+
+    def us(key: str) -> tuple[list[float], list[list[float]]]:
+        per_round = [[ns / 1000 for ns in r[key]] for r in rounds]
+        return [x for r in per_round for x in r], per_round
+
+    late, late_rounds = us("late_ns")
+    resp, resp_rounds = us("resp_ns")
     return {
         "p50_us": round(statistics.median(late), 1),
         "p99_us": round(pct(late, 0.99), 1),
         "max_us": round(max(late), 1),
-        "p99_rounds_us": [round(pct([ns / 1000 for ns in r["late_ns"]], 0.99), 1) for r in rounds],
-        "p99_median_us": round(
-            statistics.median(pct([ns / 1000 for ns in r["late_ns"]], 0.99) for r in rounds), 1
-        ),
+        "p99_rounds_us": [round(pct(r, 0.99), 1) for r in late_rounds],
+        "p99_median_us": round(statistics.median(pct(r, 0.99) for r in late_rounds), 1),
+        "resp_p50_us": round(statistics.median(resp), 1),
+        "resp_p99_us": round(pct(resp, 0.99), 1),
+        "resp_p99_rounds_us": [round(pct(r, 0.99), 1) for r in resp_rounds],
+        "resp_p99_median_us": round(statistics.median(pct(r, 0.99) for r in resp_rounds), 1),
+        "missed_pct": round(100 * sum(x > 1000 for x in resp) / len(resp), 2),
         "core_busy": [
             round(statistics.mean(c), 3)
             for c in zip(*(r["core_busy"] for r in rounds), strict=True)
@@ -321,7 +392,7 @@ class Config:
             g.run_now.set()
         wait_until(lambda: llm_active(self.node) == args.workers, 60)
         time.sleep(1.0)  # past the prompt evaluation: decoding from here on
-        b = probe(args.probe_core, args.iterations, pids)
+        b = probe(args, pids)
         self.busy.append(b)
         window = b["end"] - b["start"]
         self.coverage.append(min(g.covered(b["start"], b["end"]) for g in self.gens) / window)
@@ -365,12 +436,13 @@ def run(args: argparse.Namespace, reserved: list[int]) -> dict[str, Any]:
     try:
         for c in configs:
             c.start(args)
+        pin_threads_off(args.probe_core)
         pids = [c.node.proc.pid for c in configs if c.node.proc is not None]
         cases: list[Config | None] = [None, *configs]
         for r in range(args.rounds):
             for case in cases[r % 3 :] + cases[: r % 3]:
                 if case is None:
-                    idle.append(probe(args.probe_core, args.iterations, pids))
+                    idle.append(probe(args, pids))
                 else:
                     case.busy_probe(args, pids, last=r == args.rounds - 1)
     finally:
@@ -404,64 +476,62 @@ def read_memory(node: NodeProcess) -> list[dict[str, Any]]:
 
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
+    report_probe(result, args)
+    report_memory(result["configs"])
+
+
+def report_probe(result: dict[str, Any], args: argparse.Namespace) -> None:
     idle, configs = result["idle"], result["configs"]
     print(
-        f"\nprobe: {args.rounds} rounds x {args.iterations} x 1 ms sleeps on core "
-        f"{args.probe_core}, nice 0; lateness = wake-up minus requested time (µs)"
+        f"\nprobe: {args.rounds} rounds x {args.iterations} cycles of a 1 ms control loop on core "
+        f"{args.probe_core} at nice 0, {args.work} iterations of work per cycle "
+        f"({args.duty:.0%} of the period on an idle core).\nwake = how late a cycle started, "
+        "resp = when its work ended, both after the period's release (µs); missed = resp > 1 ms"
     )
     header = (
-        f"{'case':<17} {'workers.cpus':<12} {'placement':<10} "
-        f"{'p50':>6} {'p99':>7} {'max':>8} {'p99 med':>8} {'busy':>5} "
-        f"{'core0':>6} {'core1':>6} {'other':>6} {'tok/s':>6}"
+        f"{'case':<17} {'workers.cpus':<12} {'placement':<14} "
+        f"{'wake p50':>8} {'p99':>6} {'resp p50':>8} {'p99':>6} {'p99 med':>7} {'missed':>6} "
+        f"{'busy':>5} {'core0':>5} {'core1':>5} {'other':>5} {'tok/s':>5}"
     )
     print(header)
     print("-" * len(header))
     rows = [("both nodes idle", "", "", idle, "", "")]
     for c in configs:
         place = " ".join(f"{w[4:]}:{','.join(map(str, v))}" for w, v in c["placement"].items() if v)
-        rows.append(
-            (
-                f"{c['name']} busy",
-                str(c["workers_cpus"]),
-                place,
-                c["busy"],
-                f"{c['busy_coverage']:.0%}",
-                str(c["tok_per_s"]),
-            )
-        )
+        cover, rate = f"{c['busy_coverage']:.0%}", str(c["tok_per_s"])
+        rows.append((f"{c['name']} busy", str(c["workers_cpus"]), place, c["busy"], cover, rate))
     for label, cpus, place, s, cover, rate in rows:
         cores = [f"{x:.0%}" for x in s["core_busy"][:2]]
         print(
-            f"{label:<17} {cpus:<12} {place:<10} {s['p50_us']:>6} {s['p99_us']:>7} "
-            f"{s['max_us']:>8} {s['p99_median_us']:>8} {cover:>5} {cores[0]:>6} {cores[1]:>6} "
-            f"{s['other_cores']:>6} {rate:>6}"
+            f"{label:<17} {cpus:<12} {place:<14} {s['p50_us']:>8} {s['p99_us']:>6} "
+            f"{s['resp_p50_us']:>8} {s['resp_p99_us']:>6} {s['resp_p99_median_us']:>7} "
+            f"{s['missed_pct']:>5}% {cover:>5} {cores[0]:>5} {cores[1]:>5} "
+            f"{s['other_cores']:>5} {rate:>5}"
         )
     print(
-        "(p99 med = median of the rounds' p99; busy = share of the probe windows with every "
+        "(p99 med = median of the rounds' resp p99; busy = share of the probe windows with every "
         "worker generating;\n coreN = how busy each core was; other = cores' worth of CPU used "
         "by processes outside the nodes and the probe)"
     )
-    print(f"\np99 per round: idle {idle['p99_rounds_us']}")
+    print(f"\nresp p99 per round: idle {idle['resp_p99_rounds_us']}")
     for c in configs:
-        print(f"               {c['name']} busy {c['busy']['p99_rounds_us']}")
+        print(f"                    {c['name']} busy {c['busy']['resp_p99_rounds_us']}")
     print("\nbusy/idle (1.0 = the host does not notice the model):")
     for c in configs:
         b = c["busy"]
         print(
-            f"  {c['name']:<11} p99 {b['p99_us'] / idle['p99_us']:5.2f}x pooled, "
-            f"{b['p99_median_us'] / idle['p99_median_us']:5.2f}x median of rounds; "
-            f"p50 {b['p50_us'] / idle['p50_us']:.2f}x; max {b['max_us'] / idle['max_us']:.2f}x"
+            f"  {c['name']:<11} resp p99 {b['resp_p99_us'] / idle['resp_p99_us']:5.2f}x pooled, "
+            f"{b['resp_p99_median_us'] / idle['resp_p99_median_us']:5.2f}x median of rounds; "
+            f"resp p50 {b['resp_p50_us'] / idle['resp_p50_us']:.2f}x; "
+            f"wake p99 {b['p99_us'] / idle['p99_us']:.2f}x; "
+            f"missed {b['missed_pct']}% (idle {idle['missed_pct']}%)"
         )
-    a, b = configs[0]["busy"], configs[1]["busy"]
-    print(
-        f"  busy p99, {configs[1]['name']} / {configs[0]['name']}: "
-        f"{b['p99_us'] / a['p99_us']:.2f}x pooled, "
-        f"{b['p99_median_us'] / a['p99_median_us']:.2f}x median of rounds"
-    )
     for c in configs:
         if c["errors"]:
             print(f"  {c['name']}: generator errors: {c['errors']}")
 
+
+def report_memory(configs: list[dict[str, Any]]) -> None:
     print("\nmemory per worker: plan estimate vs measured (while generating, contexts filled)")
     print(
         f"{'config':<11} {'worker':<7} {'estimate':>9} {'cg usage':>9} {'err':>7} "
@@ -499,6 +569,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--probe-core", type=int, default=0)
     parser.add_argument("--reserve", default="1", help="workers.cpus of the reserved config")
+    parser.add_argument(
+        "--duty", type=float, default=0.5, help="probe work per 1 ms period on an idle core (0..1)"
+    )
     parser.add_argument("--max-tokens", type=int, default=1024)
     parser.add_argument("--timeout", type=float, default=240.0, help="node start timeout (s)")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
@@ -513,6 +586,7 @@ def main() -> None:
         f"host: {os.cpu_count()} CPUs, allowed {sorted(os.sched_getaffinity(0))}, "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the run"
     )
+    args.work = calibrate(args.probe_core, args.duty)
     result = run(args, reserved)
     report(result, args)
     if args.json:

@@ -179,14 +179,15 @@ def test_start_refuses_a_plan_that_cannot_fit(make_node: NodeFactory) -> None:
     assert not (node.run_dir / "edgenode.pid").exists()
 
 
-def test_reserved_cores_keep_the_broker_and_rules_off_the_models_cores(
-    make_node: NodeFactory,
-) -> None:
+def test_reserved_cores_keep_the_whole_node_off_the_hosts_cores(make_node: NodeFactory) -> None:
     node = make_node(workers={"cpus": [1]}, fallback={"rules": "default"})
     status = node.status()
     by_id = {p["worker_id"]: p for p in status["processes"]}
-    assert psutil.Process(status["pid"]).cpu_affinity() == [0]
-    assert psutil.Process(by_id["rules-0"]["pid"]).cpu_affinity() == [0]
+    # The broker and the rules follow the reservation (node.cpus = []), ahead
+    # of the workers by nice level: core 0 is the host's alone.
+    assert psutil.Process(status["pid"]).cpu_affinity() == [1]
+    assert psutil.Process(by_id["rules-0"]["pid"]).cpu_affinity() == [1]
+    assert by_id["rules-0"]["nice"] == 0
     for wid in ("llm-0", "llm-1"):
         assert psutil.Process(by_id[wid]["pid"]).cpu_affinity() == [1]
         assert psutil.Process(by_id[wid]["pid"]).nice() == 10
@@ -194,4 +195,14 @@ def test_reserved_cores_keep_the_broker_and_rules_off_the_models_cores(
         # within its own session (node/affinity.py, "Priority").
         assert by_id[wid]["nice"] == 10
         assert by_id[wid]["autogroup_nice"] == (10 if autogroups_enabled() else None)
-    assert by_id["rules-0"]["nice"] == 0
+    with node.client() as client:
+        assert client.generate("go", max_tokens=2).served_by == "llm"
+
+
+def test_node_cpus_put_the_broker_and_rules_on_the_given_cores(make_node: NodeFactory) -> None:
+    node = make_node(node={"cpus": [0]}, workers={"cpus": [1]}, fallback={"rules": "default"})
+    status = node.status()
+    by_id = {p["worker_id"]: p for p in status["processes"]}
+    assert psutil.Process(status["pid"]).cpu_affinity() == [0]
+    assert psutil.Process(by_id["rules-0"]["pid"]).cpu_affinity() == [0]
+    assert psutil.Process(by_id["llm-0"]["pid"]).cpu_affinity() == [1]

@@ -41,7 +41,19 @@ def test_one_reserved_core_is_shared_by_both_workers() -> None:
     assert [p.cpus for p in plan.workers] == [(1,), (1,)]
     assert [p.threads for p in plan.workers] == [1, 1]
     assert plan.reserved == (1,) and plan.host == (0,) and plan.allowed == (0, 1)
+    assert plan.node == (1,)  # the broker and the rules follow the reservation
     assert plan.restricts
+
+
+def test_node_cpus_put_the_broker_where_the_operator_says() -> None:
+    assert plan_cpus(2, [1], allowed=(0, 1), node=[0]).node == (0,)
+    assert plan_cpus(2, [2, 3], allowed=FOUR, node=[3, 0]).node == (0, 3)  # may overlap
+    assert plan_cpus(2, allowed=FOUR).node == ()  # nothing reserved: not pinned
+    assert plan_cpus(2, allowed=FOUR, node=[1]).node == (1,)
+    with pytest.raises(ConfigError, match=r"node\.cpus names core\(s\) 9"):
+        plan_cpus(2, [1], allowed=FOUR, node=[9])
+    with pytest.raises(ConfigError, match=r"node\.cpus lists core 0 twice"):
+        plan_cpus(2, [1], allowed=FOUR, node=[0, 0])
 
 
 def test_enough_reserved_cores_are_split_per_worker() -> None:
@@ -106,7 +118,7 @@ def test_threads_for_a_quota_read_from_cgroupfs() -> None:
         ([1, 1], (0, 1, 2), "lists core 1 twice"),
         ([5], (0, 1), r"core\(s\) 5, but this process may only run on 0-1"),
         ([2, 9, 3], FOUR, r"core\(s\) 9"),
-        ([0, 1], (0, 1), "leaving none for the broker and the host"),
+        ([0, 1], (0, 1), "leaving none for the host"),
         ([0], (0,), "leaving none"),
     ],
 )

@@ -135,6 +135,8 @@ def test_wrong_type_is_named(tmp_path: Path, text: str, named: str) -> None:
         ({"model": {"n_ctx": 32}}, "model.n_ctx"),
         ({"model": {"path": ""}}, "model.path"),
         ({"node": {"log_level": "loud"}}, "node.log_level"),
+        ({"node": {"cpus": [0, 0]}}, "node.cpus"),
+        ({"node": {"cpus": [-2]}}, "node.cpus"),
     ],
 )
 def test_out_of_range_values_are_named(data: dict[str, Any], named: str) -> None:
