@@ -1,41 +1,49 @@
 #!/usr/bin/env python3
-"""Does the host notice the model? A wake-up latency probe beside busy workers (not a test).
+"""Does the host notice the model? A control loop beside busy workers (not a test).
 
-A small probe process stands in for the host's own control loop: at nice 0,
-pinned to core ``--probe-core`` (0), it sleeps 1 ms ``--iterations`` times and
-records how late each wake-up is (µs past the requested time). Two real nodes
-run side by side (engine llama, default model, ``sandbox = "required"``, each
-in its own run dir and cgroup):
+A probe process stands in for the host's own control loop: at nice 0, pinned to
+core ``--probe-core`` (0), every 1 ms period it wakes at the period's release
+time and computes for ``--duty`` of the period (50 %, calibrated on the idle
+core before the nodes start), ``--iterations`` times. Per cycle it records how
+late it woke and when its work ended (its response); a cycle that ends after
+1 ms missed its deadline. A sleep-only probe was dropped: on a VM an idle
+core's wake-up latency (the hypervisor's halt exit) dwarfs everything else, so
+a busy core looked better than an idle one. Two real nodes run side by side
+(engine llama, default model, ``sandbox = "required"``, each in its own run dir
+and cgroup):
 
 * ``reserved``: ``workers.cpus = [1]``: the workers (both, sharing core 1) may
-  not run on the probe's core;
+  not run on the probe's core, and neither may the broker and the rule worker
+  (``node.cpus = []`` follows the reservation);
 * ``unreserved``: ``workers.cpus = []`` (the baseline): no reservation; the
   plan still gives each worker a core of its own, so one worker runs on the
-  probe's core (at nice 10).
+  probe's core (at nice 10, its autogroup too).
 
 Each of ``--rounds`` rounds probes three cases in a rotating order: both nodes
 idle; the reserved node's workers all generating flat out; the unreserved
 node's likewise (one client per worker, each streaming long generations back to
 back for the whole probe window; they are cancelled after it). Interleaving
 matters on a shared machine: the host's other load, which the benchmark cannot
-stop, then falls on every case alike.
+stop, then falls on every case alike. The clients (this process's threads) run
+off the probe's core: they stand in for apps elsewhere.
 
 Before the first round each worker evaluates one context-filling prompt, so the
 KV cache and the attention scratch are touched (the steady state the capacity
 plan estimates).
 
-Printed: p50/p99/max lateness over all rounds of a case, and the median of the
-rounds' p99; busy/idle p99 ratios; the share of the probe windows during which
-every worker had a generation in flight; tokens per second; the busy share of
-each core and the CPU used by processes that are neither the nodes nor the probe
-(``other``: the benchmark cannot stop other work on a shared machine, it can
-only show it). Then per worker the capacity plan's estimate
-(``status['capacity']['per_worker']``) against the measured memory: the
-worker's cgroup (usage and peak) and its private memory from
-``/proc/<pid>/smaps`` (``scripts/bench_memory.py``'s reading: private bytes
-minus the model file's).
+Printed: wake-up lateness and response p50/p99 over all rounds of a case, the
+median of the rounds' response p99, missed deadlines; busy/idle ratios; the
+share of the probe windows during which every worker had a generation in
+flight; tokens per second; the busy share of each core and the CPU used by
+processes that are neither the nodes nor the probe (``other``: the benchmark
+cannot stop other work on a shared machine, it can only show it). Then per
+worker the capacity plan's estimate (``status['capacity']['per_worker']``)
+against the measured memory: the worker's cgroup (usage and peak) and its
+private memory from ``/proc/<pid>/smaps`` (``scripts/bench_memory.py``'s
+reading: private bytes minus the model file's).
 
-Usage: ``python scripts/bench_isolation.py [--iterations 3000] [--rounds 3] [--json]``.
+Usage: ``python scripts/bench_isolation.py [--iterations 3000] [--rounds 3] [--duty 0.5]
+[--json]``.
 Needs root (cgroups and cpusets) and at least 2 cores.
 """
 
