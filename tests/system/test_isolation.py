@@ -11,7 +11,8 @@ that much memory, like a model outgrowing its cgroup. What these tests show
   killed with ``kill -9`` and started again (the restart reaps the stale cgroups);
 * ``sandbox = "required"`` with an impossible ``cgroup_root``, and an impossible
   core reservation, fail ``edgenode start`` with a clear message and leave
-  nothing running.
+  nothing running;
+* a CPU quota puts a worker in a cpu cgroup weighted by its nice level.
 
 Both incarnations of a node are started from this test process, so they see
 the same own cgroup (each bash job on the dev machine gets its own memory
@@ -305,7 +306,7 @@ def test_required_sandbox_with_an_impossible_cgroup_root_fails_fast(
 @pytest.mark.parametrize(
     ("cpus", "expected"),
     [
-        ([99], "workers.cpus reserves core(s) 99, but this process may only run on {allowed}"),
+        ([99], "workers.cpus names core(s) 99, but this process may only run on {allowed}"),
         (None, "workers.cpus reserves every core this process may use ({allowed})"),
         ([1, 1], "workers.cpus must list distinct core numbers >= 0, got [1, 1]"),
     ],
@@ -322,3 +323,29 @@ def test_impossible_core_reservation_fails_start_before_anything_starts(
     assert "starting edgenode" not in result.stdout  # refused before the node was spawned
     assert not (node.run_dir / "logs").exists()
     assert leftover_processes(node.run_dir) == []
+
+
+def test_a_cpu_quota_gives_each_worker_a_cpu_cgroup_weighted_by_its_nice_level(
+    usable: None, make_node: NodeFactory
+) -> None:
+    # In a cpu cgroup of its own a worker is one scheduling entity: the cgroup's
+    # weight ranks it against the broker's leaf, not its threads' nice level.
+    node = make_node(workers={"count": 1, "cpu_quota": 0.5, "sandbox": "required", "nice": 10})
+    layout = read_layout(CgroupHost())
+    worker = processes(node.status())["llm-0"]
+    own = {
+        line.split(":")[1]: line.split(":", 2)[2]
+        for line in Path(f"/proc/{worker['pid']}/cgroup").read_text().splitlines()
+    }
+    if layout.kind == "v2":
+        assert layout.v2 is not None
+        d = layout.v2.dir_of(own[""])
+        assert (d / "cpu.max").read_text().split() == ["50000", "100000"]
+        assert (d / "cpu.weight").read_text().strip() == "11"
+    else:
+        cpu = next(key for key in own if "cpu" in key.split(","))  # "cpu" or "cpu,cpuacct"
+        d = layout.v1["cpu"].dir_of(own[cpu])
+        assert d.name == "worker-llm-0"
+        assert (d / "cpu.cfs_quota_us").read_text().strip() == "50000"
+        assert (d / "cpu.shares").read_text().strip() == "110"  # nice 10's CFS weight
+    assert worker["threads"] == 1  # half a core runs one thread
