@@ -57,6 +57,8 @@ class SandboxOptions:
         need: controllers the config asks for; missing one fails ``required``
             and is skipped with a warning under ``auto`` (memory always fails).
         want: controllers used when present, skipped quietly otherwise.
+        nice: the workers' nice level; with the cpu controller the node's whole
+            tree gets its weight (its own leaf keeps nice 0's inside it).
     """
 
     mode: str = "auto"
@@ -64,6 +66,7 @@ class SandboxOptions:
     name: str = "edgenode"
     need: frozenset[str] = frozenset({"memory"})
     want: frozenset[str] = frozenset()
+    nice: int = 0
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,11 @@ class V1Backend:
             if "cpuset" in tree.controllers:
                 _copy_cpuset(self.host, tree.parent, tree.base)
                 _copy_cpuset(self.host, tree.base, tree.leaf)
+            if "cpu" in tree.controllers:
+                # The tree is one entity among the host's: at the root of a v1
+                # hierarchy its workers would otherwise weigh as one nice-0
+                # process (their autogroups no longer apply in a cpu cgroup).
+                put(self.host, tree.base / "cpu.shares", str(nice_weight(self.opts.nice)))
         self.entered = True
         move_node(self.host, [t.leaf for t in self.trees])
 

@@ -83,6 +83,10 @@ class V2Backend:
             )
         self.added = self._enable(self.parent)
         self._enable(self.base)
+        if "cpu" in self.controllers:
+            # The tree is one entity among its siblings: the workers' nice level,
+            # not nice 0, is what it should weigh (cpu.weight, cgroup-v2.rst).
+            put(self.host, self.base / "cpu.weight", str(cpu_weight_v2(self.opts.nice)))
 
     def _enable(self, directory: Path) -> list[str]:
         current = set(read_value(directory / "cgroup.subtree_control").split())

@@ -25,7 +25,8 @@ the order that keeps memsw >= limit as the kernel demands, and
 whole); CPU quota in µs per period (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` and
 ``cpu.cfs_period_us``) and, with it, the weight of ``workers.nice`` (v2
 ``cpu.weight``, v1 ``cpu.shares``: in a cgroup of its own a worker is ranked by
-its cgroup's weight, not its threads' nice level); cores (``cpuset.cpus``; on
+its cgroup's weight, not its threads' nice level; the node's tree gets the same
+weight among the host's tasks, its own leaf keeps nice 0's inside); cores (``cpuset.cpus``; on
 v1 also ``cpuset.mems``, copied from the parent: a new v1 cpuset starts empty
 and attaching to it fails with ENOSPC, cgroup-v1/cpusets.rst).
 
@@ -132,7 +133,7 @@ def options_for(
         need.add("cpuset")
     want = {"cpuset"} if plan is not None and plan.restricts and not workers.cpus else set()
     return SandboxOptions(
-        workers.sandbox, workers.cgroup_root, name, frozenset(need), frozenset(want)
+        workers.sandbox, workers.cgroup_root, name, frozenset(need), frozenset(want), workers.nice
     )
 
 

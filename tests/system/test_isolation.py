@@ -342,10 +342,16 @@ def test_a_cpu_quota_gives_each_worker_a_cpu_cgroup_weighted_by_its_nice_level(
         d = layout.v2.dir_of(own[""])
         assert (d / "cpu.max").read_text().split() == ["50000", "100000"]
         assert (d / "cpu.weight").read_text().strip() == "11"
+        assert (d.parent / "cpu.weight").read_text().strip() == "11"  # the node's whole tree
+        assert (d.parent / NODE_LEAF / "cpu.weight").read_text().strip() == "100"
     else:
         cpu = next(key for key in own if "cpu" in key.split(","))  # "cpu" or "cpu,cpuacct"
         d = layout.v1["cpu"].dir_of(own[cpu])
         assert d.name == "worker-llm-0"
         assert (d / "cpu.cfs_quota_us").read_text().strip() == "50000"
         assert (d / "cpu.shares").read_text().strip() == "110"  # nice 10's CFS weight
+        # The node's whole tree weighs that among the host's tasks; the broker's
+        # leaf keeps nice 0's weight inside it, ahead of the workers.
+        assert (d.parent / "cpu.shares").read_text().strip() == "110"
+        assert (d.parent / NODE_LEAF / "cpu.shares").read_text().strip() == "1024"
     assert worker["threads"] == 1  # half a core runs one thread

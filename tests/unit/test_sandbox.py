@@ -325,7 +325,7 @@ def test_mount_root_and_escapes_are_honoured(tmp_path: Path) -> None:
 
 def test_v2_nested_own_cgroup_gets_node_leaf_and_workers(kernel: FakeKernel) -> None:
     own = v2_host(kernel)
-    box = Sandbox(opts(), kernel.host())
+    box = Sandbox(opts(nice=10), kernel.host())
     box.open()
     base = own / "edgenode"
     assert box.active and box.backend.kind == "v2" and box.layout == "v2"
@@ -333,6 +333,10 @@ def test_v2_nested_own_cgroup_gets_node_leaf_and_workers(kernel: FakeKernel) -> 
     assert kernel.procs(base / "node") == [NODE_PID]  # the node left its own cgroup
     assert (own / "cgroup.subtree_control").read_text() == "cpu cpuset memory"
     assert (base / "cgroup.subtree_control").read_text() == "cpu cpuset memory"
+    # The tree weighs what a nice-10 process does among its siblings; inside it
+    # the node's leaf keeps the default (100) ahead of the workers (11).
+    assert (base / "cpu.weight").read_text() == "11"
+    assert (base / "node" / "cpu.weight").read_text() == "100"
 
     paths = box.create_worker("llm-0", LIMITS)
     wdir = base / "worker-llm-0"
@@ -473,11 +477,13 @@ def test_missing_delegated_root_is_a_clear_error(kernel: FakeKernel) -> None:
 
 def test_hybrid_uses_v1_and_copies_cpuset_from_the_parent(kernel: FakeKernel) -> None:
     dirs = v1_host(kernel)
-    with Sandbox(opts(), kernel.host()) as box:
+    with Sandbox(opts(nice=10), kernel.host()) as box:
         assert box.backend.kind == "v1" and box.layout == "hybrid"
         mem_base = dirs["memory"] / "edgenode"
         cpuset_base = dirs["cpuset"] / "edgenode"  # own cpuset is "/": a child of the root
         cpu_base = dirs["cpu,cpuacct"] / "edgenode"
+        assert (cpu_base / "cpu.shares").read_text() == "110"  # the tree: nice 10's weight
+        assert (cpu_base / "node" / "cpu.shares").read_text() == "1024"  # the broker: nice 0's
         for base in (mem_base, cpuset_base, cpu_base):
             assert kernel.procs(base / "node") == [NODE_PID]
         for d in (cpuset_base, cpuset_base / "node"):
@@ -727,7 +733,11 @@ def test_config_keys_become_limits_and_options() -> None:
     )
     o = options_for(w, name="edgenode-x")
     assert o == SandboxOptions(
-        "required", "/edgenode.delegated", "edgenode-x", frozenset({"memory", "cpu", "cpuset"})
+        "required",
+        "/edgenode.delegated",
+        "edgenode-x",
+        frozenset({"memory", "cpu", "cpuset"}),
+        nice=10,
     )
     defaults = options_for(WorkersSection())
     assert defaults.need == {"memory"} and defaults.mode == "auto"
