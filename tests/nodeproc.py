@@ -180,7 +180,8 @@ class Collector:
 
     def final(self, rid: Any) -> dict[str, Any]:
         """The one final reply of ``rid`` (asserts there is exactly one)."""
-        finals = self.finals().get(rid, [])
+        # One id's replies only: calling finals() per id made checking a flood O(n²).
+        finals = [r for r in self.replies.get(rid, []) if r["status"] != "partial"]
         assert len(finals) == 1, (rid, self.replies.get(rid))
         return finals[0]
 
