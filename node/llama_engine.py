@@ -9,6 +9,9 @@ llama-cpp-python#1529). Cancellation works at two depths:
   callback (``llama_set_abort_callback``, checked by ggml-cpu after each graph
   node) makes ``llama_decode`` return 2, which the wrapper raises as a
   ``RuntimeError``; the context is then reset and stays usable.
+
+Special tokens never reach a client's text: they are masked at sampling (all
+but end-of-generation) and have no text on the way out (``_TextTokenizer``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +27,9 @@ from typing import Any
 
 import llama_cpp
 import llama_cpp.llama_cpp as llama_c
+import numpy as np
 from llama_cpp.llama_grammar import LlamaGrammar
+from llama_cpp.llama_tokenizer import LlamaTokenizer
 
 from broker.admission import CHAT_TOKENS_PER_MESSAGE
 from broker.errors import Cancelled, InternalError, ProtocolError, TooLarge
@@ -59,6 +65,8 @@ class LlamaEngine:
                 verbose=False,
             )
         self.n_ctx = self.llm.n_ctx()
+        hidden, self._masked = special_tokens(self.llm)
+        self.llm.tokenizer_ = _TextTokenizer(self.llm, hidden)
         # A base model has no chat template; llama-cpp-python would then fall
         # back to the llama-2 format, which such models answer with nothing.
         has_template = "tokenizer.chat_template" in self.llm.metadata
@@ -77,6 +85,15 @@ class LlamaEngine:
         flag = self._cancelled
         return flag is not None and flag.is_set()
 
+    def mask_special(self, input_ids: Any, scores: Any) -> Any:
+        """Logits processor: special tokens other than end-of-generation cannot be sampled.
+
+        ``scores`` is indexed by token id (llama-cpp-python hands the processors
+        the candidates in vocabulary order, as its own ``logit_bias`` assumes).
+        """
+        scores[self._masked] = -np.inf
+        return scores
+
     def run(self, job: dict[str, Any], cancelled: threading.Event, emit: Emit) -> dict[str, Any]:
         """See ``node.engine.Engine.run``.
 
@@ -89,7 +106,7 @@ class LlamaEngine:
         kwargs: dict[str, Any] = {
             "max_tokens": job.get("max_tokens", 128),
             "stream": True,
-            "logits_processor": llama_cpp.LogitsProcessorList([counter.count]),
+            "logits_processor": llama_cpp.LogitsProcessorList([counter.count, self.mask_special]),
         }
         for name in ("temperature", "top_p", "seed", "stop"):
             if name in job:
@@ -209,6 +226,64 @@ def _model_params(use_extra_bufts: bool) -> Iterator[None]:
         yield
     finally:
         llama_c.llama_model_default_params = original
+
+
+#: llama_token_attr bits (llama.h) of tokens that are not text: llama.cpp's
+#: ``llama_token_to_piece`` renders CONTROL only with ``special``, UNKNOWN and
+#: UNUSED as placeholders.
+_NOT_TEXT = (
+    llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
+    | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+    | llama_cpp.LLAMA_TOKEN_ATTR_UNUSED
+)
+#: How special-token markers are spelled. llama.cpp renders USER_DEFINED tokens
+#: even without ``special``, and some GGUFs mark markers so: the default model's
+#: <start_of_image>, <end_of_image> and [multimodal] (seen in its output). Its
+#: other user-defined tokens, HTML tags (<table>) and runs of spaces, are text.
+_MARKER = re.compile(r"<\|.*\|>|<(?:start|end)_of_\w+>|\[\w+\]", re.DOTALL)
+
+
+def special_tokens(llm: Any) -> tuple[frozenset[int], Any]:
+    """(every special token id, the ids to mask at sampling as a numpy array).
+
+    Special = a llama.cpp attribute in ``_NOT_TEXT``, or a user-defined token
+    spelled like a marker (``_MARKER``). End-of-generation tokens
+    (``llama_vocab_is_eog``) are special but not masked: the model must be able
+    to stop. One pass over the vocabulary per load (~0.2 s for Gemma's 262k tokens).
+    """
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    special: set[int] = set()
+    for token in range(llama_cpp.llama_vocab_n_tokens(vocab)):
+        attr = llama_cpp.llama_vocab_get_attr(vocab, token)
+        if attr & _NOT_TEXT or (
+            attr & llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+            and _MARKER.fullmatch(
+                llama_cpp.llama_vocab_get_text(vocab, token).decode(errors="replace")
+            )
+        ):
+            special.add(token)
+    masked = sorted(t for t in special if not llama_cpp.llama_vocab_is_eog(vocab, t))
+    return frozenset(special), np.array(masked, dtype=np.intc)
+
+
+class _TextTokenizer(LlamaTokenizer):
+    """llama-cpp-python's tokenizer, minus special tokens' text on the way out.
+
+    ``Llama.detokenize`` (which every completion and stream chunk goes through)
+    delegates here. It still returns bytes, so llama-cpp-python's handling of a
+    character split over byte tokens is unchanged. ``special`` is ignored: text
+    for clients never carries special tokens.
+    """
+
+    def __init__(self, llm: Any, hidden: frozenset[int]) -> None:
+        super().__init__(llm)
+        self.hidden = hidden
+
+    def detokenize(
+        self, tokens: list[int], prev_tokens: list[int] | None = None, special: bool = False
+    ) -> bytes:
+        text_tokens = [t for t in tokens if t not in self.hidden]
+        return bytes(super().detokenize(text_tokens, prev_tokens, special=False))
 
 
 def make_token_counter(model_path: str) -> Callable[[ClientRequest], int]:

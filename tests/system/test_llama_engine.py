@@ -1,0 +1,101 @@
+"""The llama.cpp engine's own parts, with the real model: the token -> text path
+(special tokens, UTF-8 split over byte tokens)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from node.engine import EngineSpec
+from node.llama_engine import LlamaEngine
+from node.model import resolve_model
+
+pytestmark = pytest.mark.system
+
+#: Special tokens of the default model (Gemma 3) with text: the GGUF marks the
+#: image markers and [multimodal] user-defined, which llama.cpp renders even
+#: without ``special``; <start_of_turn> and <unused0> are control/unused.
+MARKERS = ("<start_of_image>", "<end_of_image>", "[multimodal]", "<start_of_turn>", "<unused0>")
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[LlamaEngine]:
+    spec = EngineSpec(
+        kind="llama",
+        model_path=str(resolve_model("default")),
+        n_ctx=512,
+        n_batch=512,
+        threads=1,
+    )
+    engine = LlamaEngine(spec)
+    yield engine
+    engine.llm.close()
+
+
+def token_of(engine: LlamaEngine, text: str) -> int:
+    (token,) = engine.llm.tokenize(text.encode(), add_bos=False, special=True)
+    return int(token)
+
+
+def test_special_tokens_have_no_text_on_the_way_out(engine: LlamaEngine) -> None:
+    words = engine.llm.tokenize(b"look here", add_bos=False)
+    for marker in MARKERS:
+        ids = [*words[:1], token_of(engine, marker), *words[1:]]
+        assert engine.llm.detokenize(ids) == b"look here"
+
+
+def test_a_forced_special_token_does_not_reach_the_stream(engine: LlamaEngine) -> None:
+    # The logit bias makes <start_of_image> the only choice; the stream is
+    # llama-cpp-python's, detokenized through the engine's tokenizer as in run().
+    marker = token_of(engine, "<start_of_image>")
+    chunks = [
+        chunk["choices"][0]["text"]
+        for chunk in engine.llm.create_completion(
+            "Hello", max_tokens=3, temperature=0.0, logit_bias={marker: 100.0}, stream=True
+        )
+    ]
+    assert chunks and not any("<start_of_image>" in c for c in chunks)
+
+
+def test_sampling_never_picks_a_special_token(engine: LlamaEngine) -> None:
+    scores = np.zeros(engine.llm.n_vocab(), dtype=np.single)
+    markers = [token_of(engine, m) for m in MARKERS]
+    scores[markers] = 100.0  # the model's favourites
+    scores[engine.llm.token_eos()] = 50.0
+    masked = engine.mask_special(np.zeros(1, dtype=np.intc), scores.copy())
+    assert all(masked[markers] == -np.inf)
+    assert int(np.argmax(masked)) == engine.llm.token_eos()  # ending stays possible
+
+
+def byte_tokens(engine: LlamaEngine, text: str) -> list[int]:
+    """The byte-fallback tokens spelling ``text`` (Gemma: <0x00> is token 238)."""
+    first = engine.llm.tokenize(b"<0x00>", add_bos=False, special=True)
+    base = 238 if len(first) != 1 else int(first[0])
+    assert engine.llm.detokenize([base + 0x41]) == b"A"
+    return [base + b for b in text.encode()]
+
+
+def test_byte_tokens_of_one_character_join_into_it(engine: LlamaEngine) -> None:
+    ids = byte_tokens(engine, "✓")
+    assert [engine.llm.detokenize([t]) for t in ids] == [b"\xe2", b"\x9c", b"\x93"]
+    assert engine.llm.detokenize(ids).decode() == "✓"
+
+
+def test_a_character_split_over_byte_tokens_streams_whole(engine: LlamaEngine) -> None:
+    # Under a grammar the model spells "✓" with byte tokens (seen here): no
+    # piece may carry half a character or a replacement character.
+    pieces: list[str] = []
+    job = {
+        "op": "generate",
+        "prompt": "Say it:",
+        "max_tokens": 32,
+        "temperature": 0.0,
+        "json_schema": {"type": "string", "enum": ["ok ✓ 日本語"]},
+    }
+    result = engine.run(job, threading.Event(), pieces.append)
+    assert result["text"] == '"ok ✓ 日本語"'
+    assert "".join(pieces) == result["text"] and "✓" in pieces
+    assert result["usage"]["completion_tokens"] > len(pieces)  # some piece spans tokens
