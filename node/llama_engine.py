@@ -20,7 +20,9 @@ import contextlib
 import ctypes
 import json
 import re
+import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,45 @@ from broker.admission import CHAT_TOKENS_PER_MESSAGE
 from broker.errors import Cancelled, InternalError, ProtocolError, TooLarge
 from broker.protocol import ClientRequest
 from node.engine import Emit, EngineSpec
+
+#: ggml_log_level (ggml/include/ggml.h). llama-cpp-python 0.3.x's own callback
+#: (llama_cpp/_logger.py) still maps an older enum (1 INFO, 2 WARN, 3 ERROR,
+#: 4 DEBUG): with ``verbose=False`` it printed warnings and dropped errors.
+LOG_NONE, LOG_DEBUG, LOG_INFO, LOG_WARN, LOG_ERROR, LOG_CONT = range(6)
+
+
+class _LlamaLog:
+    """llama.cpp's and ggml's log callback: messages at ``level`` or above go to stderr.
+
+    A continuation (``LOG_CONT``) follows its message's fate; ``LOG_NONE`` (plain
+    output, e.g. performance prints) is always shown, as ggml's default logger does.
+    """
+
+    def __init__(self) -> None:
+        self.level = LOG_WARN
+        self._shown = False
+        # Keep a reference: ctypes frees the trampoline when the object dies.
+        self._callback = llama_cpp.llama_log_callback(self._write)
+        llama_cpp.llama_log_set(self._callback, ctypes.c_void_p())
+
+    def _write(self, level: int, text: bytes, _data: ctypes.c_void_p) -> None:
+        if level != LOG_CONT:
+            self._shown = level == LOG_NONE or level >= self.level
+        if self._shown:
+            sys.stderr.write(text.decode("utf-8", "replace"))
+            sys.stderr.flush()
+
+    @contextlib.contextmanager
+    def at_level(self, level: int) -> Iterator[None]:
+        """Show only messages at ``level`` or above meanwhile (e.g. ``LOG_ERROR``)."""
+        saved, self.level = self.level, level
+        try:
+            yield
+        finally:
+            self.level = saved
+
+
+_LOG = _LlamaLog()
 
 
 class LlamaEngine:
@@ -289,22 +330,55 @@ class _TextTokenizer(LlamaTokenizer):
 def make_token_counter(model_path: str) -> Callable[[ClientRequest], int]:
     """A prompt-token counter for the broker's 413 check, from the model's vocabulary.
 
-    Loads the GGUF with ``vocab_only`` (the tokenizer, no weights: a few MB),
-    in the node process, once. ``chat`` prompts are counted as their contents
-    plus ``CHAT_TOKENS_PER_MESSAGE`` per message.
+    Loads only the GGUF's vocabulary (``_Vocab``: a few MB, no weights), in the
+    node process, once. ``chat`` prompts are counted as their contents plus
+    ``CHAT_TOKENS_PER_MESSAGE`` per message.
+
+    Raises:
+        ValueError: llama.cpp could not read the vocabulary (its error is logged).
     """
-    vocab = llama_cpp.Llama(model_path=model_path, vocab_only=True, verbose=False)
+    vocab = _Vocab(model_path)
 
     def count(req: ClientRequest) -> int:
         if req.prompt is not None:
-            return len(vocab.tokenize(req.prompt.encode(), add_bos=True))
+            return vocab.count(req.prompt.encode())
         messages = req.messages or ()
         text = "\n".join(content for _, content in messages)
-        return len(vocab.tokenize(text.encode(), add_bos=True)) + CHAT_TOKENS_PER_MESSAGE * len(
-            messages
-        )
+        return vocab.count(text.encode()) + CHAT_TOKENS_PER_MESSAGE * len(messages)
 
     return count
+
+
+class _Vocab:
+    """A model's tokenizer alone, through llama.cpp's C API (llama.h).
+
+    ``llama_cpp.Llama(vocab_only=True)`` would also make a context, whose
+    check of n_ctx against the training context (never read in a vocab-only
+    load, so 0) logs "n_ctx_train (0) -- possible training context overflow",
+    and it hides llama.cpp's errors during the load (``verbose=False``
+    redirects fd 2). Loading the vocabulary directly needs no context; the
+    load's warnings are about the file (the workers' loads see them too) and
+    are dropped, its errors are shown.
+    """
+
+    def __init__(self, model_path: str) -> None:
+        params = llama_c.llama_model_default_params()
+        params.vocab_only = True
+        with _LOG.at_level(LOG_ERROR):
+            model = llama_c.llama_model_load_from_file(model_path.encode(), params)
+        if not model:
+            raise ValueError(f"llama.cpp could not read the vocabulary of {model_path}")
+        self._vocab = llama_c.llama_model_get_vocab(model)
+        # The node keeps its counter for its lifetime; free the model with it.
+        weakref.finalize(self, llama_c.llama_model_free, model)
+
+    def count(self, text: bytes) -> int:
+        """Tokens of ``text`` with BOS (as the worker's ``Llama.tokenize`` counts them).
+
+        ``llama_tokenize`` with no room returns minus the number it needs.
+        """
+        n = int(llama_c.llama_tokenize(self._vocab, text, len(text), None, 0, True, False))
+        return -n if n < 0 else n
 
 
 class _CancelledInEngine(Exception):

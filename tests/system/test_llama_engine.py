@@ -1,10 +1,13 @@
 """The llama.cpp engine's own parts, with the real model: the token -> text path
-(special tokens, UTF-8 split over byte tokens)."""
+(special tokens, UTF-8 split over byte tokens) and llama.cpp's log."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -99,3 +102,43 @@ def test_a_character_split_over_byte_tokens_streams_whole(engine: LlamaEngine) -
     assert result["text"] == '"ok ✓ 日本語"'
     assert "".join(pieces) == result["text"] and "✓" in pieces
     assert result["usage"]["completion_tokens"] > len(pieces)  # some piece spans tokens
+
+
+def load_counter(model_path: str) -> subprocess.CompletedProcess[str]:
+    """Build the node's prompt-token counter in a fresh interpreter; its fd 2 captured."""
+    code = (
+        "import sys, types\n"
+        "from node.engine import EngineSpec, make_token_counter\n"
+        "spec = EngineSpec('llama', sys.argv[1], n_ctx=2048, n_batch=512, threads=1)\n"
+        "count = make_token_counter(spec)\n"
+        "print(count(types.SimpleNamespace(prompt='hello world', messages=None)))\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, model_path], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_the_node_side_token_counter_loads_quietly() -> None:
+    done = load_counter(str(resolve_model("default")))
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) == 3  # <bos> hello world
+    assert "n_ctx_train" not in done.stderr
+    assert done.stderr == ""
+
+
+def test_the_token_counter_still_shows_llama_cpp_errors(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 64)
+    done = load_counter(str(junk))
+    assert done.returncode != 0
+    assert "error loading model" in done.stderr  # llama.cpp's own words, level ERROR
+
+
+def test_a_worker_load_logs_llama_cpp_warnings_but_not_its_info(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    spec = EngineSpec("llama", str(resolve_model("default")), n_ctx=256, n_batch=256, threads=1)
+    LlamaEngine(spec).llm.close()
+    err = capfd.readouterr().err
+    assert "using full-size SWA cache" in err  # ggml level WARN (3)
+    assert "n_ctx_seq" not in err and "KV buffer size" not in err  # level INFO (2)
