@@ -152,6 +152,27 @@ def test_credit_message_resizes_the_worker(h: BrokerHarness) -> None:
     h.assert_each_answered_once()
 
 
+def test_the_io_loop_may_swap_the_outboxes_for_empty_lists(h: BrokerHarness) -> None:
+    # broker/loop.py takes what is queued by swapping each list for a new one: every part
+    # of the broker must append to the current list, never to one it kept a reference to.
+    h.ready(W1, 0.0, worker_id="llm-0")
+    h.broker.to_workers, h.broker.to_clients, h.broker.events = [], [], []
+    h.send(generate("a"), 0.1)
+    h.tick(0.1)
+    commands = [p.parse_worker_frames(f[1:])[0] for f in h.broker.to_workers]
+    assert commands == [REQUEST, WorkerCommand.HEARTBEAT]
+    h.broker.to_workers = []
+    h.broker.worker_exited("llm-0", "killed by SIGKILL", 0.2)
+    h.broker.tick(0.2)  # the re-queued request has no worker left: its deadline answers
+    assert [p.parse_worker_frames(f[1:])[0] for f in h.broker.to_workers] == [DISCONNECT]
+    h.broker.to_workers = []
+    h.tick(10.2)
+    assert only_reply(h)["code"] == 504
+    h.ready(W2, 10.3, worker_id="llm-0")
+    assert [e.kind for e in h.drain_events()] == ["ready"]
+    h.assert_each_answered_once()
+
+
 # --------------------------------------------------------------------------- replies
 
 
