@@ -20,7 +20,9 @@ GGUF metadata (read without loading the weights) and the budget:
   attention scratch that grows with the context: without flash attention
   llama.cpp materialises f32 ``KQ`` and ``softmax(KQ)``, ``n_ctx x n_ubatch x
   n_head`` each (fits the default model's measured private memory within 6 %
-  from n_ctx 256 to 8192).
+  from n_ctx 256 to 8192). A quantized ``kv_type`` needs flash attention
+  (``node.engine.needs_flash_attn``), which never materialises ``KQ``: see
+  ``attention_scratch``.
 
 Sizes are binary (``G`` = GiB = 2**30, ``M`` = MiB; ``node.units``), as systemd's
 ``MemoryMax=`` reads them. That makes the textbook example exact: 8G - 4.2G
@@ -42,6 +44,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from broker.errors import ConfigError
 from node.config import memory_max_bytes
+from node.engine import needs_flash_attn
 from node.gguf_meta import ModelMeta, read_gguf_meta
 from node.model import resolve_model
 from node.units import format_size as _format_size
@@ -101,10 +104,22 @@ def kv_cells(n_ctx: int) -> int:
     return -(-n_ctx // CTX_PAD) * CTX_PAD
 
 
-def attention_scratch(meta: ModelMeta, n_ctx: int, n_batch: int) -> int:
-    """Bytes of f32 ``KQ`` + ``softmax(KQ)``: ``2 x 4 x n_head x n_ubatch x cells``, with
-    n_ubatch = min(n_ctx, n_batch, 512) as llama-cpp-python sets it."""
-    return 2 * 4 * meta.n_head * min(n_ctx, n_batch, N_UBATCH) * kv_cells(n_ctx)
+def attention_scratch(meta: ModelMeta, n_ctx: int, n_batch: int, flash_attn: bool = False) -> int:
+    """Bytes of llama.cpp's attention scratch that grow with the context, with n_ubatch
+    = min(n_ctx, n_batch, 512) as llama-cpp-python sets it.
+
+    Without flash attention: f32 ``KQ`` + ``softmax(KQ)``, ``2 x 4 x n_head x
+    n_ubatch x cells`` (src/llama-graph.cpp, ``build_attn_mha``). With it
+    (``ggml_flash_attn_ext``, no ``KQ``): ``4 x n_ubatch x (cells + 4 x n_head x
+    key_length)``, fitted on the default model's private memory after a full
+    prompt (one process, n_ctx 1024/2048/4096: the flash-attention minus plain
+    difference measured 5.7/16.5-22/45.8 MiB, planned 6/20/48); read it as the
+    f16 ``KQ`` masks of Gemma 3's two KV caches plus four f32 Q-sized tensors.
+    """
+    ubatch = min(n_ctx, n_batch, N_UBATCH)
+    if flash_attn:
+        return 4 * ubatch * (kv_cells(n_ctx) + 4 * meta.n_head * meta.key_length)
+    return 2 * 4 * meta.n_head * ubatch * kv_cells(n_ctx)
 
 
 @dataclass(frozen=True)
@@ -146,6 +161,11 @@ class Plan:
             raise ConfigError(f"capacity.safety_margin must be in [0, 1); got {self.margin}")
         if self.per_worker <= 0:
             raise ConfigError("the per-sequence size must be positive (--kv-per-seq)")
+
+    @property
+    def flash_attn(self) -> bool:
+        """Whether workers run with flash attention (a quantized ``kv_type``)."""
+        return bool(self.kv_type) and needs_flash_attn(self.kv_type)
 
     @property
     def runtime_per_worker(self) -> int:
@@ -203,7 +223,9 @@ class Plan:
         return dataclasses.asdict(self) | {k: getattr(self, k) for k in _DERIVED_KEYS}
 
 
-_DERIVED = "runtime_per_worker shared_weights per_worker left total memory_max memory_high"
+_DERIVED = (
+    "flash_attn runtime_per_worker shared_weights per_worker left total memory_max memory_high"
+)
 _DERIVED += " fits_before_margin fits_safe fits"
 _DERIVED_KEYS = _DERIVED.split()
 
@@ -221,7 +243,9 @@ def model_plan(meta: ModelMeta, **ask: Any) -> Plan:
         kv_per_seq=per_token * kv_cells(ask["n_ctx"]),
         model=meta.name,
         kv_per_token=per_token,
-        scratch=attention_scratch(meta, ask["n_ctx"], ask["n_batch"]),
+        scratch=attention_scratch(
+            meta, ask["n_ctx"], ask["n_batch"], needs_flash_attn(ask["kv_type"])
+        ),
         **ask,
     )
 
@@ -356,7 +380,7 @@ def advice(plan: Plan, meta: ModelMeta | None) -> list[str]:
         smaller = [k for k in KV_TYPES if bytes_per_element(k) < bytes_per_element(plan.kv_type)]
         kv = next((k for k in smaller if _replan(plan, meta, kv_type=k).fits), None)
         if kv:
-            tips.append(f'model.kv_type = "{kv}" (--kv-type; needs flash attention)')
+            tips.append(f'model.kv_type = "{kv}" (--kv-type; workers then use flash attention)')
         if not plan.weights_shared and _replan(plan, meta, weights_shared=True).fits:
             tips.append("model.repack = false (one shared copy of the weights)")
     need = -(-(plan.reserve + plan.shared_weights + plan.workers * plan.memory_max) // (1 << 20))

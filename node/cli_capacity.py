@@ -178,5 +178,6 @@ def _model_lines(plan: Plan, meta: ModelMeta) -> list[str]:
         f"KV/seq      {plan.kv_per_token:,} B x {kv_cells(plan.n_ctx)} cells"
         f" (n_ctx {plan.n_ctx}, padded to 256) = {s(plan.kv_per_seq)}",
         f"runtime     {s(plan.runtime_overhead)} overhead + {s(plan.scratch)} attention scratch"
-        f" = {s(plan.runtime_per_worker)} per worker",
+        f"{' (flash attention)' if plan.flash_attn else ''} = {s(plan.runtime_per_worker)}"
+        " per worker",
     ]

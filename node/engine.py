@@ -34,8 +34,20 @@ class EngineSpec:
     threads: int
     chat_format: str = ""
     repack: bool = False
+    kv_type: str = "f16"  # model.kv_type: the K and V cache element type
     test_token_ms: int = 20
     test_load_ms: int = 0
+
+
+def needs_flash_attn(kv_type: str) -> bool:
+    """Whether a KV cache of ``kv_type`` needs llama.cpp's flash attention: any
+    quantized V cache does (src/llama-context.cpp, ``llama_init_from_model``
+    refuses it otherwise: "quantized V cache requires flash_attn to be enabled").
+
+    The llama engine turns flash attention on exactly then, and the capacity
+    model plans its smaller attention scratch (``node.capacity``).
+    """
+    return kv_type != "f16"
 
 
 class Engine(Protocol):

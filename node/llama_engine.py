@@ -36,7 +36,7 @@ from llama_cpp.llama_tokenizer import LlamaTokenizer
 from broker.admission import CHAT_TOKENS_PER_MESSAGE
 from broker.errors import Cancelled, InternalError, ProtocolError, TooLarge
 from broker.protocol import ClientRequest
-from node.engine import Emit, EngineSpec
+from node.engine import Emit, EngineSpec, needs_flash_attn
 
 #: ggml_log_level (ggml/include/ggml.h). llama-cpp-python 0.3.x's own callback
 #: (llama_cpp/_logger.py) still maps an older enum (1 INFO, 2 WARN, 3 ERROR,
@@ -54,6 +54,7 @@ class _LlamaLog:
     def __init__(self) -> None:
         self.level = LOG_WARN
         self._shown = False
+        self._captured: list[str] | None = None
         # Keep a reference: ctypes frees the trampoline when the object dies.
         self._callback = llama_cpp.llama_log_callback(self._write)
         llama_cpp.llama_log_set(self._callback, ctypes.c_void_p())
@@ -61,6 +62,8 @@ class _LlamaLog:
     def _write(self, level: int, text: bytes, _data: ctypes.c_void_p) -> None:
         if level != LOG_CONT:
             self._shown = level == LOG_NONE or level >= self.level
+        if self._captured is not None:
+            self._captured.append(text.decode("utf-8", "replace"))
         if self._shown:
             sys.stderr.write(text.decode("utf-8", "replace"))
             sys.stderr.flush()
@@ -74,17 +77,48 @@ class _LlamaLog:
         finally:
             self.level = saved
 
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[list[str]]:
+        """Also collect every message, at any level, meanwhile."""
+        captured: list[str] = []
+        self._captured = captured
+        try:
+            yield captured
+        finally:
+            self._captured = None
+
 
 _LOG = _LlamaLog()
+
+#: ``model.kv_type`` -> ggml_type (ggml.h), as llama_context_params.type_k/type_v take it.
+KV_GGML_TYPES = {
+    "f16": llama_cpp.GGML_TYPE_F16,
+    "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+    "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+}
+#: One line per KV cache (src/llama-kv-cache.cpp): "CPU KV buffer size =    30.00 MiB".
+_KV_BUFFER = re.compile(r"KV buffer size\s*=\s*([0-9.]+) MiB")
+
+
+def kv_buffer_bytes(load_log: str) -> int | None:
+    """Bytes of KV cache llama.cpp reports in a context's load log (all caches:
+    Gemma 3 has a sliding-window one and a full one), to 0.01 MiB; None if none."""
+    sizes = [float(m) for m in _KV_BUFFER.findall(load_log)]
+    return round(sum(sizes) * 2**20) if sizes else None
 
 
 class LlamaEngine:
     """Runs ``generate`` and ``chat`` requests on a GGUF model.
 
     Args:
-        spec: model path, ``n_ctx`` (tokens), ``n_batch`` (tokens) and ``threads``
+        spec: model path, ``n_ctx`` (tokens), ``n_batch`` (tokens), ``threads``
             (the cores this worker may really use: llama-cpp-python's default of
-            ``cpu_count()//2`` ignores affinity and CPU quotas).
+            ``cpu_count()//2`` ignores affinity and CPU quotas) and ``kv_type``
+            (K and V cache type; a quantized one turns on flash attention,
+            ``node.engine.needs_flash_attn``).
+
+    ``kv_cache_bytes`` is the KV cache llama.cpp allocated, from its load log
+    (None if it printed none).
 
     Raises:
         ValueError: llama.cpp could not load the model.
@@ -94,7 +128,10 @@ class LlamaEngine:
 
     def __init__(self, spec: EngineSpec) -> None:
         self.model = Path(spec.model_path).name
-        with _model_params(use_extra_bufts=spec.repack):
+        if spec.kv_type not in KV_GGML_TYPES:
+            raise ValueError(f"kv_type must be one of {', '.join(KV_GGML_TYPES)}")
+        kv = KV_GGML_TYPES[spec.kv_type]
+        with _model_params(use_extra_bufts=spec.repack), _LOG.capture() as load_log:
             # Typed as Any: the wrapper's return types are unions of str and dicts.
             self.llm: Any = llama_cpp.Llama(
                 model_path=spec.model_path,
@@ -103,8 +140,12 @@ class LlamaEngine:
                 n_threads=spec.threads,
                 n_threads_batch=spec.threads,
                 chat_format=spec.chat_format or None,
+                type_k=kv,
+                type_v=kv,
+                flash_attn=needs_flash_attn(spec.kv_type),
                 verbose=False,
             )
+        self.kv_cache_bytes = kv_buffer_bytes("".join(load_log))
         self.n_ctx = self.llm.n_ctx()
         hidden, self._masked = special_tokens(self.llm)
         self.llm.tokenizer_ = _TextTokenizer(self.llm, hidden)

@@ -97,6 +97,7 @@ class WorkerPool:
                 threads=placement.threads,
                 chat_format=c.model.chat_format,
                 repack=c.model.repack,
+                kv_type=c.model.kv_type,
                 test_token_ms=c.workers.test_token_ms,
                 test_load_ms=c.workers.test_load_ms,
             )

@@ -1,5 +1,6 @@
 """The llama.cpp engine's own parts, with the real model: the token -> text path
-(special tokens, UTF-8 split over byte tokens) and llama.cpp's log."""
+(special tokens, UTF-8 split over byte tokens), llama.cpp's log, and the KV
+cache type reaching llama.cpp."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from node.capacity import kv_bytes_per_token, kv_cells
 from node.engine import EngineSpec
+from node.gguf_meta import read_gguf_meta
 from node.llama_engine import LlamaEngine
 from node.model import resolve_model
 
@@ -142,3 +145,25 @@ def test_a_worker_load_logs_llama_cpp_warnings_but_not_its_info(
     err = capfd.readouterr().err
     assert "using full-size SWA cache" in err  # ggml level WARN (3)
     assert "n_ctx_seq" not in err and "KV buffer size" not in err  # level INFO (2)
+
+
+def test_kv_type_reaches_llama_cpp_which_allocates_what_the_plan_says() -> None:
+    path = resolve_model("default")
+    meta = read_gguf_meta(path)
+    reported: dict[str, int] = {}
+    for kv_type in ("f16", "q8_0", "q4_0"):
+        spec = EngineSpec("llama", str(path), n_ctx=2048, n_batch=512, threads=1, kv_type=kv_type)
+        engine = LlamaEngine(spec)
+        try:
+            job = {"op": "generate", "prompt": "The capital of France is", "max_tokens": 4}
+            result = engine.run(job | {"temperature": 0.0}, threading.Event(), lambda _: None)
+        finally:
+            engine.llm.close()
+        assert result["usage"]["completion_tokens"] == 4 and result["text"].strip()
+        assert engine.kv_cache_bytes is not None  # from llama.cpp's "KV buffer size" lines
+        reported[kv_type] = engine.kv_cache_bytes
+        planned = kv_bytes_per_token(meta, kv_type) * kv_cells(2048)
+        assert abs(reported[kv_type] - planned) <= 0.01 * 2**20  # llama.cpp prints 2 decimals
+    # ggml's q8_0 is 34 bytes per 32 elements, q4_0 18: 34/64 and 18/64 of f16.
+    assert reported["q8_0"] / reported["f16"] == pytest.approx(34 / 64, abs=0.001)
+    assert reported["q4_0"] / reported["f16"] == pytest.approx(18 / 64, abs=0.001)

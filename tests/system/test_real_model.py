@@ -53,3 +53,21 @@ def test_real_model_answers_through_the_whole_path(make_node: NodeFactory) -> No
         stopped = node.cli("stop")
     assert stopped.returncode == 0, stopped.stderr
     assert leftover_processes(node.run_dir) == []
+
+
+def test_a_q8_0_kv_cache_node_answers_within_its_plan(make_node: NodeFactory) -> None:
+    # A quantized V cache needs flash attention: without it llama.cpp refuses the
+    # context and the worker never becomes ready.
+    node = make_node(
+        start=False,
+        workers={"engine": "llama", "count": 1},
+        model={"kv_type": "q8_0"},
+        broker={"heartbeat_interval_ms": 1000, "stall_timeout_ms": 15000},
+    )
+    node.start(timeout=50)
+    status = node.status()
+    assert status["capacity"]["per_worker"] < 150 * 2**20  # f16's plan is 156 MiB
+    with node.client() as c:
+        reply = c.generate("The capital of France is", max_tokens=6, temperature=0.0)
+    assert reply.served_by == "llm" and reply.usage["completion_tokens"] == 6
+    assert node.stop() == 0

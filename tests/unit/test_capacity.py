@@ -150,6 +150,22 @@ def test_attention_scratch_grows_with_context_and_micro_batch(gemma: ModelMeta) 
     assert attention_scratch(gemma, 200, 512) == 2 * 4 * 4 * 200 * 256  # n_ubatch <= n_ctx
 
 
+def test_flash_attention_scratch_has_no_kq(gemma: ModelMeta) -> None:
+    # Fitted on the default model's private memory after a full prompt, n_ctx 1024-4096.
+    assert attention_scratch(gemma, 2048, 512, flash_attn=True) == 4 * 512 * (2048 + 4 * 4 * 256)
+    assert attention_scratch(gemma, 2048, 512, flash_attn=True) == 12 * MiB
+    assert attention_scratch(gemma, 4096, 512, flash_attn=True) == 16 * MiB  # vs 64 without
+
+
+def test_a_quantized_kv_type_plans_flash_attention(gemma: ModelMeta) -> None:
+    f16, _ = config_plan(config())
+    q8, _ = config_plan(config(model={"kv_type": "q8_0"}))
+    assert not f16.flash_attn and q8.flash_attn and q8.as_dict()["flash_attn"]
+    assert q8.kv_per_seq == 9_792 * 2048
+    assert q8.runtime_per_worker == 88 * MiB + 12 * MiB
+    assert f16.runtime_per_worker == 88 * MiB + 32 * MiB
+
+
 def test_default_config_plans_the_real_default_model(gemma: ModelMeta) -> None:
     plan, meta = config_plan(config())
     assert meta == gemma
@@ -201,7 +217,8 @@ def test_check_fits_refuses_too_many_workers_and_names_the_knobs(gemma: ModelMet
 
 
 def test_check_fits_suggests_a_smaller_kv_type_when_that_is_enough(gemma: ModelMeta) -> None:
-    # n_ctx 8192: 360 MiB per worker with f16 (no room for 2), 292.5 MiB with q8_0.
+    # n_ctx 8192: 360 MiB per worker with f16 (no room for 2), 188.5 MiB with q8_0
+    # (half the KV, and flash attention: 24 MiB of scratch instead of 128).
     cfg = config(model={"n_ctx": 8192}, capacity={"memory_budget": "1960M"})
     with pytest.raises(ConfigError) as info:
         check_fits(cfg)
