@@ -36,13 +36,14 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from broker.errors import ConfigError
+from broker.errors import ConfigError, SandboxError
+from node.cgroup_layout import read_layout
+from node.cgroupfs import Host, parse_limit, read_optional
 from node.config import memory_max_bytes
 from node.engine import needs_flash_attn
 from node.gguf_meta import ModelMeta, read_gguf_meta
@@ -250,35 +251,36 @@ def model_plan(meta: ModelMeta, **ask: Any) -> Plan:
     )
 
 
-def cgroup_memory_limit(
-    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
-) -> int | None:
-    """The smallest memory limit on this process's cgroup or an ancestor (v2
-    ``memory.max``, v1 ``memory.limit_in_bytes``), or None when unlimited."""
-    limits: list[int] = []
+def cgroup_memory_limit(host: Host | None = None) -> int | None:
+    """The smallest memory limit (bytes) on this process's cgroup or an ancestor
+    visible under the mount, or None: v1 ``memory.limit_in_bytes`` where memory
+    is a v1 controller (v1, hybrid), else v2 ``memory.max``. "max" and v1's
+    unlimited (9223372036854771712) are no limit (``node.cgroupfs.parse_limit``),
+    nor is an unreadable file. Mounts and the own cgroup come from the sandbox's
+    parser (``node.cgroup_layout``: co-mounted controllers, container subtrees).
+    """
+    host = host or Host()
     try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
+        layout = read_layout(host)
+    except OSError:  # no /proc/self files: nothing to read
         return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers and "memory" not in controllers.split(","):
-            continue
-        base = root / "memory" if controllers else root
-        name = "memory.limit_in_bytes" if controllers else "memory.max"
-        for node in [base / path.lstrip("/"), *(base / path.lstrip("/")).parents]:
-            limits += _read_limit(node / name)
-            if node == base:
-                break
+    if "memory" in layout.v1 and "memory" in layout.own_v1:
+        mount, own, name = layout.v1["memory"], layout.own_v1["memory"], "memory.limit_in_bytes"
+    elif layout.v2 is not None and layout.own_v2 is not None:
+        mount, own, name = layout.v2, layout.own_v2, "memory.max"
+    else:
+        return None
+    cgroup = mount.dir_of(own)
+    limits: list[int] = []
+    for directory in [cgroup, *cgroup.parents]:
+        if not directory.is_relative_to(mount.point):
+            break  # above the mount: not visible here
+        try:
+            limit = parse_limit(read_optional(directory / name))
+        except (SandboxError, ValueError):
+            limit = None
+        limits += [] if limit is None else [limit]
     return min(limits) if limits else None
-
-
-def _read_limit(path: Path) -> list[int]:
-    try:
-        limit = int(path.read_text())
-    except (OSError, ValueError):  # absent, or v2's "max"
-        return []
-    return [] if limit >= 1 << 62 else [limit]  # v1's "unlimited" is a page-rounded LONG_MAX
 
 
 def detect_budget() -> tuple[int, str]:

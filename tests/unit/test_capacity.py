@@ -1,5 +1,6 @@
 """Capacity model: the textbook example, the default model's real metadata, KV byte math,
-padding, shared vs private weights, refusals that name the knob, and the CLI."""
+padding, shared vs private weights, refusals that name the knob, the budget from fake
+cgroup trees (v2, v1, hybrid, nested, container mounts), and the CLI."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from node.capacity import (
     kv_bytes_per_token,
     kv_cells,
 )
+from node.cgroupfs import Host
 from node.cli_capacity import capacity
 from node.config import from_dict
 from node.gguf_meta import ModelMeta, read_gguf_meta
@@ -315,28 +317,88 @@ def test_reader_refuses_what_the_formula_does_not_cover(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- budget detection
 
+V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev - cgroup2 cgroup2 rw,nsdelegate\n"
+V1_MOUNTS = (
+    "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+    "32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct\n"
+    "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+)
+HYBRID_UNIFIED = "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n"
+V1_UNLIMITED = "9223372036854771712"  # LONG_MAX rounded down to a 4 KiB page
 
-def cgroup_tree(tmp_path: Path, files: dict[str, str], proc: str) -> tuple[Path, Path]:
+
+def fake_host(tmp_path: Path, mountinfo: str, proc_cgroup: str, files: dict[str, str]) -> Host:
+    """A host whose /proc/self and cgroup files are plain files under ``tmp_path``."""
+    (tmp_path / "proc" / "self").mkdir(parents=True)
+    (tmp_path / "proc" / "self" / "mountinfo").write_text(mountinfo)
+    (tmp_path / "proc" / "self" / "cgroup").write_text(proc_cgroup)
     for rel, text in files.items():
-        (tmp_path / "fs" / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "fs" / rel).write_text(text)
-    (tmp_path / "cgroup").write_text(proc)
-    return tmp_path / "cgroup", tmp_path / "fs"
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text + "\n")
+    return Host(root=tmp_path, proc=tmp_path / "proc")
 
 
-def test_v2_limit_is_the_smallest_on_the_path(tmp_path: Path) -> None:
-    proc, root = cgroup_tree(
-        tmp_path, {"a/memory.max": "1073741824\n", "a/b/memory.max": "max\n"}, "0::/a/b\n"
-    )
-    assert cgroup_memory_limit(proc, root) == GiB
+def test_v2_limit_is_the_smallest_on_the_path_and_max_is_none(tmp_path: Path) -> None:
+    service = "sys/fs/cgroup/system.slice/edgenode.service"
+    files = {
+        "sys/fs/cgroup/system.slice/memory.max": str(GiB),
+        f"{service}/memory.max": "max",
+        f"{service}/node/memory.max": "max",  # the node's own leaf, nested
+    }
+    host = fake_host(tmp_path, V2_MOUNT, "0::/system.slice/edgenode.service/node\n", files)
+    assert cgroup_memory_limit(host) == GiB
+    (tmp_path / "sys/fs/cgroup/system.slice/memory.max").write_text("max\n")
+    assert cgroup_memory_limit(host) is None
 
 
-def test_v1_unlimited_and_hybrid_without_v2_memory(tmp_path: Path) -> None:
-    files = {"memory/x/memory.limit_in_bytes": "9223372036854771712\n"}
-    proc, root = cgroup_tree(tmp_path, files, "4:memory:/x\n0::/\n")
-    assert cgroup_memory_limit(proc, root) is None
-    (root / "memory" / "memory.limit_in_bytes").write_text(str(512 * MiB))
-    assert cgroup_memory_limit(proc, root) == 512 * MiB
+def test_v1_unlimited_is_none_and_an_ancestor_limit_counts(tmp_path: Path) -> None:
+    files = {
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": V1_UNLIMITED,
+        "sys/fs/cgroup/memory/x/memory.limit_in_bytes": V1_UNLIMITED,
+        "sys/fs/cgroup/memory/x/y/memory.limit_in_bytes": V1_UNLIMITED,
+    }
+    proc = "4:memory:/x/y\n2:cpu,cpuacct:/x/y\n0::/\n"
+    host = fake_host(tmp_path, V1_MOUNTS + HYBRID_UNIFIED, proc, files)
+    assert cgroup_memory_limit(host) is None
+    (tmp_path / "sys/fs/cgroup/memory/x/memory.limit_in_bytes").write_text(str(512 * MiB))
+    assert cgroup_memory_limit(host) == 512 * MiB
+
+
+def test_a_hybrid_host_reads_v1_memory_not_the_empty_v2_mount(tmp_path: Path) -> None:
+    files = {
+        "sys/fs/cgroup/memory/x/memory.limit_in_bytes": str(256 * MiB),
+        "sys/fs/cgroup/unified/x/memory.max": str(128 * MiB),  # not the memory hierarchy
+    }
+    host = fake_host(tmp_path, V1_MOUNTS + HYBRID_UNIFIED, "4:memory:/x\n0::/x\n", files)
+    assert cgroup_memory_limit(host) == 256 * MiB
+
+
+def test_a_co_mounted_v1_memory_controller_is_found_where_it_is(tmp_path: Path) -> None:
+    mounts = "35 23 0:32 / /sys/fs/cgroup/cpu,memory rw - cgroup cgroup rw,cpu,memory\n"
+    files = {"sys/fs/cgroup/cpu,memory/x/memory.limit_in_bytes": str(300 * MiB)}
+    host = fake_host(tmp_path, mounts, "3:cpu,memory:/x\n", files)
+    assert cgroup_memory_limit(host) == 300 * MiB
+
+
+def test_a_container_mount_shows_the_hierarchy_from_its_own_root(tmp_path: Path) -> None:
+    # Without a cgroup namespace /proc/self/cgroup shows the host's full path,
+    # while the container's /sys/fs/cgroup shows only /docker/abc and below.
+    mounts = "30 23 0:26 /docker/abc /sys/fs/cgroup ro - cgroup2 cgroup2 rw\n"
+    files = {
+        "sys/fs/cgroup/memory.max": str(2 * GiB),  # the container's limit
+        "sys/fs/cgroup/app/memory.max": str(GiB),
+        "sys/fs/cgroup/app/node/memory.max": "max",
+    }
+    host = fake_host(tmp_path, mounts, "0::/docker/abc/app/node\n", files)
+    assert cgroup_memory_limit(host) == GiB
+    (tmp_path / "sys/fs/cgroup/app/memory.max").write_text("max\n")
+    assert cgroup_memory_limit(host) == 2 * GiB
+
+
+def test_no_cgroup_files_means_no_limit(tmp_path: Path) -> None:
+    assert cgroup_memory_limit(Host(root=tmp_path, proc=tmp_path / "proc")) is None
+    host = fake_host(tmp_path, V2_MOUNT, "0::/a\n", {"sys/fs/cgroup/a/memory.max": "junk"})
+    assert cgroup_memory_limit(host) is None
 
 
 # ---------------------------------------------------------------- the CLI
