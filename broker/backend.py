@@ -176,7 +176,8 @@ class WorkerConversation:
             return
         if job.first_token_at is None:
             job.first_token_at = now
-        if job.req.stream:
+        # A hedge's text is held back: it is the client's only if the rules win.
+        if job.req.stream and job.hedge_of is None:
             self.owner.send_client(job.client, p.partial_reply(job.req.id, text, len(job.chunks)))
         job.chunks.append(text)
 

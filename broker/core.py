@@ -9,7 +9,8 @@ with a fake clock.
 router, the worker registry and the counters, speaks the client conversation,
 runs the timers and decides how every job ends. The worker conversation
 (dispatch, worker messages, cancellation, liveness) is
-``broker.backend.WorkerConversation``, which works on the same state by
+``broker.backend.WorkerConversation`` and degrade mode's hand-overs to the
+rules are ``broker.handover.Handover``; both work on the same state by
 reference.
 
 Invariant: every accepted client request gets exactly one final reply
@@ -27,10 +28,11 @@ from broker.admission import PRESSURE_LEVELS, AdmissionGate, Shed, TokenCounter
 from broker.backend import WorkerConversation
 from broker.breaker import BreakerSettings
 from broker.errors import EdgeNodeError, ErrorCode
+from broker.handover import Handover
 from broker.jobs import JobTable
 from broker.protocol import ClientRequest, WorkerCommand
 from broker.records import BrokerSettings, Job, WorkerEvent
-from broker.routing import PoolView, Router, RoutingSettings
+from broker.routing import PoolView, Route, Router, RoutingSettings
 from broker.stats import Stats
 from broker.workers import WorkerRegistry
 
@@ -79,6 +81,15 @@ class Broker:
             stats=self.stats,
             owner=self,
         )
+        self.handover = Handover(
+            jobs=self.jobs,
+            gate=self.gate,
+            router=self.router,
+            stats=self.stats,
+            workers=self.workers,
+            cancel=self.backend.cancel,
+            forget=self.forget,
+        )
 
     # ------------------------------------------------------------------ clients
 
@@ -124,15 +135,14 @@ class Broker:
         if isinstance(route, Shed):
             self._refuse(identity, req.id, route)
             return
-        decision = self.gate.check(
-            identity,
-            req,
-            self.workers.min_n_ctx(route.kind),
-            self.workers.slots(route.kind),
-            self.backend.free_credit(route.kind),
-            timeout_ms / 1000,
-            route.kind,
-        )
+        decision = self._admit(identity, req, route, timeout_ms / 1000)
+        if isinstance(decision, Shed) and route.hedge:
+            # The model cannot take it at all (too large for it, or too late): then the
+            # rules answer, whatever they say, as for the model's failures.
+            if route.permit is not None:
+                self.router.breaker.release(route.permit, now)
+            route = Route("rules", degraded="latency_budget")
+            decision = self._admit(identity, req, route, timeout_ms / 1000)
         if isinstance(decision, Shed):
             if route.permit is not None:
                 self.router.breaker.release(route.permit, now)
@@ -145,7 +155,9 @@ class Broker:
         self.jobs.bind(job)
         self.gate.opened(identity)
         self.gate.push(job)
-        if route.watch_ttft:
+        if route.hedge:
+            self.handover.hedge(job)
+        elif route.watch_ttft:
             budget_s = self.router.settings.ttft_budget_ms / 1000
             self.jobs.arm("ttft", job.rid, now + budget_s)
         if route.copy:
@@ -154,6 +166,20 @@ class Broker:
             self.router.copy_skipped(job, route.copy_skipped)
         self.stats.count("admitted")
         self.backend.dispatch(now)
+
+    def _admit(
+        self, identity: bytes, req: ClientRequest, route: Route, timeout_s: float
+    ) -> Shed | Job | None:
+        """The admission gate's verdict on ``req`` for ``route``'s workers."""
+        return self.gate.check(
+            identity,
+            req,
+            self.workers.min_n_ctx(route.kind),
+            self.workers.slots(route.kind),
+            self.backend.free_credit(route.kind),
+            timeout_s,
+            route.kind,
+        )
 
     def _new_job(
         self, client: bytes, req: ClientRequest, now: float, deadline: float, kind: str
@@ -188,41 +214,8 @@ class Broker:
         self.router.open_pair(primary, mode)
 
     def fall_back(self, job: Job, reason: str, now: float) -> bool:
-        """Hand ``job`` to the rules if degrade mode allows it now (see
-        ``_reroute``); False, with nothing done, if it does not."""
-        if not self._can_fall_back(job):
-            return False
-        self._reroute(job, reason, now)
-        return True
-
-    def _reroute(self, job: Job, reason: str, now: float) -> None:
-        """Hand an unanswered model request over to the rules (degrade mode).
-
-        A new job takes the client's id; the old one is cancelled on its worker
-        if it runs (its credit returns with the ack) and never answers itself.
-        """
-        self.router.release(job, now)
-        new = self._new_job(job.client, job.req, job.accepted_at, job.deadline, "rules")
-        new.degraded = reason
-        self.jobs.bind(new)
-        job.replied = True  # handed over, not answered: the client still waits
-        self.gate.push(new, front=True)
-        if job.worker is None:
-            self.forget(job)
-        else:
-            self.backend.cancel(job, now)
-        self.stats.count(f"fallback_{reason}")
-
-    def _can_fall_back(self, job: Job) -> bool:
-        """Whether degrade mode may answer ``job`` from the rules now."""
-        return (
-            job.kind == "llm"
-            and job.copy_of is None
-            and job.req.route == "auto"
-            and self.router.mode == "degrade"
-            and not (job.req.stream and job.chunks)
-            and bool(self.workers.of_kind("rules"))
-        )
+        """Hand ``job`` to the rules if degrade mode allows it now; False if not."""
+        return self.handover.fall_back(job, reason, now)
 
     def _refuse(self, identity: bytes, rid: str | int, shed: Shed) -> None:
         self.stats.count(f"shed_{shed.reason}")
@@ -293,7 +286,8 @@ class Broker:
                 self.stats.count("deadline_exceeded")
                 self._finish_early(job, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded", now)
             elif kind == "ttft" and not job.replied and job.first_token_at is None:
-                if self.fall_back(job, "latency_budget", now):
+                if job.hedged_by is None and self.handover.can_fall_back(job):
+                    self.handover.hedge(job)
                     self.backend.dispatch(now)
             elif kind == "ack":
                 self.backend.hung(job, now)
@@ -323,8 +317,18 @@ class Broker:
         """Send ``job``'s one final reply; the client may reuse its id at once.
 
         A model copy (shadow/dual) has no client: its result only goes to the router.
+        A hedge answers only if a rule matched (``Handover.take_hedge``); else
+        it is dropped. A request that is answered drops its hedge if still out.
         """
+        if job.hedge_of is not None:
+            if not self.handover.take_hedge(job, body, now):
+                job.replied = True
+                return
+            if job.req.stream:  # the held-back text, as the stream it would have been
+                for index, text in enumerate(job.chunks):
+                    self.send_client(job.client, p.partial_reply(job.req.id, text, index))
         job.replied = True
+        self.handover.drop_hedge(job)
         self.router.finished(job, body, now)
         if job.copy_of is not None:
             return

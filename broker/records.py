@@ -46,7 +46,10 @@ class Job:
     says why the rules answer instead of the model ("" if they do not);
     ``permit`` is the circuit breaker's permit of a model call; ``copy_of`` marks
     an internal model copy of request ``copy_of`` (shadow/dual): it has no
-    client and its result is only compared and logged.
+    client and its result is only compared and logged. ``hedge_of`` marks the
+    rules' hedge of the model request ``hedge_of`` (degrade mode's latency
+    budget): it answers the client only if a rule matched; ``hedged_by`` is the
+    model request's hedge (kept once it ended, so a request is hedged once).
     """
 
     rid: int
@@ -64,6 +67,8 @@ class Job:
     degraded: str = ""
     permit: Permit | None = None
     copy_of: int | None = None
+    hedge_of: int | None = None
+    hedged_by: int | None = None
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,11 @@ Devices adopt a model beside their legacy rule engine in stages (DESIGN.md §4):
   credit right now, so it can never delay an answer;
 * ``dual``: the rules answer; the model always runs a copy; both are compared;
 * ``degrade``: the model answers, and the rules take over when the breaker is
-  open, no model worker is registered, memory is under pressure, or the model
-  cannot produce a first token within the latency budget;
+  open, no model worker is registered or memory is under pressure. When the
+  model misses the latency budget to its first token (or is sure to, because
+  it would have to queue), the rules are asked *as well* — a hedge: a rule
+  that matches answers and the model's job is cancelled; a rule miss is
+  dropped and the model answers (``usable_rules_answer``);
 * ``full``: the model only; typed errors when it cannot serve.
 
 Only ``route: "auto"`` requests follow the mode; ``llm`` and ``rules`` are
@@ -57,7 +60,9 @@ class Route:
     """A decision: the engine ``kind``, why it is a fallback (``degraded``, ""
     if not), the breaker permit of a model call, whether the model also
     gets a ``copy`` (``shadow`` or ``dual``), and why a copy was not made
-    (``copy_skipped``: ``no_credit``, ``no_model_worker``; "" if none was due)."""
+    (``copy_skipped``: ``no_credit``, ``no_model_worker``; "" if none was due).
+    ``watch_ttft``: arm the latency budget to the first token; ``hedge``: the
+    model's wait already exceeds it, so ask the rules at once as well."""
 
     kind: str
     degraded: str = ""
@@ -65,6 +70,7 @@ class Route:
     copy: str = ""
     watch_ttft: bool = False
     copy_skipped: str = ""
+    hedge: bool = False
 
 
 class Router:
@@ -101,7 +107,11 @@ class Router:
         permit = self.breaker.allow(now)
         if permit is None:
             return Route("rules", degraded="circuit_open")
-        return Route("llm", permit=permit, watch_ttft=self.settings.ttft_budget_ms > 0)
+        budget = self.settings.ttft_budget_ms
+        # A wait beyond the budget is a latency miss, not a failure: the model keeps the
+        # request and the rules are only asked in parallel (a hedge), as at the budget.
+        late = budget > 0 and pool.llm_wait_s * 1000 > budget
+        return Route("llm", permit=permit, watch_ttft=budget > 0, hedge=late)
 
     def _model_only(self, now: float) -> Route | Shed:
         permit = self.breaker.allow(now)
@@ -120,9 +130,6 @@ class Router:
             return "no_model_worker"
         if pool.pressure != "ok":
             return "memory_pressure"
-        budget = self.settings.ttft_budget_ms
-        if budget > 0 and pool.llm_wait_s * 1000 > budget:
-            return "latency_budget"
         return ""
 
     # ------------------------------------------------------------------ outcomes
@@ -149,18 +156,21 @@ class Router:
         elif job.rid in self._pairs:
             self._half(job.rid, "rules", job, body, now)
         elif job.degraded:
-            self.records.append(
-                {
-                    "event": "fallback",
-                    "mode": self.mode,
-                    "id": job.req.id,
-                    "reason": job.degraded,
-                    "latency_ms": _ms(now - job.accepted_at),
-                }
-            )
+            record = {
+                "event": "fallback",
+                "mode": self.mode,
+                "id": job.req.id,
+                "reason": job.degraded,
+                "latency_ms": _ms(now - job.accepted_at),
+            }
+            if job.hedge_of is not None:
+                record["hedge"] = "rules_won"
+            self.records.append(record)
         elif job.kind == "llm":
             outcome = _outcome(job, body, now)
             del outcome["text"]  # latency is what the report needs, not every answer
+            if job.hedged_by is not None:
+                outcome["hedge"] = "model_kept"  # the rules were asked and had no answer
             self.records.append({"event": "llm", "mode": self.mode, "id": job.req.id, **outcome})
 
     def open_pair(self, primary: Job, mode: str) -> None:
@@ -224,6 +234,22 @@ class Router:
             "breaker": self.breaker.snapshot(now),
             "pairs_pending": len(self._pairs),
         }
+
+
+def usable_rules_answer(body: dict[str, Any]) -> bool:
+    """Whether the rules' final reply ``body`` may answer a hedged model request.
+
+    Usable means a rule matched: ``status`` ok and ``confidence`` > 0. The rule
+    engine answers everything, a miss with confidence 0 ("no rule matched"), and a
+    miss is no reason to drop a model that is merely late. The cut is not
+    ``fallback.low_confidence``: that threshold only flags shadow/dual pairs for
+    offline review, while a matched rule's answer below it is what the rules serve
+    whenever the model fails, and the broker does not know the node's config.
+    """
+    confidence = body.get("confidence")
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)):
+        return False
+    return body.get("status") == "ok" and confidence > 0
 
 
 def _outcome(job: Job, body: dict[str, Any], now: float) -> dict[str, Any]:

@@ -166,14 +166,39 @@ def test_latency_budget_hands_a_slow_model_call_to_the_rules(make_node: NodeFact
     assert restarts(status) == {"llm-0": 0, "rules-0": 0}
     assert status["counters"].get("workers_lost", 0) == 0
     assert status["counters"]["fallback_latency_budget"] == 1
+    assert status["counters"]["hedge_rules_won"] == 1
+    assert "hedge_model_kept" not in status["counters"]
     assert breaker(status)["state"] == "closed" and breaker(status)["calls"] == 0
     assert "cancelled" in (node.run_dir / "logs" / "llm-0.log").read_text()
     fallback = wait_for(lambda: records(node, "fallback"))
-    assert [(r["reason"], r["mode"]) for r in fallback] == [("latency_budget", "degrade")]
+    assert [(r["reason"], r["mode"], r["hedge"]) for r in fallback] == [
+        ("latency_budget", "degrade", "rules_won")
+    ]
     # A model that answers in time is still the model.
     with node.client(wait_ms=5000) as c:
         reply = c.generate("turn on the kitchen lights")
         assert (reply.served_by, reply.degraded) == ("llm", False)
+
+
+def test_a_rule_miss_at_the_latency_budget_waits_for_the_model(make_node: NodeFactory) -> None:
+    node = make_node(workers={"count": 1}, fallback=RULES, routing={"ttft_budget_ms": 200})
+    with node.client(wait_ms=5000) as c:
+        start = time.monotonic()
+        # First token after 400 ms, past the 200 ms budget; and no rule knows this one.
+        reply = c.generate("!slow 400 sing me a song", max_tokens=3)
+        elapsed = time.monotonic() - start
+        assert (reply.served_by, reply.degraded, reply.text) == ("llm", False, "echo: !slow 400")
+        assert "degrade_reason" not in reply.raw
+        assert elapsed >= 1.2, elapsed  # 3 tokens x 400 ms: the model's whole answer
+    status = idle_with_full_credit(node, 2)
+    assert restarts(status) == {"llm-0": 0, "rules-0": 0}
+    assert status["counters"]["hedge_model_kept"] == 1
+    assert "hedge_rules_won" not in status["counters"]
+    assert "fallback_latency_budget" not in status["counters"]
+    assert "cancelled" not in (node.run_dir / "logs" / "llm-0.log").read_text()
+    logged = wait_for(lambda: records(node, "llm"))
+    assert [(r["status"], r["hedge"]) for r in logged] == [("ok", "model_kept")]
+    assert records(node, "fallback") == []
 
 
 # --------------------------------------------------------------------------- explicit, full

@@ -14,13 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker import protocol as p
+from broker.breaker import BreakerSettings
 from broker.core import Broker, BrokerSettings, WorkerEvent
 from broker.protocol import WorkerCommand
+from broker.routing import RoutingSettings
 
 CLIENT = b"client-a"
 OTHER_CLIENT = b"client-b"
 W1 = b"worker-ident-1"
 W2 = b"worker-ident-2"
+RULES = b"rules-ident"
 
 #: Test timings (ms): heartbeats every 100 ms x 3 misses = 0.3 s of silence is
 #: death, 1 s without progress while busy is a stall, 0.2 s to ack a CANCEL.
@@ -60,10 +63,18 @@ def bodies(out: list[ToWorker], identity: bytes, command: WorkerCommand) -> list
 
 
 class BrokerHarness:
-    """Drives one ``Broker`` and records every reply it sends to clients."""
+    """Drives one ``Broker`` and records every reply it sends to clients.
 
-    def __init__(self, settings: BrokerSettings = FAST) -> None:
-        self.broker = Broker(settings)
+    ``routing`` and ``breaker`` default to the broker's own defaults (mode ``degrade``).
+    """
+
+    def __init__(
+        self,
+        settings: BrokerSettings = FAST,
+        routing: RoutingSettings | None = None,
+        breaker: BreakerSettings | None = None,
+    ) -> None:
+        self.broker = Broker(settings, routing=routing, breaker=breaker)
         self.expected: Counter[RequestKey] = Counter()
         self.finals: Counter[RequestKey] = Counter()
         self.history: list[tuple[bytes, dict[str, Any]]] = []
