@@ -9,10 +9,14 @@ Record shapes (the broker's side; ``id`` is the client's request id):
 * ``pair``: both engines ran one request (modes shadow, dual); the rules' answer was
   returned. ``rules`` = {status, text, latency_ms, confidence, rule}, ``llm`` = {status,
   text, latency_ms, ttft_ms, worker, code}.
-* ``fallback``: degrade mode answered from the rules instead of the model (``reason``).
+* ``fallback``: degrade mode answered from the rules instead of the model (``reason``);
+  ``hedge: "rules_won"`` when a rule matched while the model was late (the model's job
+  was cancelled).
 * ``copy_skipped``: the model got no copy (``reason``: ``no_credit``, shadow's model was busy;
   ``no_model_worker``; ``queue_full``; ``circuit_open``).
-* ``llm``: a request answered by the model (latency_ms, ttft_ms, status).
+* ``llm``: a request answered by the model (latency_ms, ttft_ms, status);
+  ``hedge: "model_kept"`` when the rules were asked at the latency budget but no rule
+  matched, so the model's answer was awaited.
 
 Added here: ``ts`` (ISO-8601 UTC wall time, ms) on every record; on ``pair`` records
 ``agreement`` (``fallback.compare.compare_outputs(rules.text, llm.text).to_dict()``, or None
