@@ -83,7 +83,10 @@ class TestEngine:
     for this request; ``!hog <MiB>`` allocates and touches that much memory
     (kept until the process ends), like a model outgrowing its cgroup;
     ``!json <object>`` answers with that JSON object (compact, four characters
-    per token) instead of the echo, like a model held to a ``json_schema``.
+    per token) instead of the echo, like a model held to a ``json_schema``;
+    ``!prefill <ms>`` evaluates the prompt first at that many ms per prompt
+    word, like llama.cpp's prompt evaluation whose time grows with the prompt
+    (interruptible by a cancel, its steps counted as progress).
     """
 
     __test__ = False  # not a pytest test class
@@ -114,6 +117,8 @@ class TestEngine:
             for i in range(0, len(block), 4096):
                 block[i] = 1
             self._hogged.append(block)
+        if words[:1] == ["!prefill"] and len(words) > 1 and words[1].isdigit():
+            self._prefill(len(words) * int(words[1]) / 1000, cancelled)
         if words[:1] == ["!json"]:
             obj, _ = json.JSONDecoder().raw_decode(prompt.split(None, 1)[1])
             answer = json.dumps(obj, separators=(",", ":"))
@@ -131,6 +136,14 @@ class TestEngine:
         finish = "length" if len(pieces) < len(tokens) else "stop"
         usage = {"prompt_tokens": len(words), "completion_tokens": len(pieces)}
         return {"text": "".join(out), "finish_reason": finish, "usage": usage}
+
+    def _prefill(self, seconds: float, cancelled: threading.Event) -> None:
+        """Spend ``seconds`` before the first token, in steps of at most 10 ms."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if cancelled.wait(min(0.01, left)):
+                raise Cancelled("cancelled during prompt evaluation")
+            self.steps += 1
 
 
 def count_words(req: ClientRequest) -> int:
