@@ -7,6 +7,14 @@ cap -> deadline feasibility. A refused request gets a typed ``Shed`` (HTTP 413,
 unlike llama.cpp's server, which queues without bound, or Ollama/TGI, which
 refuse without saying when to come back.
 
+Deadline feasibility and ``retry_after_ms`` rest on one estimate. With
+``service_estimate = "size"`` (the default) each request's service time is
+predicted from its prompt tokens and ``max_tokens`` (``broker.service``), and
+the queue ahead is played forward on the pool's slots: a request that could
+not *finish* by its deadline is refused. Until the first measured request of an
+engine (and with ``"mean"``), one mean service time per engine estimates when
+a request could *start*, as before.
+
 Pressure levels come from outside (the node reads its cgroup); the gate only
 reacts: ``high`` sheds sheddable work, halves the queue and the credit the
 broker uses; ``critical`` admits only critical work and asks the broker to
@@ -15,14 +23,18 @@ cancel sheddable requests in flight. ``ok`` restores everything.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from broker.errors import ErrorCode
+from broker.jobs import JobTable
 from broker.protocol import ClientRequest
-from broker.stats import Stats
+from broker.service import CHAT_TOKENS_PER_MESSAGE as CHAT_TOKENS_PER_MESSAGE
+from broker.service import byte_bound
+from broker.stats import RETRY_AFTER_MAX_MS, RETRY_AFTER_MIN_MS, Stats
 
 if TYPE_CHECKING:
     from broker.core import BrokerSettings, Job
@@ -44,42 +56,36 @@ class Shed:
     retry_after_ms: int | None = None
 
 
-#: Template tokens a chat message may add around its content (role markers,
-#: turn delimiters): Gemma's template uses 4-5.
-CHAT_TOKENS_PER_MESSAGE = 6
-
-
-def byte_bound(req: ClientRequest) -> int:
-    """An upper bound on the prompt's tokens without tokenizing: every token of a
-    byte-level BPE or SentencePiece (byte-fallback) vocabulary covers at least one
-    byte, plus BOS and the chat template's tokens per message."""
-    if req.prompt is not None:
-        return len(req.prompt.encode()) + 1
-    messages = req.messages or ()
-    text = sum(len(content.encode()) for _, content in messages)
-    return text + 1 + CHAT_TOKENS_PER_MESSAGE * len(messages)
-
-
 class AdmissionGate:
     """One FIFO per priority, per-client in-flight counts and the pressure level.
 
     Args:
-        settings: ``max_queue`` (0 = 8 per pool slot), ``max_in_flight_per_client``.
-        stats: the broker's service-time estimate, used for ``retry_after_ms``
-            and for refusing requests that could not start before their deadline.
+        settings: ``max_queue`` (0 = 8 per pool slot), ``max_in_flight_per_client``,
+            ``service_estimate``, ``default_max_tokens``.
+        stats: the broker's service-time estimates, used for ``retry_after_ms``
+            and for refusing requests that could not meet their deadline.
+        jobs: the broker's job table (references): the running requests whose
+            remaining work delays a new one.
         count_tokens: prompt tokens of a request, or None to skip the size check
             (workers still refuse prompts that do not fit with 413).
     """
 
     def __init__(
-        self, settings: BrokerSettings, stats: Stats, count_tokens: TokenCounter | None = None
+        self,
+        settings: BrokerSettings,
+        stats: Stats,
+        jobs: JobTable,
+        count_tokens: TokenCounter | None = None,
     ) -> None:
         self.settings = settings
         self.stats = stats
+        self.jobs = jobs
         self.count_tokens = count_tokens
         self.pressure = "ok"
         self._queues: dict[str, OrderedDict[int, Job]] = {p: OrderedDict() for p in PRIORITIES}
         self._per_client: dict[bytes, int] = {}
+        # The size check's exact count of the request it last saw, for its job.
+        self._counted: tuple[ClientRequest, int] | None = None
 
     # ------------------------------------------------------------------ queue
 
@@ -93,6 +99,8 @@ class AdmissionGate:
 
     def push(self, job: Job, *, front: bool = False) -> None:
         """Queue ``job``; ``front`` puts it first in its class (a re-dispatch)."""
+        if job.prompt_tokens is None:
+            job.prompt_tokens = self._prompt_tokens(job.req, job.kind)
         queue = self._queues[job.req.priority]
         queue[job.rid] = job
         if front:
@@ -141,6 +149,7 @@ class AdmissionGate:
         slots: int,
         free: int,
         deadline_s: float,
+        now: float,
         kind: str = "llm",
     ) -> Shed | Job | None:
         """Decide on a new request.
@@ -150,6 +159,7 @@ class AdmissionGate:
             n_ctx: the smallest context (tokens) among workers that could serve it.
             slots: sequences the pool runs at once; ``free``: of them idle now.
             deadline_s: the request's budget in seconds.
+            now: the broker's clock (s), for the work left on running requests.
             kind: the engine it is routed to; the rule engine needs neither a
                 context nor memory worth protecting, so size and pressure do not
                 apply to it.
@@ -160,49 +170,133 @@ class AdmissionGate:
             which the request is admitted.
         """
         if kind == "llm":
-            shed = self._size(req, n_ctx) or self._pressure(req, slots)
+            shed = self._size(req, n_ctx) or self._pressure(req, slots, now)
             if shed is not None:
                 return shed
         evict: Job | None = None
         if len(self) >= self.queue_bound(slots):
             evict = self._eviction_victim(req.priority)
             if evict is None:
-                return self._shed_queue_full(slots)
+                return self._shed_queue_full(slots, now)
         if self._per_client.get(client, 0) >= self.settings.max_in_flight_per_client:
             return Shed(
                 ErrorCode.OVERLOADED,
                 "client_cap",
                 f"{self.settings.max_in_flight_per_client} requests of this client are "
                 "already in flight",
-                self.retry_after(slots),
+                self.retry_after(slots, now),
             )
-        wait_s = self.expected_wait_s(req.priority, slots, free, kind)
+        wait_s = self.expected_wait_s(req.priority, slots, free, now, kind)
+        # Sized, a request must finish in time; by the mean, start in time (as before).
+        own_s = self._service_s(req, None, kind)
         # Without workers or a measured service time there is no basis to refuse.
-        if slots and self.stats.samples_of(kind) and wait_s > deadline_s:
-            return Shed(
-                ErrorCode.UNAVAILABLE,
-                "deadline_unmeetable",
-                f"expected wait {wait_s * 1000:.0f} ms exceeds the {deadline_s * 1000:.0f}"
-                " ms budget",
-                self.retry_after(slots),
-            )
+        if slots and self.stats.samples_of(kind) and wait_s + own_s > deadline_s:
+            return self._shed_deadline(wait_s, own_s, deadline_s, slots, now, kind)
         return evict
 
-    def expected_wait_s(self, priority: str, slots: int, free: int, kind: str = "llm") -> float:
-        """Seconds until a new request of ``priority`` for ``kind``'s workers would
-        start (Little's law over the requests queued ahead of it for the same kind)."""
-        ahead = 0
-        for p in PRIORITIES:
-            ahead += sum(1 for j in self._queues[p].values() if j.kind == kind)
-            if p == priority:
-                break
-        if free > ahead:
-            return 0.0
-        return (ahead - free + 1) / max(1, slots) * self.stats.service_time(kind)
+    def expected_wait_s(
+        self, priority: str, slots: int, free: int, now: float, kind: str = "llm"
+    ) -> float:
+        """Seconds until a new request of ``priority`` for ``kind``'s workers would start.
 
-    def retry_after(self, slots: int) -> int:
-        """Advice for a shed client, from the live service time and the queue."""
-        return self.stats.retry_after_ms(len(self), slots)
+        Sized: the requests queued ahead of it (its class and those above, same
+        kind) are played forward on the slots — each starts on the slot that
+        frees first, the running requests' slots after their predicted remaining
+        work, the ``free`` ones at once. By the mean (before any measurement):
+        ``(ahead - free + 1) / slots`` mean service times (Little's law).
+        """
+        ahead = [
+            j
+            for p in PRIORITIES[: PRIORITIES.index(priority) + 1]
+            for j in self._queues[p].values()
+            if j.kind == kind
+        ]
+        if free > len(ahead):
+            return 0.0
+        if not self._sized(kind):
+            return (len(ahead) - free + 1) / max(1, slots) * self.stats.service_time(kind)
+        return self._play(ahead, free, now, kind)
+
+    def retry_after(self, slots: int, now: float, kind: str = "llm") -> int:
+        """Advice for a shed client (ms, clamped): when a request queued last for
+        ``kind`` would start, by the same estimate as the deadline check (the mean
+        one: ``Stats.retry_after_ms`` over the whole queue)."""
+        if not self._sized(kind):
+            return self.stats.retry_after_ms(len(self), slots)
+        queued = [j for j in self if j.kind == kind]
+        idle = max(0, slots - len(self._running(kind)))
+        estimate = self._play(queued, idle, now, kind) * 1000
+        return int(min(RETRY_AFTER_MAX_MS, max(RETRY_AFTER_MIN_MS, estimate)))
+
+    # ------------------------------------------------------------------ estimates
+
+    def _sized(self, kind: str) -> bool:
+        """Whether ``kind``'s requests are estimated by size (else by the mean)."""
+        return self.settings.service_estimate == "size" and self.stats.sizes.ready(kind)
+
+    def _prompt_tokens(self, req: ClientRequest, kind: str) -> float | None:
+        """The size check's exact count of ``req`` if it made one, else, when sized,
+        the estimate from its bytes; None if neither."""
+        if self._counted is not None and self._counted[0] is req:
+            return self._counted[1]
+        return self.stats.sizes.prompt_tokens(kind, req) if self._sized(kind) else None
+
+    def _service_s(self, req: ClientRequest, tokens: float | None, kind: str) -> float:
+        """Predicted service (s) of ``req`` with ``tokens`` prompt tokens (None: count
+        or estimate them); 0.0 when not sized (the mean asks only when it starts)."""
+        if not self._sized(kind):
+            return 0.0
+        if tokens is None:
+            tokens = self._prompt_tokens(req, kind) or 0.0
+        max_tokens = req.max_tokens or self.settings.default_max_tokens
+        return self.stats.sizes.predict_s(kind, tokens, max_tokens)
+
+    def _job_service_s(self, job: Job) -> float:
+        if job.prompt_tokens is None:  # queued before the first measurement
+            job.prompt_tokens = self._prompt_tokens(job.req, job.kind)
+        return self._service_s(job.req, job.prompt_tokens, job.kind)
+
+    def _running(self, kind: str) -> list[Job]:
+        """``kind``'s jobs holding a slot (a cancelled one until its worker acks)."""
+        return [
+            j
+            for j in self.jobs
+            if j.kind == kind and j.worker is not None and j.dispatched_at is not None
+        ]
+
+    def _play(self, ahead: list[Job], free: int, now: float, kind: str) -> float:
+        """Seconds until a slot is free for a request queued after ``ahead``: list
+        scheduling of ``ahead`` (in dispatch order) on the slots, which free up
+        when a running request's predicted work is done (at once if answered:
+        its cancel ack is due) or now (``free`` of them)."""
+        slots = [0.0] * free
+        for job in self._running(kind):
+            started = now if job.dispatched_at is None else job.dispatched_at
+            left = 0.0 if job.replied else self._job_service_s(job) - (now - started)
+            slots.append(max(0.0, left))
+        if not slots:
+            return 0.0  # no slot at all: nothing to wait for that can be estimated
+        heapq.heapify(slots)
+        for job in ahead:
+            heapq.heapreplace(slots, slots[0] + self._job_service_s(job))
+        return slots[0]
+
+    def _shed_deadline(
+        self, wait_s: float, own_s: float, deadline_s: float, slots: int, now: float, kind: str
+    ) -> Shed:
+        budget = f"the {deadline_s * 1000:.0f} ms budget"
+        if own_s > deadline_s:  # even an idle pool could not: retrying cannot help
+            message = f"expected service {own_s * 1000:.0f} ms alone exceeds {budget}"
+            return Shed(ErrorCode.UNAVAILABLE, "deadline_unmeetable", message)
+        message = f"expected wait {wait_s * 1000:.0f} ms"
+        if own_s:
+            message += f" + service {own_s * 1000:.0f} ms"
+        return Shed(
+            ErrorCode.UNAVAILABLE,
+            "deadline_unmeetable",
+            f"{message} exceeds {budget}",
+            self.retry_after(slots, now, kind),
+        )
 
     def _size(self, req: ClientRequest, n_ctx: int | None) -> Shed | None:
         if self.count_tokens is None or n_ctx is None:
@@ -211,6 +305,7 @@ class AdmissionGate:
         if byte_bound(req) + max_tokens <= n_ctx:
             return None  # fits for sure: skip tokenizing (milliseconds on the loop)
         prompt = self.count_tokens(req)
+        self._counted = (req, prompt)
         wanted = prompt + max_tokens
         if wanted <= n_ctx:
             return None
@@ -221,7 +316,7 @@ class AdmissionGate:
             f"context of {n_ctx} tokens",
         )
 
-    def _pressure(self, req: ClientRequest, slots: int) -> Shed | None:
+    def _pressure(self, req: ClientRequest, slots: int, now: float) -> Shed | None:
         refused = (self.pressure == "high" and req.priority == "sheddable") or (
             self.pressure == "critical" and req.priority != "critical"
         )
@@ -231,7 +326,7 @@ class AdmissionGate:
             ErrorCode.UNAVAILABLE,
             "memory_pressure",
             f"memory pressure is {self.pressure}: {req.priority} work is shed",
-            self.retry_after(slots),
+            self.retry_after(slots, now),
         )
 
     def _eviction_victim(self, priority: str) -> Job | None:
@@ -242,12 +337,12 @@ class AdmissionGate:
                 return next(reversed(self._queues[p].values()))
         return None
 
-    def _shed_queue_full(self, slots: int) -> Shed:
+    def _shed_queue_full(self, slots: int, now: float) -> Shed:
         return Shed(
             ErrorCode.UNAVAILABLE,
             "queue_full",
             f"queue is full ({self.queue_bound(slots)} waiting)",
-            self.retry_after(slots),
+            self.retry_after(slots, now),
         )
 
     def shed_for_pressure(self) -> list[Job]:

@@ -196,7 +196,8 @@ class WorkerConversation:
     def _reply_final(self, job: Job, worker: WorkerState, body: dict[str, Any], now: float) -> None:
         reply, outcome = final_reply(job, worker.kind, worker.worker_id, body, now)
         if outcome == "ok" and job.dispatched_at is not None:
-            self.stats.observe_service(now - job.dispatched_at, job.kind)
+            max_tokens = job.req.max_tokens or self.settings.default_max_tokens
+            self.stats.observe_final(job, body.get("usage"), now, max_tokens)
         self.stats.count(outcome)
         self.owner.answer(job, reply, now)
 

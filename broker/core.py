@@ -64,13 +64,13 @@ class Broker:
         self.settings = settings
         self.workers = WorkerRegistry()
         self.stats = Stats()
-        self.gate = AdmissionGate(settings, self.stats, count_tokens)
+        self.jobs = JobTable()
+        self.gate = AdmissionGate(settings, self.stats, self.jobs, count_tokens)
         self.router = Router(routing, breaker)
         self.to_clients: list[list[bytes]] = []
         self.to_workers: list[list[bytes]] = []
         self.events: list[WorkerEvent] = []
         self._status_hook = status_hook
-        self.jobs = JobTable()
         self.draining = False
         self.backend = WorkerConversation(
             settings,
@@ -131,18 +131,18 @@ class Broker:
         timeout_ms = min(
             req.timeout_ms or self.settings.default_timeout_ms, self.settings.max_timeout_ms
         )
-        route = self.router.route(req, self._pool_view(req), now)
+        route = self.router.route(req, self._pool_view(req, now), now)
         if isinstance(route, Shed):
             self._refuse(identity, req.id, route)
             return
-        decision = self._admit(identity, req, route, timeout_ms / 1000)
+        decision = self._admit(identity, req, route, timeout_ms / 1000, now)
         if isinstance(decision, Shed) and route.hedge:
             # The model cannot take it at all (too large for it, or too late): then the
             # rules answer, whatever they say, as for the model's failures.
             if route.permit is not None:
                 self.router.breaker.release(route.permit, now)
             route = Route("rules", degraded="latency_budget")
-            decision = self._admit(identity, req, route, timeout_ms / 1000)
+            decision = self._admit(identity, req, route, timeout_ms / 1000, now)
         if isinstance(decision, Shed):
             if route.permit is not None:
                 self.router.breaker.release(route.permit, now)
@@ -168,7 +168,7 @@ class Broker:
         self.backend.dispatch(now)
 
     def _admit(
-        self, identity: bytes, req: ClientRequest, route: Route, timeout_s: float
+        self, identity: bytes, req: ClientRequest, route: Route, timeout_s: float, now: float
     ) -> Shed | Job | None:
         """The admission gate's verdict on ``req`` for ``route``'s workers."""
         return self.gate.check(
@@ -178,6 +178,7 @@ class Broker:
             self.workers.slots(route.kind),
             self.backend.free_credit(route.kind),
             timeout_s,
+            now,
             route.kind,
         )
 
@@ -186,7 +187,7 @@ class Broker:
     ) -> Job:
         return self.jobs.new(client, req, now, deadline, kind)
 
-    def _pool_view(self, req: ClientRequest) -> PoolView:
+    def _pool_view(self, req: ClientRequest, now: float) -> PoolView:
         llm = self.workers.of_kind("llm")
         slots = sum(w.slots for w in llm)
         free = self.backend.free_credit("llm")
@@ -194,7 +195,7 @@ class Broker:
             llm_workers=len(llm),
             llm_free=free,
             rules_workers=len(self.workers.of_kind("rules")),
-            llm_wait_s=self.gate.expected_wait_s(req.priority, slots, free),
+            llm_wait_s=self.gate.expected_wait_s(req.priority, slots, free, now),
             pressure=self.gate.pressure,
         )
 
@@ -227,7 +228,7 @@ class Broker:
     def _shed_job(self, job: Job, message: str, reason: str, now: float) -> None:
         """Answer an admitted job 503 now (pressure, eviction) and cancel it if running."""
         self.stats.count(f"shed_{reason}")
-        retry = self.gate.retry_after(self.workers.total_slots())
+        retry = self.gate.retry_after(self.workers.slots(job.kind), now, job.kind)
         self._finish_early(
             job, ErrorCode.UNAVAILABLE, message, now, reason=reason, retry_after_ms=retry
         )

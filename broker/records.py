@@ -10,7 +10,11 @@ from dataclasses import dataclass, field
 
 from broker import protocol as p
 from broker.breaker import Permit
+from broker.errors import ConfigError
 from broker.protocol import ClientRequest
+
+#: ``BrokerSettings.service_estimate`` values.
+SERVICE_ESTIMATES = ("size", "mean")
 
 
 @dataclass(frozen=True)
@@ -23,7 +27,10 @@ class BrokerSettings:
     ``cancel_grace_ms`` is how long a cancelled worker has to ack before it is
     treated as hung. ``max_queue`` bounds waiting requests (0 = 8 per pool
     slot); ``max_in_flight_per_client`` caps one client's queued + running
-    requests (429 above it).
+    requests (429 above it). ``service_estimate`` is how admission predicts
+    service times: ``size`` (each request from its prompt tokens and
+    ``max_tokens``, ``broker.service``) or ``mean`` (one mean per engine, the
+    estimator before it; kept for benchmarks that compare the two).
     """
 
     max_body_bytes: int = p.DEFAULT_MAX_BODY_BYTES
@@ -36,6 +43,14 @@ class BrokerSettings:
     stall_timeout_ms: int = 15_000
     cancel_grace_ms: int = 2000
     max_in_flight_per_client: int = 16
+    service_estimate: str = "size"
+
+    def __post_init__(self) -> None:
+        if self.service_estimate not in SERVICE_ESTIMATES:
+            raise ConfigError(
+                f"broker.service_estimate must be one of {', '.join(SERVICE_ESTIMATES)}, "
+                f"got {self.service_estimate!r}"
+            )
 
 
 @dataclass
@@ -50,6 +65,8 @@ class Job:
     rules' hedge of the model request ``hedge_of`` (degrade mode's latency
     budget): it answers the client only if a rule matched; ``hedged_by`` is the
     model request's hedge (kept once it ended, so a request is hedged once).
+    ``prompt_tokens`` is the admission gate's count (or estimate) of the
+    prompt, for predicting its service time (None until it is queued).
     """
 
     rid: int
@@ -69,6 +86,7 @@ class Job:
     copy_of: int | None = None
     hedge_of: int | None = None
     hedged_by: int | None = None
+    prompt_tokens: float | None = None
 
 
 @dataclass(frozen=True)

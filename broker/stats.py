@@ -1,8 +1,16 @@
-"""Outcome counters and the live service-time estimate behind ``retry_after_ms``."""
+"""Outcome counters and the live service-time estimates behind admission and
+``retry_after_ms``: a mean per engine kind, and per request from its size
+(``broker.service``)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
+
+from broker.service import ServiceModel
+
+if TYPE_CHECKING:
+    from broker.records import Job
 
 #: Bounds of any ``retry_after_ms`` we advertise: below 50 ms a client would
 #: hammer the node; above 30 s the advice is useless (callers should give up).
@@ -13,7 +21,8 @@ RETRY_AFTER_MAX_MS = 30_000
 class Stats:
     """Counters by outcome and, per engine kind, an EWMA of service time
     (seconds per request): a rule answer (~1 ms) must not dilute the model's
-    (seconds), nor the model's make rule requests look slow."""
+    (seconds), nor the model's make rule requests look slow. ``sizes`` holds
+    the per-token rates that predict one request's service from its size."""
 
     #: EWMA weight of the newest sample (about the last 10 requests dominate).
     ALPHA = 0.2
@@ -23,6 +32,7 @@ class Stats:
         self.initial_service_s = initial_service_s
         self._service: dict[str, float] = {}
         self._samples: Counter[str] = Counter()
+        self.sizes = ServiceModel()
 
     @property
     def service_s(self) -> float:
@@ -58,6 +68,17 @@ class Stats:
             self._service[kind] = seconds  # the first measurement beats the guess
         else:
             self._service[kind] += self.ALPHA * (seconds - self._service[kind])
+
+    def observe_final(self, job: Job, usage: object, now: float, max_tokens: int) -> None:
+        """A successful FINAL of ``job`` (dispatched) at ``now``: its dispatch-to-final
+        time joins the mean; with a first token and the worker's ``usage``, its
+        prefill and decode times teach ``sizes`` (``max_tokens``: the worker's limit)."""
+        assert job.dispatched_at is not None
+        total_s = now - job.dispatched_at
+        self.observe_service(total_s, job.kind)
+        if job.first_token_at is not None:
+            ttft_s = job.first_token_at - job.dispatched_at
+            self.sizes.observe(job.kind, job.req, max_tokens, ttft_s, total_s, usage)
 
     def retry_after_ms(self, queued: int, slots: int, kind: str = "llm") -> int:
         """Time until the queue ahead would have drained, in ms, clamped.

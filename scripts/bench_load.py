@@ -1,19 +1,35 @@
 #!/usr/bin/env python3
-"""Goodput under overload with the real model (a benchmark, not a test).
+"""Goodput under overload, and a burst of long prompts, with the real model
+(a benchmark, not a test).
 
-Starts a node (2 llama workers) and measures its service rate first (the 1x
-baseline of this run), then offers 1x, 3x and 10x that rate, open-loop, for a
-fixed time each. Prints per level: offered and served requests/s (goodput),
-shed rate, shed-reply latency p99 and admitted queue-time p99; writes a PNG of
-offered load vs goodput and shed rate (needs ``pip install -e '.[bench]'``).
+``overload``: starts a node (2 llama workers, the model only: mode ``full``, no
+rule worker, so every answer is the model's) and measures its service rate
+first (the 1x baseline of this run), then offers 1x, 3x and 10x that rate,
+open-loop, for a fixed time each. Prints per level: offered and served
+requests/s (goodput), shed rate, shed-reply latency p99 and admitted
+queue-time p99; writes a PNG of offered load vs goodput and shed rate (needs
+``pip install -e '.[bench]'``).
 
-Usage: ``python scripts/bench_load.py [--seconds 20] [--png docs/bench/load.png]``.
+``burst``: for each admission estimate (``broker.service_estimate``: ``mean``,
+the one mean service time per engine, vs ``size``, per request from its prompt
+tokens and ``max_tokens``), starts a node, warms it up on short and long
+prompts, then sends 4 short and 12 long prompts at once, all with the same
+budget: the long prompt's service time measured in this run x 2.5 plus the
+short ones' share, so two workers can finish only about 4 of the long ones.
+Prints, per estimate, how many were admitted, how many of those still ended
+in 504 (admitted but doomed: model time nobody could use), refused at once
+(503 ``deadline_unmeetable``) and served.
+
+Usage: ``python scripts/bench_load.py [--seconds 20] [--png docs/bench/load.png]
+[--parts overload,burst] [--estimates mean,size]`` (``default`` as an estimate
+leaves the setting unset: the broker's own default, for runs of older code).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,6 +44,30 @@ from nodeproc import NodeProcess
 
 PROMPT = "Q: Which room has the lights on?\nA:"
 MAX_TOKENS = 16
+#: ~450 tokens of the default model's vocabulary (measured: 452).
+LONG_PROMPT = (
+    "The kitchen sensor reported a temperature of 23 degrees while the hallway light stayed on. "
+    * 25
+    + "\nQ: Which room has the lights on?\nA:"
+)
+MODEL_ONLY = {
+    "workers": {"engine": "llama", "count": 2},
+    "routing": {"mode": "full"},  # degrade mode's rules would answer in ~2 ms
+    "fallback": {"rules": ""},
+}
+
+
+def request(rid: str, prompt: str, timeout_ms: int = 60_000) -> list[bytes]:
+    """The frames of one greedy ``generate`` request."""
+    body = {
+        "id": rid,
+        "op": "generate",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "timeout_ms": timeout_ms,
+    }
+    return [b"", b"EDGE/C1", msgpack.packb(body)]
 
 
 def offer(endpoint: str, rate: float, seconds: float) -> list[dict[str, Any]]:
@@ -52,22 +92,7 @@ def offer(endpoint: str, rate: float, seconds: float) -> list[dict[str, Any]]:
             read(1)
         rid = f"r{n}"
         sent[rid] = time.monotonic()
-        sock.send_multipart(
-            [
-                b"",
-                b"EDGE/C1",
-                msgpack.packb(
-                    {
-                        "id": rid,
-                        "op": "generate",
-                        "prompt": PROMPT,
-                        "max_tokens": MAX_TOKENS,
-                        "temperature": 0.0,
-                        "timeout_ms": 60_000,
-                    }
-                ),
-            ]
-        )
+        sock.send_multipart(request(rid, PROMPT))
         n += 1
     elapsed = time.monotonic() - start
     deadline = time.monotonic() + 120
@@ -126,27 +151,113 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--png", type=Path, default=Path("docs/bench/load.png"))
-    args = parser.parse_args()
-    node = NodeProcess({"workers": {"engine": "llama", "count": 2}, "broker": {"max_queue": 8}})
+def at_once(endpoint: str, batch: list[tuple[str, str]], timeout_ms: int) -> list[dict[str, Any]]:
+    """Send every ``(id, prompt)`` of ``batch`` at once; return the final replies."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    for rid, prompt in batch:
+        sock.send_multipart(request(rid, prompt, timeout_ms))
+    finals: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout_ms / 1000 + 120
+    while len(finals) < len(batch) and time.monotonic() < deadline:
+        if sock.poll(100):
+            body = msgpack.unpackb(sock.recv_multipart()[-1])
+            if body["status"] != "partial":
+                finals.append(body)
+    sock.close(0)
+    return finals
+
+
+def service_ms(reply: dict[str, Any]) -> int:
+    """Dispatch to final reply (ms) of an ``ok`` reply."""
+    assert reply["status"] == "ok", reply
+    return int(reply["total_ms"] - reply["queue_ms"])
+
+
+def burst(estimate: str, budget_ms: int | None) -> dict[str, Any]:
+    """One node with ``estimate``: warm-up, then 4 short + 12 long prompts at once.
+
+    ``budget_ms`` None: derive it from this node's warm-up (the first node of
+    the run), so every estimate faces the same budget.
+    """
+    broker: dict[str, Any] = {"max_queue": 32, "max_in_flight_per_client": 100}
+    if estimate != "default":
+        broker["service_estimate"] = estimate
+    node = NodeProcess({**MODEL_ONLY, "broker": broker})
+    node.start(timeout=120)
+    try:
+        # Learn both sizes: long prompts one at a time, then short ones in pairs.
+        long_ms = [service_ms(r) for r in at_once(node.frontend, [("w-long", LONG_PROMPT)], 60_000)]
+        long_ms += [
+            service_ms(r) for r in at_once(node.frontend, [("w-long2", LONG_PROMPT)], 60_000)
+        ]
+        shorts = [(f"w-short-{i}", PROMPT) for i in range(6)]
+        short_ms = [service_ms(r) for r in at_once(node.frontend, shorts, 60_000)]
+        if budget_ms is None:
+            # 4 short ones on 2 workers, then 2.5 rounds of 2 long ones: ~4 long fit.
+            budget_ms = int(2 * statistics.median(short_ms) + 2.5 * statistics.median(long_ms))
+        batch = [(f"short-{i}", PROMPT) for i in range(4)]
+        batch += [(f"long-{i}", LONG_PROMPT) for i in range(12)]
+        finals = at_once(node.frontend, batch, budget_ms)
+        counters = node.status()["counters"]
+    finally:
+        node.cleanup()
+    refused = [r for r in finals if r.get("reason") == "deadline_unmeetable"]
+    admitted = [r for r in finals if r not in refused]
+    missed = [r for r in admitted if r["status"] == "error" and r["code"] == 504]
+    ok = [r for r in admitted if r["status"] == "ok"]
+    return {
+        "estimate": estimate,
+        "budget_ms": budget_ms,
+        "short_ms": int(statistics.median(short_ms)),
+        "long_ms": int(statistics.median(long_ms)),
+        "sent": len(batch),
+        "answered": len(finals),
+        "admitted": len(admitted),
+        "admitted_504": len(missed),
+        "admitted_504_share": round(len(missed) / max(1, len(admitted)), 3),
+        "refused_503": len(refused),
+        "ok": len(ok),
+        "ok_long": sum(r["id"].startswith("long") for r in ok),
+        "other_errors": sorted(
+            {r.get("reason", r["code"]) for r in admitted if r not in ok + missed}
+        ),
+        "deadline_exceeded_counter": counters.get("deadline_exceeded", 0),
+    }
+
+
+def print_burst(rows: list[dict[str, Any]]) -> None:
+    first = rows[0]
+    print(
+        f"long-prompt burst: 4 short + 12 long prompts at once, budget {first['budget_ms']} ms "
+        f"(service measured: short {first['short_ms']} ms, long {first['long_ms']} ms)"
+    )
+    print(
+        f"{'estimate':<9} {'admitted':>8} {'504':>4} {'504 share':>10} {'503 now':>8} "
+        f"{'ok':>4} {'ok long':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r['estimate']:<9} {r['admitted']:>8} {r['admitted_504']:>4} "
+            f"{r['admitted_504_share']:>10} {r['refused_503']:>8} {r['ok']:>4} {r['ok_long']:>8}"
+        )
+    print(json.dumps(rows))
+
+
+def overload(seconds: float, png: Path) -> None:
+    """Goodput, shed rate and latencies at 1x, 3x and 10x the measured service rate."""
+    node = NodeProcess({**MODEL_ONLY, "broker": {"max_queue": 8}})
     node.start(timeout=120)
     try:
         # Baseline of this run: closed-loop service rate with both workers busy.
         warm = offer(node.frontend, 2.0, 5.0)
-        service_s = (
-            sorted(r["total_ms"] - r["queue_ms"] for r in warm if r["status"] == "ok")[
-                len(warm) // 2
-            ]
-            / 1000
-        )
+        service_s = statistics.median(service_ms(r) for r in warm if r["status"] == "ok") / 1000
         capacity = 2 / service_s
         rows = []
         for level, factor in (("1x", 1.0), ("3x", 3.0), ("10x", 10.0)):
             rate = capacity * factor
-            rows.append(summarize(level, rate, offer(node.frontend, rate, args.seconds)))
+            rows.append(summarize(level, rate, offer(node.frontend, rate, seconds)))
     finally:
         node.cleanup()
     print(f"service time {service_s * 1000:.0f} ms per request -> capacity {capacity:.2f} req/s")
@@ -161,10 +272,27 @@ def main() -> None:
         )
     print(json.dumps(rows))
     try:
-        plot(rows, args.png)
-        print(f"plot: {args.png}")
+        plot(rows, png)
+        print(f"plot: {png}")
     except ImportError:
         print("matplotlib not installed: pip install -e '.[bench]' for the plot")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--png", type=Path, default=Path("docs/bench/load.png"))
+    parser.add_argument("--parts", default="overload,burst")
+    parser.add_argument("--estimates", default="mean,size")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    if "burst" in parts:
+        rows: list[dict[str, Any]] = []
+        for estimate in args.estimates.split(","):
+            rows.append(burst(estimate, rows[0]["budget_ms"] if rows else None))
+        print_burst(rows)
+    if "overload" in parts:
+        overload(args.seconds, args.png)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 Each request takes ~6 tokens x 10 ms on one of 2 workers: capacity ~30 req/s.
 The test offers ~10x that for a bounded time and checks the gate's promises.
+A burst of long prompts checks that admission weighs each request's size.
 """
 
 from __future__ import annotations
@@ -90,3 +91,57 @@ def test_flood_at_ten_times_capacity(make_node: NodeFactory) -> None:
     status = node.status()
     assert status["queue_depth"] == 0 and status["in_flight"] == 0 and status["credit"] == SLOTS
     assert status["counters"]["shed_queue_full"] >= len(shed)  # the warm-up shed some too
+
+
+#: The test engine evaluates these prompts at 2 ms per word before its first
+#: token (``!prefill``), then writes 4 tokens at 10 ms: ~55 ms and ~0.45 s.
+SHORT_PROMPT = "!prefill 2 turn the kitchen lights on"
+LONG_PROMPT = "!prefill 2 " + "lamp " * 200
+BURST_BUDGET_MS = 1200
+
+
+def long_prompt_burst(node: NodeProcess) -> tuple[int, int, int]:
+    """Warm up on one long and eight short prompts, then send 4 short and 10 long
+    ones at once with a 1.2 s budget: two workers finish only about 4 of the
+    long ones in time. Returns (admitted, admitted but 504, long ones served)."""
+    col = Collector(node.frontend)
+    try:
+        col.send(id="warm-long", op="generate", prompt=LONG_PROMPT, max_tokens=4)
+        col.collect(timeout=10, linger=0)
+        for i in range(8):
+            col.send(id=f"warm-{i}", op="generate", prompt=SHORT_PROMPT, max_tokens=4)
+        col.collect(timeout=10, linger=0)
+        burst = [(f"short-{i}", SHORT_PROMPT) for i in range(4)]
+        burst += [(f"long-{i}", LONG_PROMPT) for i in range(10)]
+        for rid, prompt in burst:
+            col.send(id=rid, op="generate", prompt=prompt, max_tokens=4, timeout_ms=BURST_BUDGET_MS)
+        col.collect(timeout=15, linger=0.3)
+        col.assert_exactly_one_final_each()
+        finals = [col.final(rid) for rid, _ in burst]
+    finally:
+        col.close()
+    refused = [r for r in finals if r.get("reason") == "deadline_unmeetable"]
+    missed = [r for r in finals if r["status"] == "error" and r["code"] == 504]
+    assert len(refused) + len(missed) + sum(r["status"] == "ok" for r in finals) == len(finals)
+    served_long = sum(r["status"] == "ok" and r["id"].startswith("long") for r in finals)
+    return len(finals) - len(refused), len(missed), served_long
+
+
+def test_a_long_prompt_burst_ends_in_504_far_less_often_when_sized(
+    make_node: NodeFactory,
+) -> None:
+    """The mean service time (mostly short requests) lets the whole burst in and
+    about half the long prompts expire; sized by prompt and max_tokens, the
+    broker refuses those up front (503) and still serves what fits."""
+    share = {}
+    served = {}
+    for estimate in ("mean", "size"):
+        node = make_node(
+            broker={"max_queue": 32, "max_in_flight_per_client": 100, "service_estimate": estimate}
+        )
+        admitted, missed, served[estimate] = long_prompt_burst(node)
+        share[estimate] = missed / admitted
+        node.stop()
+    assert share["mean"] >= 0.25, share  # the defect: admitted, then 504
+    assert share["size"] <= share["mean"] / 3, share
+    assert served["size"] >= 2, served  # not by refusing everything long

@@ -1,0 +1,95 @@
+"""The per-request service model: what finished requests teach, what it predicts."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker.errors import ConfigError
+from broker.protocol import ClientRequest
+from broker.records import BrokerSettings
+from broker.service import Ratio, ServiceModel, byte_bound
+
+
+def req(prompt: str, max_tokens: int | None = None) -> ClientRequest:
+    return ClientRequest(id=1, op="generate", prompt=prompt, max_tokens=max_tokens)
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion}
+
+
+def test_nothing_is_predicted_before_a_measured_request() -> None:
+    model = ServiceModel()
+    assert not model.ready("llm")
+    assert model.prompt_tokens("llm", req("hello")) is None
+    assert model.snapshot("llm") is None
+
+
+def test_prefill_and_decode_are_split_at_the_first_token() -> None:
+    model = ServiceModel()
+    # 100 prompt tokens at 2 ms, then 5 tokens at 20 ms: the first token
+    # arrives after the prefill and one decode step (0.2 + 0.02 s).
+    assert model.observe("llm", req("w" * 399), 8, 0.22, 0.30, usage(100, 5))
+    snap = model.snapshot("llm")
+    assert snap == {
+        "prefill_ms_per_token": 2.0,
+        "decode_ms_per_token": 20.0,
+        "tokens_per_byte": 0.25,  # 100 tokens over byte_bound 400
+        "completion_share": 0.625,  # 5 of 8 allowed
+    }
+    # 800 bytes -> ~200 tokens; 16 allowed x 0.625 = 10 expected tokens.
+    tokens = model.prompt_tokens("llm", req("w" * 799))
+    assert tokens == pytest.approx(200)
+    assert model.predict_s("llm", 200, 16) == pytest.approx(0.4 + 0.2)
+
+
+def test_long_prompts_weigh_more_than_short_ones() -> None:
+    """Ratio of sums: a short prompt's fixed overhead barely moves the rate
+    learned from a long one (an EWMA of per-request rates would give 1.4 ms)."""
+    model = ServiceModel()
+    model.observe("llm", req("w" * 999), 1, 1.0, 1.0, usage(1000, 1))  # 1 ms/token
+    model.observe("llm", req("w" * 9), 1, 0.03, 0.03, usage(10, 1))  # 3 ms/token, overhead
+    snap = model.snapshot("llm")
+    # (1.0 + 0.2 x (0.03 - 1.0)) s / (1000 + 0.2 x (10 - 1000)) tokens
+    assert snap is not None and snap["prefill_ms_per_token"] == pytest.approx(1.005, abs=1e-3)
+
+
+def test_samples_without_size_teach_nothing() -> None:
+    model = ServiceModel()
+    # The rule engine reports zero tokens; a worker may omit usage.
+    assert not model.observe("rules", req("hi"), 16, 0.001, 0.001, usage(0, 0))
+    assert not model.observe("llm", req("hi"), 16, 0.1, 0.2, None)
+    assert not model.observe("llm", req("hi"), 16, 0.1, 0.2, {"prompt_tokens": True})
+    assert not model.ready("rules") and not model.ready("llm")
+
+
+def test_engines_are_kept_apart() -> None:
+    model = ServiceModel()
+    model.observe("llm", req("w" * 99), 4, 0.5, 0.8, usage(100, 4))
+    assert model.ready("llm") and not model.ready("rules")
+
+
+def test_a_one_token_answer_leaves_decode_unmeasured() -> None:
+    model = ServiceModel()
+    model.observe("llm", req("w" * 99), 1, 0.2, 0.2, usage(100, 1))
+    snap = model.snapshot("llm")
+    assert snap is not None and snap["decode_ms_per_token"] == 0.0
+    assert snap["prefill_ms_per_token"] == 2.0  # includes its one decode step
+
+
+def test_ratio_is_an_ewma_of_sums() -> None:
+    ratio = Ratio()
+    assert ratio.value == 0.0
+    ratio.add(10.0, 5.0)
+    ratio.add(0.0, 5.0)  # 10 - 0.2 x 10 = 8 over 5 - 0 = 5
+    assert (ratio.value, ratio.samples) == (pytest.approx(1.6), 2)
+
+
+def test_byte_bound_counts_chat_template_tokens() -> None:
+    chat = ClientRequest(id=1, op="chat", messages=(("user", "héllo"), ("user", "x")))
+    assert byte_bound(chat) == 6 + 1 + 1 + 2 * 6
+
+
+def test_unknown_service_estimate_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="service_estimate"):
+        BrokerSettings(service_estimate="median")
