@@ -19,6 +19,10 @@ about the model. Each rate is an exponentially weighted *ratio of sums* (time
 over tokens, like llama.cpp's "ms per token"), so long prompts, which carry
 the signal, weigh more than short ones, whose time is mostly fixed overhead.
 
+The rates are effective ones: llama-cpp-python reuses the KV cache of the
+previous prompt's common prefix on the same worker, so traffic that repeats a
+long prefix teaches a lower prefill rate per (reported) prompt token.
+
 Two more ratios turn a request into tokens without tokenizing it on the
 broker's loop (~1.6 ms for 2 KB with the default model's vocabulary): prompt
 tokens per byte of ``byte_bound`` (the exact count is used when the 413 check
@@ -36,7 +40,8 @@ from broker.protocol import ClientRequest
 #: turn delimiters): Gemma's template uses 4-5.
 CHAT_TOKENS_PER_MESSAGE = 6
 
-#: EWMA weight of the newest sample, as ``broker.stats.Stats.ALPHA``.
+#: Weight lost per newer sample, as ``broker.stats.Stats.ALPHA``: about the
+#: last 10 requests count.
 ALPHA = 0.2
 
 
@@ -53,19 +58,18 @@ def byte_bound(req: ClientRequest) -> int:
 
 @dataclass
 class Ratio:
-    """``num / den`` over recent samples: each sum is an EWMA (weight ``ALPHA``)."""
+    """``num / den`` over recent samples: both sums decay by ``1 - ALPHA`` per new
+    sample. Every sample starts with the same weight (the first one too: the
+    first request after a start is often slow, its weights still being paged in)."""
 
     num: float = 0.0
     den: float = 0.0
     samples: int = 0
 
     def add(self, num: float, den: float) -> None:
-        """Fold in one sample (the first replaces the empty start)."""
-        if self.samples == 0:
-            self.num, self.den = num, den
-        else:
-            self.num += ALPHA * (num - self.num)
-            self.den += ALPHA * (den - self.den)
+        """Fold in one sample."""
+        self.num = (1 - ALPHA) * self.num + num
+        self.den = (1 - ALPHA) * self.den + den
         self.samples += 1
 
     @property

@@ -12,13 +12,16 @@ queue-time p99; writes a PNG of offered load vs goodput and shed rate (needs
 
 ``burst``: for each admission estimate (``broker.service_estimate``: ``mean``,
 the one mean service time per engine, vs ``size``, per request from its prompt
-tokens and ``max_tokens``), starts a node, warms it up on short and long
-prompts, then sends 4 short and 12 long prompts at once, all with the same
+tokens and ``max_tokens``), starts a node, warms it up on long and short
+prompts with both workers busy, then sends 4 short and 12 long prompts at once, all with the same
 budget: the long prompt's service time measured in this run x 2.5 plus the
 short ones' share, so two workers can finish only about 4 of the long ones.
+Every prompt starts with its own id: llama-cpp-python would otherwise reuse
+the previous prompt's KV cache and make repeated prompts nearly free.
 Prints, per estimate, how many were admitted, how many of those still ended
 in 504 (admitted but doomed: model time nobody could use), refused at once
-(503 ``deadline_unmeetable``) and served.
+(503 ``deadline_unmeetable``) and served, the long prompts' service time in
+the burst, and the first refusal's message (the estimate's numbers).
 
 Usage: ``python scripts/bench_load.py [--seconds 20] [--png docs/bench/load.png]
 [--parts overload,burst] [--estimates mean,size]`` (``default`` as an estimate
@@ -169,6 +172,13 @@ def at_once(endpoint: str, batch: list[tuple[str, str]], timeout_ms: int) -> lis
     return finals
 
 
+def unique(rid: str, prompt: str) -> tuple[str, str]:
+    """``(rid, prompt)`` with the prompt made unique from its first token on:
+    llama-cpp-python reuses the KV cache of a prefix shared with the previous
+    prompt on the same worker, which would make repeated prompts nearly free."""
+    return rid, f"[{rid}] {prompt}"
+
+
 def service_ms(reply: dict[str, Any]) -> int:
     """Dispatch to final reply (ms) of an ``ok`` reply."""
     assert reply["status"] == "ok", reply
@@ -187,18 +197,21 @@ def burst(estimate: str, budget_ms: int | None) -> dict[str, Any]:
     node = NodeProcess({**MODEL_ONLY, "broker": broker})
     node.start(timeout=120)
     try:
-        # Learn both sizes: long prompts one at a time, then short ones in pairs.
-        long_ms = [service_ms(r) for r in at_once(node.frontend, [("w-long", LONG_PROMPT)], 60_000)]
-        long_ms += [
-            service_ms(r) for r in at_once(node.frontend, [("w-long2", LONG_PROMPT)], 60_000)
-        ]
-        shorts = [(f"w-short-{i}", PROMPT) for i in range(6)]
+        # Each worker's first request is slow (weights paged in): not a measurement.
+        at_once(node.frontend, [unique("cold-0", PROMPT), unique("cold-1", PROMPT)], 60_000)
+        # Learn both sizes with both workers busy, as in the burst (on 2 cores the
+        # workers slow each other down): long prompts in pairs, then short ones.
+        long_ms = []
+        for i in range(2):
+            pair = [unique(f"w-long-{i}{j}", LONG_PROMPT) for j in "ab"]
+            long_ms += map(service_ms, at_once(node.frontend, pair, 60_000))
+        shorts = [unique(f"w-short-{i}", PROMPT) for i in range(6)]
         short_ms = [service_ms(r) for r in at_once(node.frontend, shorts, 60_000)]
         if budget_ms is None:
             # 4 short ones on 2 workers, then 2.5 rounds of 2 long ones: ~4 long fit.
             budget_ms = int(2 * statistics.median(short_ms) + 2.5 * statistics.median(long_ms))
-        batch = [(f"short-{i}", PROMPT) for i in range(4)]
-        batch += [(f"long-{i}", LONG_PROMPT) for i in range(12)]
+        batch = [unique(f"short-{i}", PROMPT) for i in range(4)]
+        batch += [unique(f"long-{i}", LONG_PROMPT) for i in range(12)]
         finals = at_once(node.frontend, batch, budget_ms)
         counters = node.status()["counters"]
     finally:
@@ -207,11 +220,14 @@ def burst(estimate: str, budget_ms: int | None) -> dict[str, Any]:
     admitted = [r for r in finals if r not in refused]
     missed = [r for r in admitted if r["status"] == "error" and r["code"] == 504]
     ok = [r for r in admitted if r["status"] == "ok"]
+    ok_long = [r for r in ok if r["id"].startswith("long")]
     return {
         "estimate": estimate,
         "budget_ms": budget_ms,
         "short_ms": int(statistics.median(short_ms)),
         "long_ms": int(statistics.median(long_ms)),
+        "burst_long_ms": int(statistics.median(map(service_ms, ok_long))) if ok_long else None,
+        "refusal": refused[0]["message"] if refused else "",
         "sent": len(batch),
         "answered": len(finals),
         "admitted": len(admitted),
@@ -219,7 +235,7 @@ def burst(estimate: str, budget_ms: int | None) -> dict[str, Any]:
         "admitted_504_share": round(len(missed) / max(1, len(admitted)), 3),
         "refused_503": len(refused),
         "ok": len(ok),
-        "ok_long": sum(r["id"].startswith("long") for r in ok),
+        "ok_long": len(ok_long),
         "other_errors": sorted(
             {r.get("reason", r["code"]) for r in admitted if r not in ok + missed}
         ),
@@ -235,13 +251,17 @@ def print_burst(rows: list[dict[str, Any]]) -> None:
     )
     print(
         f"{'estimate':<9} {'admitted':>8} {'504':>4} {'504 share':>10} {'503 now':>8} "
-        f"{'ok':>4} {'ok long':>8}"
+        f"{'ok':>4} {'ok long':>8} {'long ms in burst':>17}"
     )
     for r in rows:
         print(
             f"{r['estimate']:<9} {r['admitted']:>8} {r['admitted_504']:>4} "
-            f"{r['admitted_504_share']:>10} {r['refused_503']:>8} {r['ok']:>4} {r['ok_long']:>8}"
+            f"{r['admitted_504_share']:>10} {r['refused_503']:>8} {r['ok']:>4} "
+            f"{r['ok_long']:>8} {r['burst_long_ms'] or '-':>17}"
         )
+    for r in rows:
+        if r["refusal"]:
+            print(f"{r['estimate']}: first refusal: {r['refusal']}")
     print(json.dumps(rows))
 
 

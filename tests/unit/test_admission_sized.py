@@ -22,12 +22,12 @@ from brokerkit import FAST, W1, W2, BrokerHarness, generate
 REQUEST = WorkerCommand.REQUEST
 CANCEL = WorkerCommand.CANCEL
 
-#: The simulated model: 2 ms per prompt token (one token per character, as the
-#: test tokenizer below), 20 ms per generated token.
+#: The simulated model: 2 ms per prompt token (one token per character plus
+#: BOS, as the test tokenizer below), 20 ms per generated token.
 PREFILL_S = 0.002
 DECODE_S = 0.020
-SHORT = "x" * 10  # 0.02 s prefill + 4 tokens = 0.10 s
-LONG = "y" * 500  # 1.00 s prefill + 4 tokens = 1.08 s
+SHORT = "x" * 10  # 11 tokens: 0.022 s prefill + 4 tokens = 0.102 s
+LONG = "y" * 500  # 501 tokens: 1.002 s prefill + 4 tokens = 1.082 s
 MAX_TOKENS = 4
 
 #: Heartbeats and stall checks out of the way: the simulated workers send none.
@@ -35,8 +35,8 @@ QUIET = replace(FAST, max_queue=32, heartbeat_interval_ms=600_000, stall_timeout
 
 
 def chars(req: ClientRequest) -> int:
-    """A stand-in tokenizer: one token per character."""
-    return len(req.prompt or "")
+    """A stand-in tokenizer: one token per character, plus BOS."""
+    return len(req.prompt or "") + 1
 
 
 class SimulatedWorkers:
@@ -60,7 +60,7 @@ class SimulatedWorkers:
         for m in self.h.drain_workers():
             rid = m.body["rid"]
             if m.command is REQUEST:
-                tokens = len(m.body["prompt"])
+                tokens = len(m.body["prompt"]) + 1
                 first = now + PREFILL_S * tokens + DECODE_S
                 self._at(first, "partial", m.identity, rid, tokens)
                 self._at(
@@ -109,8 +109,8 @@ def burst(estimate: str) -> tuple[BrokerHarness, dict[Any, dict[str, Any]]]:
         h.send(generate(f"warm-{i}", SHORT, max_tokens=MAX_TOKENS), 2.0)
     sim.pump(2.0)
     sim.run(2.0, 3.0)
-    # The mean has mostly seen short requests: 0.1 + 0.98 x 0.8^8 s.
-    assert h.broker.stats.service_time("llm") == pytest.approx(0.264, abs=0.001)
+    # The mean has mostly seen short requests: 0.102 + 0.98 x 0.8^8 s.
+    assert h.broker.stats.service_time("llm") == pytest.approx(0.266, abs=0.001)
     for i in range(4):
         h.send(generate(f"short-{i}", SHORT, max_tokens=MAX_TOKENS, timeout_ms=3000), 5.0)
     for i in range(8):
@@ -127,7 +127,7 @@ def outcome(body: dict[str, Any]) -> str:
 
 def test_mean_estimate_admits_a_long_prompt_burst_that_then_expires() -> None:
     """The defect, reproduced: every request is admitted (each could *start* by
-    the mean), the pool finishes two long prompts per 1.08 s, and the last four
+    the mean), the pool finishes two long prompts per 1.082 s, and the last four
     long ones expire: a third of the admitted requests end in 504."""
     _, finals = burst("mean")
     assert {k: outcome(v) for k, v in finals.items()} == {
@@ -146,10 +146,10 @@ def test_size_estimate_refuses_the_doomed_part_of_the_burst_up_front() -> None:
     }
     refused = finals["long-4"]
     assert refused["message"].startswith("expected wait 2")
-    assert "+ service 10" in refused["message"] and "3000 ms budget" in refused["message"]
-    # Retry when the queue of the moment has drained: 2 x 0.1 s of short
+    assert "+ service 1082 ms exceeds the 3000 ms budget" in refused["message"]
+    # Retry when the queue of the moment has drained: 2 x 0.102 s of short
     # requests, then two rounds of two long ones.
-    assert refused["retry_after_ms"] == pytest.approx(2 * 0.1 * 1000 + 2 * 1080, rel=0.02)
+    assert refused["retry_after_ms"] == pytest.approx(2 * 102 + 2 * 1082, abs=2)
     assert h.broker.stats.counters["deadline_exceeded"] == 0
     assert h.broker.stats.counters["shed_deadline_unmeetable"] == 4
 
@@ -171,8 +171,8 @@ def warmed(estimate: str = "size") -> tuple[BrokerHarness, SimulatedWorkers]:
 
 def test_a_slot_that_frees_soon_is_waited_for_not_the_average_of_both() -> None:
     """One long and one short request run; a short one with a 300 ms budget fits
-    behind the short one (0.1 + 0.1 s), though the pool's work divided by its
-    slots ((1.08 + 0.1) / 2 s) would not."""
+    behind the short one (0.102 + 0.102 s), though the pool's work divided by
+    its slots ((1.082 + 0.102) / 2 s) would not."""
     h, sim = warmed()
     h.send(generate("long", LONG, max_tokens=MAX_TOKENS), 2.0)
     h.send(generate("short", SHORT, max_tokens=MAX_TOKENS), 2.0)

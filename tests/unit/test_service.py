@@ -45,13 +45,13 @@ def test_prefill_and_decode_are_split_at_the_first_token() -> None:
 
 def test_long_prompts_weigh_more_than_short_ones() -> None:
     """Ratio of sums: a short prompt's fixed overhead barely moves the rate
-    learned from a long one (an EWMA of per-request rates would give 1.4 ms)."""
+    learned from a long one (a mean of the two per-request rates would be 2 ms)."""
     model = ServiceModel()
     model.observe("llm", req("w" * 999), 1, 1.0, 1.0, usage(1000, 1))  # 1 ms/token
     model.observe("llm", req("w" * 9), 1, 0.03, 0.03, usage(10, 1))  # 3 ms/token, overhead
     snap = model.snapshot("llm")
-    # (1.0 + 0.2 x (0.03 - 1.0)) s / (1000 + 0.2 x (10 - 1000)) tokens
-    assert snap is not None and snap["prefill_ms_per_token"] == pytest.approx(1.005, abs=1e-3)
+    # (0.8 x 1.0 + 0.03) s / (0.8 x 1000 + 10) tokens
+    assert snap is not None and snap["prefill_ms_per_token"] == pytest.approx(1.025, abs=1e-3)
 
 
 def test_samples_without_size_teach_nothing() -> None:
@@ -77,12 +77,15 @@ def test_a_one_token_answer_leaves_decode_unmeasured() -> None:
     assert snap["prefill_ms_per_token"] == 2.0  # includes its one decode step
 
 
-def test_ratio_is_an_ewma_of_sums() -> None:
+def test_ratio_is_one_of_decaying_sums() -> None:
     ratio = Ratio()
     assert ratio.value == 0.0
     ratio.add(10.0, 5.0)
-    ratio.add(0.0, 5.0)  # 10 - 0.2 x 10 = 8 over 5 - 0 = 5
-    assert (ratio.value, ratio.samples) == (pytest.approx(1.6), 2)
+    ratio.add(0.0, 5.0)  # (0.8 x 10 + 0) / (0.8 x 5 + 5)
+    assert (ratio.value, ratio.samples) == (pytest.approx(8 / 9), 2)
+    for _ in range(30):  # old samples fade: the ratio follows the new ones
+        ratio.add(3.0, 1.0)
+    assert ratio.value == pytest.approx(3.0, rel=0.01)
 
 
 def test_byte_bound_counts_chat_template_tokens() -> None:
