@@ -185,7 +185,9 @@ class Node:
             "memory": pressure.snapshot(),
             "capacity": {
                 "per_worker": self.plan.per_worker,
+                "grammar": self.plan.grammar,
                 "memory_max": self.plan.memory_max,
+                "memory_high": self.plan.memory_high,
                 "total": self.plan.total,
                 "budget": self.plan.budget,
             },

@@ -1,7 +1,7 @@
 """Capacity model: how many sequences fit in the memory budget, before anything starts.
 
-``total = weights + N x (KV per sequence + runtime per worker)`` (bytes), from the
-GGUF metadata (read without loading the weights) and the budget:
+``total = weights + N x (KV per sequence + runtime + grammar per worker)`` (bytes),
+from the GGUF metadata (read without loading the weights) and the budget:
 
 * KV per sequence = ``kv_bytes_per_token x pad256(n_ctx)``; ``kv_bytes_per_token``
   = sum over layers of ``n_head_kv x (key_length x bytes_K + value_length x
@@ -23,6 +23,12 @@ GGUF metadata (read without loading the weights) and the budget:
   from n_ctx 256 to 8192). A quantized ``kv_type`` needs flash attention
   (``node.engine.needs_flash_attn``), which never materialises ``KQ``: see
   ``attention_scratch``.
+* Grammar per worker = ``grammar_allowance``: a request with a ``json_schema``
+  is sampled through a llama.cpp grammar, which checks every vocabulary token
+  at every step. The peak of that grows with the vocabulary, hardly with the
+  schema (``node.grammar`` bounds the schema): ``n_vocab x
+  GRAMMAR_BYTES_PER_TOKEN``, planned for every worker, since any request may
+  carry a schema.
 
 Sizes are binary (``G`` = GiB = 2**30, ``M`` = MiB; ``node.units``), as systemd's
 ``MemoryMax=`` reads them. That makes the textbook example exact: 8G - 4.2G
@@ -38,18 +44,15 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-import psutil
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from broker.errors import ConfigError, SandboxError
-from node.cgroup_layout import read_layout
-from node.cgroupfs import Host, parse_limit, read_optional
+from broker.errors import ConfigError
+from node.budget import config_size, configured_budget
 from node.config import memory_max_bytes
 from node.engine import needs_flash_attn
 from node.gguf_meta import ModelMeta, read_gguf_meta
 from node.model import resolve_model
 from node.units import format_size as _format_size
-from node.units import parse_size
 
 if TYPE_CHECKING:
     from node.config import NodeConfig
@@ -57,6 +60,21 @@ if TYPE_CHECKING:
 CTX_PAD = 256  # llama.cpp: GGML_PAD(n_ctx, 256)
 N_UBATCH = 512  # llama-cpp-python's default n_ubatch
 PAGE = 4096
+#: Bytes per vocabulary token that one ``json_schema`` request adds to a worker's
+#: peak (``grammar_allowance``). Measured by ``scripts/bench_grammar.py`` on the
+#: default model (262,144 tokens), llama-cpp-python 0.3.36, n_ctx 2048: a fresh
+#: worker's cgroup peak for a context-filling prompt and then up to 174
+#: grammar-constrained tokens was 258.4-301.0 MiB with every schema case admitted
+#: by ``node.grammar`` (the intent schema, 1 to 31 nested levels, a 256-character
+#: string, 394 properties), against 134.7 MiB without a schema: at most 166.2 MiB
+#: more, 665 B per token, rounded up to 704 (176 MiB). The cost follows the
+#: vocabulary: at every sampled token llama.cpp matches all candidate tokens
+#: against the grammar (llama-grammar.cpp,
+#: ``llama_grammar_reject_candidates_for_stack``: 32 B per candidate and per code
+#: point matched), while the schema's size or depth hardly matters (153.9-166.2
+#: MiB for all of them). Other vocabularies are planned at the same bytes per
+#: token; that is not measured.
+GRAMMAR_BYTES_PER_TOKEN = 704
 KV_TYPES = {
     "f16": GGMLQuantizationType.F16,
     "q8_0": GGMLQuantizationType.Q8_0,
@@ -67,18 +85,6 @@ KV_TYPES = {
 def format_size(n: int) -> str:
     """``node.units.format_size`` that also shows a deficit: ``-235.2 MiB``."""
     return "-" + _format_size(-n) if n < 0 else _format_size(n)
-
-
-def config_size(value: str | int, key: str) -> int:
-    """Bytes of a size as an operator writes it (``node.units``: "8G", "1.5G", "256M").
-
-    Raises:
-        ConfigError: not a size; the message names ``key``.
-    """
-    try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise ConfigError(f"{key}: {exc}") from exc
 
 
 def bytes_per_element(kv_type: str) -> Fraction:
@@ -127,7 +133,7 @@ def attention_scratch(meta: ModelMeta, n_ctx: int, n_batch: int, flash_attn: boo
 class Plan:
     """A memory plan for ``workers`` one-sequence workers (sizes in bytes).
 
-    ``per_worker = private weights + kv_per_seq + runtime_per_worker`` and ``left
+    ``per_worker = private weights + kv_per_seq + runtime_per_worker + grammar`` and ``left
     = budget - reserve - shared weights``: ``left // per_worker`` sequences fit
     before the margin. With it each worker is budgeted at its hard limit
     ``memory_max = per_worker x (1 + margin)``, so ``fits_safe = left //
@@ -154,6 +160,8 @@ class Plan:
     kv_type: str = ""
     kv_per_token: int = 0
     scratch: int = 0  # per worker, grows with n_ctx
+    n_vocab: int = 0
+    grammar: int = 0  # per worker: the peak a json_schema request adds (grammar_allowance)
 
     def __post_init__(self) -> None:
         if min(self.budget, self.weights, self.kv_per_seq, self.reserve, self.workers) < 0:
@@ -180,9 +188,9 @@ class Plan:
 
     @property
     def per_worker(self) -> int:
-        """Private memory of one worker, its sequence's KV included."""
+        """Private memory of one worker at its peak: its sequence's KV, runtime and grammar."""
         private = 0 if self.weights_shared else self.weights
-        return private + self.kv_per_seq + self.runtime_per_worker
+        return private + self.kv_per_seq + self.runtime_per_worker + self.grammar
 
     @property
     def left(self) -> int:
@@ -235,6 +243,13 @@ def _page_up(n: float) -> int:
     return math.ceil(n / PAGE) * PAGE
 
 
+def grammar_allowance(n_vocab: int) -> int:
+    """Bytes a worker's peak grows by while it samples under a ``json_schema``
+    grammar, for a model of ``n_vocab`` tokens: ``n_vocab x GRAMMAR_BYTES_PER_TOKEN``
+    (704 B, measured by ``scripts/bench_grammar.py``; 176 MiB for the default model)."""
+    return n_vocab * GRAMMAR_BYTES_PER_TOKEN
+
+
 def model_plan(meta: ModelMeta, **ask: Any) -> Plan:
     """The plan for ``meta``: ``ask`` holds ``Plan`` fields (budget, reserve, workers,
     margin, ..., n_ctx, n_batch, kv_type); the model's sizes are derived."""
@@ -247,56 +262,10 @@ def model_plan(meta: ModelMeta, **ask: Any) -> Plan:
         scratch=attention_scratch(
             meta, ask["n_ctx"], ask["n_batch"], needs_flash_attn(ask["kv_type"])
         ),
+        n_vocab=meta.n_vocab,
+        grammar=grammar_allowance(meta.n_vocab),
         **ask,
     )
-
-
-def cgroup_memory_limit(host: Host | None = None) -> int | None:
-    """The smallest memory limit (bytes) on this process's cgroup or an ancestor
-    visible under the mount, or None: v1 ``memory.limit_in_bytes`` where memory
-    is a v1 controller (v1, hybrid), else v2 ``memory.max``. "max" and v1's
-    unlimited (9223372036854771712) are no limit (``node.cgroupfs.parse_limit``),
-    nor is an unreadable file. Mounts and the own cgroup come from the sandbox's
-    parser (``node.cgroup_layout``: co-mounted controllers, container subtrees).
-    """
-    host = host or Host()
-    try:
-        layout = read_layout(host)
-    except OSError:  # no /proc/self files: nothing to read
-        return None
-    if "memory" in layout.v1 and "memory" in layout.own_v1:
-        mount, own, name = layout.v1["memory"], layout.own_v1["memory"], "memory.limit_in_bytes"
-    elif layout.v2 is not None and layout.own_v2 is not None:
-        mount, own, name = layout.v2, layout.own_v2, "memory.max"
-    else:
-        return None
-    cgroup = mount.dir_of(own)
-    limits: list[int] = []
-    for directory in [cgroup, *cgroup.parents]:
-        if not directory.is_relative_to(mount.point):
-            break  # above the mount: not visible here
-        try:
-            limit = parse_limit(read_optional(directory / name))
-        except (SandboxError, ValueError):
-            limit = None
-        limits += [] if limit is None else [limit]
-    return min(limits) if limits else None
-
-
-def detect_budget() -> tuple[int, str]:
-    """(bytes, source): the node's cgroup memory limit when set, else total RAM."""
-    total, limit = psutil.virtual_memory().total, cgroup_memory_limit()
-    return (limit, "cgroup memory limit") if limit and limit < total else (total, "total RAM")
-
-
-def configured_budget(config: NodeConfig) -> tuple[int, str]:
-    """(bytes, source) of ``capacity.memory_budget``, or detected when it is "".
-
-    Raises:
-        ConfigError: ``capacity.memory_budget`` is not a size.
-    """
-    key, text = "capacity.memory_budget", config.capacity.memory_budget
-    return (config_size(text, key), key) if text else detect_budget()
 
 
 def config_plan(config: NodeConfig, **overrides: Any) -> tuple[Plan, ModelMeta | None]:
@@ -362,12 +331,14 @@ def refusal(plan: Plan, meta: ModelMeta | None) -> str:
 
 
 def breakdown(plan: Plan) -> str:
-    """One worker's estimate: ``KV 36.0 MiB + runtime 115.0 MiB`` (+ private weights)."""
+    """One worker's estimate: ``KV 36 MiB + runtime 120 MiB + grammar 64 MiB`` (+ private
+    weights; no grammar term without a model)."""
     parts = [] if plan.weights_shared else [f"weights {format_size(plan.weights)}"]
     parts += [
         f"KV {format_size(plan.kv_per_seq)}",
         f"runtime {format_size(plan.runtime_per_worker)}",
     ]
+    parts += [f"grammar {format_size(plan.grammar)}"] if plan.grammar else []
     return " + ".join(parts)
 
 

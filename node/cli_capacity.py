@@ -14,15 +14,15 @@ import json
 import click
 
 from broker.errors import EdgeNodeError
+from node.budget import config_size, configured_budget
 from node.capacity import (
+    GRAMMAR_BYTES_PER_TOKEN,
     KV_TYPES,
     Plan,
     advice,
     breakdown,
     bytes_per_element,
     config_plan,
-    config_size,
-    configured_budget,
     format_size,
     kv_cells,
 )
@@ -76,7 +76,7 @@ def capacity(
     kv_type: str | None,
     as_json: bool,
 ) -> None:
-    """How many sequences fit in memory: total = weights + N x (KV per sequence + runtime)."""
+    """How many sequences fit in memory: total = weights + N x (KV + runtime + grammar)."""
     if (weights is None) != (kv_per_seq is None):
         raise click.UsageError("--weights and --kv-per-seq go together (sizes by hand)")
     if weights is not None and (n_ctx is not None or kv_type is not None):
@@ -180,4 +180,6 @@ def _model_lines(plan: Plan, meta: ModelMeta) -> list[str]:
         f"runtime     {s(plan.runtime_overhead)} overhead + {s(plan.scratch)} attention scratch"
         f"{' (flash attention)' if plan.flash_attn else ''} = {s(plan.runtime_per_worker)}"
         " per worker",
+        f"grammar     {plan.n_vocab:,} vocabulary tokens x {GRAMMAR_BYTES_PER_TOKEN} B"
+        f" = {s(plan.grammar)} per worker (peak of a json_schema request's sampler)",
     ]

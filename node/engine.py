@@ -1,9 +1,10 @@
 """The engine seam: what a worker runs a request with.
 
 ``make_engine`` builds the configured engine inside the worker process. The
-llama.cpp adapter lives in ``node.llama_engine`` (the only module importing
-``llama_cpp``); ``TestEngine`` here is a fast deterministic stand-in for broker
-and process tests, never for the model's own end-to-end tests.
+llama.cpp adapter lives in ``node.llama_engine`` (with ``node.llama_log`` and
+``node.llama_vocab``, the only modules importing ``llama_cpp``); ``TestEngine``
+here is a fast deterministic stand-in for broker and process tests, never for
+the model's own end-to-end tests.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def make_token_counter(spec: EngineSpec) -> Callable[[ClientRequest], int]:
     """The prompt-token counter matching ``spec``'s engine (for the broker's 413 check)."""
     if spec.kind == "test":
         return count_words
-    from node.llama_engine import make_token_counter as llama_counter
+    from node.llama_vocab import make_token_counter as llama_counter
 
     return llama_counter(spec.model_path)
 

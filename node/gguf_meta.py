@@ -33,6 +33,7 @@ class ModelMeta:
     key_length: int
     value_length: int
     weights_bytes: int  # sum of the tensors' n_bytes
+    n_vocab: int = 0  # entries of tokenizer.ggml.tokens; 0 = the file has no vocabulary
 
 
 def read_gguf_meta(path: Path | str) -> ModelMeta:
@@ -48,7 +49,7 @@ def read_gguf_meta(path: Path | str) -> ModelMeta:
     """
     try:
         with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            kv, weights = _walk_gguf(buf)
+            kv, weights, lengths = _walk_gguf(buf)
         arch = kv["general.architecture"]
         if f"{arch}.attention.kv_lora_rank" in kv or f"{arch}.ssm.state_size" in kv:
             raise ConfigError(f"{path}: {arch} (MLA/recurrent) needs --weights and --kv-per-seq")
@@ -63,6 +64,7 @@ def read_gguf_meta(path: Path | str) -> ModelMeta:
             key_length=int(kv.get(f"{arch}.attention.key_length", n_embd // heads[0])),
             value_length=int(kv.get(f"{arch}.attention.value_length", n_embd // heads[0])),
             weights_bytes=weights,
+            n_vocab=lengths.get("tokenizer.ggml.tokens", 0),
         )
     except (OSError, ValueError, KeyError, IndexError, ZeroDivisionError, struct.error) as exc:
         raise ConfigError(f"cannot read the GGUF metadata of {path}: {exc!r}") from exc
@@ -77,15 +79,20 @@ _SCALAR = dict(zip((0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12), "BbHhIif?Qqd", strict=T
 _STRING, _ARRAY, _BIG_ARRAY = 8, 9, 4096  # longer arrays (the vocabulary) are not kept
 
 
-def _walk_gguf(buf: mmap.mmap) -> tuple[dict[str, Any], int]:
-    """(metadata, total tensor bytes) of a GGUF v2/v3 file."""
+def _walk_gguf(buf: mmap.mmap) -> tuple[dict[str, Any], int, dict[str, int]]:
+    """(metadata, total tensor bytes, length of every array) of a GGUF v2/v3 file.
+
+    Long arrays (the vocabulary) are skipped, not kept; their lengths are.
+    """
     magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
     if magic != b"GGUF" or version not in (2, 3):
         raise ValueError(f"not a little-endian GGUF v2/v3 file ({magic!r}, version {version})")
-    pos, kv, weights = 24, {}, 0
+    pos, kv, weights, lengths = 24, {}, 0, {}
     for _ in range(n_kv):
         key, pos = _value(buf, pos, _STRING)
         (vtype,) = struct.unpack_from("<I", buf, pos)
+        if vtype == _ARRAY:
+            (lengths[key],) = struct.unpack_from("<Q", buf, pos + 8)  # after the element type
         kv[key], pos = _value(buf, pos + 4, vtype)
     for _ in range(n_tensors):
         _, pos = _value(buf, pos, _STRING)
@@ -94,7 +101,7 @@ def _walk_gguf(buf: mmap.mmap) -> tuple[dict[str, Any], int]:
         pos += 4 + 8 * n_dims + 12
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
         weights += math.prod(dims) // block * size
-    return kv, weights
+    return kv, weights, lengths
 
 
 def _value(buf: mmap.mmap, pos: int, vtype: int) -> tuple[Any, int]:

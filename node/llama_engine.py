@@ -1,4 +1,4 @@
-"""The llama.cpp engine (llama-cpp-python): the only module that imports ``llama_cpp``.
+"""The llama.cpp engine (llama-cpp-python), with ``node.llama_log`` and ``node.llama_vocab``.
 
 One ``Llama`` context, one sequence at a time (the object is not thread-safe;
 llama-cpp-python#1529). Cancellation works at two depths:
@@ -20,75 +20,22 @@ import contextlib
 import ctypes
 import json
 import re
-import sys
 import threading
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 import llama_cpp.llama_cpp as llama_c
 import numpy as np
-from llama_cpp.llama_grammar import LlamaGrammar
+from llama_cpp.llama_grammar import LlamaGrammar, json_schema_to_gbnf
 from llama_cpp.llama_tokenizer import LlamaTokenizer
 
-from broker.admission import CHAT_TOKENS_PER_MESSAGE
 from broker.errors import Cancelled, InternalError, ProtocolError, TooLarge
-from broker.protocol import ClientRequest
 from node.engine import Emit, EngineSpec, needs_flash_attn
-
-#: ggml_log_level (ggml/include/ggml.h). llama-cpp-python 0.3.x's own callback
-#: (llama_cpp/_logger.py) still maps an older enum (1 INFO, 2 WARN, 3 ERROR,
-#: 4 DEBUG): with ``verbose=False`` it printed warnings and dropped errors.
-LOG_NONE, LOG_DEBUG, LOG_INFO, LOG_WARN, LOG_ERROR, LOG_CONT = range(6)
-
-
-class _LlamaLog:
-    """llama.cpp's and ggml's log callback: messages at ``level`` or above go to stderr.
-
-    A continuation (``LOG_CONT``) follows its message's fate; ``LOG_NONE`` (plain
-    output, e.g. performance prints) is always shown, as ggml's default logger does.
-    """
-
-    def __init__(self) -> None:
-        self.level = LOG_WARN
-        self._shown = False
-        self._captured: list[str] | None = None
-        # Keep a reference: ctypes frees the trampoline when the object dies.
-        self._callback = llama_cpp.llama_log_callback(self._write)
-        llama_cpp.llama_log_set(self._callback, ctypes.c_void_p())
-
-    def _write(self, level: int, text: bytes, _data: ctypes.c_void_p) -> None:
-        if level != LOG_CONT:
-            self._shown = level == LOG_NONE or level >= self.level
-        if self._captured is not None:
-            self._captured.append(text.decode("utf-8", "replace"))
-        if self._shown:
-            sys.stderr.write(text.decode("utf-8", "replace"))
-            sys.stderr.flush()
-
-    @contextlib.contextmanager
-    def at_level(self, level: int) -> Iterator[None]:
-        """Show only messages at ``level`` or above meanwhile (e.g. ``LOG_ERROR``)."""
-        saved, self.level = self.level, level
-        try:
-            yield
-        finally:
-            self.level = saved
-
-    @contextlib.contextmanager
-    def capture(self) -> Iterator[list[str]]:
-        """Also collect every message, at any level, meanwhile."""
-        captured: list[str] = []
-        self._captured = captured
-        try:
-            yield captured
-        finally:
-            self._captured = None
-
-
-_LOG = _LlamaLog()
+from node.grammar import check_grammar, check_schema, trim_heap
+from node.llama_log import LLAMA_LOG as _LOG
+from node.llama_log import LOG_QUIET
 
 #: ``model.kv_type`` -> ggml_type (ggml.h), as llama_context_params.type_k/type_v take it.
 KV_GGML_TYPES = {
@@ -193,8 +140,10 @@ class LlamaEngine:
         for name in ("temperature", "top_p", "seed", "stop"):
             if name in job:
                 kwargs[name] = job[name]
-        if "json_schema" in job and (job["op"] == "generate" or self.plain_chat):
-            kwargs["grammar"] = _schema_grammar(job["json_schema"])
+        if "json_schema" in job:
+            grammar = self.schema_grammar(job["json_schema"])  # bounded on every path
+            if job["op"] == "generate" or self.plain_chat:
+                kwargs["grammar"] = grammar
         pieces: list[str] = []
         finish = "stop"
         self._cancelled = cancelled
@@ -220,6 +169,8 @@ class LlamaEngine:
             raise InternalError(f"llama.cpp decode failed: {exc}") from exc
         finally:
             self._cancelled = None
+            if "json_schema" in job:
+                trim_heap()  # else the grammar sampler's freed vectors stay resident
         if cancelled.is_set():
             raise Cancelled("cancelled", partial_text="".join(pieces))
         usage = {
@@ -227,6 +178,39 @@ class LlamaEngine:
             "completion_tokens": counter.completion_tokens(finish),
         }
         return {"text": "".join(pieces), "finish_reason": finish, "usage": usage}
+
+    def schema_grammar(self, schema: dict[str, Any]) -> LlamaGrammar:
+        """A llama.cpp grammar that admits only JSON valid for ``schema``.
+
+        The schema and its grammar must stay within ``node.grammar``'s bounds,
+        and llama.cpp must parse the grammar: llama-cpp-python adds whatever
+        ``llama_sampler_init_grammar`` returns to its sampler chain, NULL
+        included, and the worker then crashes at the first token (SIGSEGV).
+
+        Raises:
+            TooLarge: the schema or its grammar is beyond a bound (413).
+            ProtocolError: the converter or llama.cpp cannot use the schema (400).
+        """
+        check_schema(schema)
+        try:
+            gbnf = json_schema_to_gbnf(json.dumps(schema))
+        except Exception as exc:  # the converter raises assorted types on bad schemas
+            raise ProtocolError(f"json_schema is not usable: {exc}") from exc
+        check_grammar(gbnf)
+        with _LOG.at_level(LOG_QUIET), _LOG.capture() as lines:
+            sampler = llama_cpp.llama_sampler_init_grammar(
+                self.llm._model.vocab, gbnf.encode(), b"root"
+            )
+        if not sampler:
+            # The parser's own message goes to fd 2 (the worker's log), not to the callback.
+            why = " ".join(line.strip() for line in lines)[:200] or "no reason given"
+            raise ProtocolError(
+                f"json_schema is not usable: llama.cpp cannot parse its grammar ({why}; "
+                "the worker's log has the details). A pattern's \\d, \\w or \\s is a "
+                "common cause: write [0-9], [a-zA-Z0-9_] or [ \\t\\n] instead"
+            )
+        llama_cpp.llama_sampler_free(sampler)
+        return LlamaGrammar.from_string(gbnf, verbose=False)
 
     def _stream(self, job: dict[str, Any], kwargs: dict[str, Any]) -> Iterator[tuple[str, str]]:
         """(text, finish_reason) per chunk of the llama-cpp-python stream."""
@@ -272,18 +256,6 @@ def qa_prompt(messages: list[dict[str, str]]) -> str:
             lines.append(f"A: {m['content']}")
     lines.append("A:")
     return "\n".join(lines)
-
-
-def _schema_grammar(schema: dict[str, Any]) -> Any:
-    """A llama.cpp GBNF grammar that only admits JSON valid for ``schema``.
-
-    Raises:
-        ProtocolError: the schema cannot be turned into a grammar.
-    """
-    try:
-        return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
-    except Exception as exc:  # the converter raises assorted types on bad schemas
-        raise ProtocolError(f"json_schema is not usable: {exc}") from exc
 
 
 @contextlib.contextmanager
@@ -366,60 +338,6 @@ class _TextTokenizer(LlamaTokenizer):
     ) -> bytes:
         text_tokens = [t for t in tokens if t not in self.hidden]
         return bytes(super().detokenize(text_tokens, prev_tokens, special=False))
-
-
-def make_token_counter(model_path: str) -> Callable[[ClientRequest], int]:
-    """A prompt-token counter for the broker's 413 check, from the model's vocabulary.
-
-    Loads only the GGUF's vocabulary (``_Vocab``: a few MB, no weights), in the
-    node process, once. ``chat`` prompts are counted as their contents plus
-    ``CHAT_TOKENS_PER_MESSAGE`` per message.
-
-    Raises:
-        ValueError: llama.cpp could not read the vocabulary (its error is logged).
-    """
-    vocab = _Vocab(model_path)
-
-    def count(req: ClientRequest) -> int:
-        if req.prompt is not None:
-            return vocab.count(req.prompt.encode())
-        messages = req.messages or ()
-        text = "\n".join(content for _, content in messages)
-        return vocab.count(text.encode()) + CHAT_TOKENS_PER_MESSAGE * len(messages)
-
-    return count
-
-
-class _Vocab:
-    """A model's tokenizer alone, through llama.cpp's C API (llama.h).
-
-    ``llama_cpp.Llama(vocab_only=True)`` would also make a context, whose
-    check of n_ctx against the training context (never read in a vocab-only
-    load, so 0) logs "n_ctx_train (0) -- possible training context overflow",
-    and it hides llama.cpp's errors during the load (``verbose=False``
-    redirects fd 2). Loading the vocabulary directly needs no context; the
-    load's warnings are about the file (the workers' loads see them too) and
-    are dropped, its errors are shown.
-    """
-
-    def __init__(self, model_path: str) -> None:
-        params = llama_c.llama_model_default_params()
-        params.vocab_only = True
-        with _LOG.at_level(LOG_ERROR):
-            model = llama_c.llama_model_load_from_file(model_path.encode(), params)
-        if not model:
-            raise ValueError(f"llama.cpp could not read the vocabulary of {model_path}")
-        self._vocab = llama_c.llama_model_get_vocab(model)
-        # The node keeps its counter for its lifetime; free the model with it.
-        weakref.finalize(self, llama_c.llama_model_free, model)
-
-    def count(self, text: bytes) -> int:
-        """Tokens of ``text`` with BOS (as the worker's ``Llama.tokenize`` counts them).
-
-        ``llama_tokenize`` with no room returns minus the number it needs.
-        """
-        n = int(llama_c.llama_tokenize(self._vocab, text, len(text), None, 0, True, False))
-        return -n if n < 0 else n
 
 
 class _CancelledInEngine(Exception):

@@ -71,9 +71,10 @@ def _capacity_line(plan: dict[str, Any] | None, memory: dict[str, Any]) -> str |
     if not plan:
         return None
     measured = memory.get("working_set")
+    grammar = f", {_size(plan['grammar'])} of it for a json_schema" if plan.get("grammar") else ""
     return (
-        f"capacity plan: {_size(plan.get('per_worker'))} per worker (suggested memory.max "
-        f"{_size(plan.get('memory_max'))}), {_size(plan.get('total'))} in all of "
+        f"capacity plan: {_size(plan.get('per_worker'))} per worker{grammar} (suggested "
+        f"memory.max {_size(plan.get('memory_max'))}), {_size(plan.get('total'))} in all of "
         f"{_size(plan.get('budget'))}; measured working set {_size(measured)}"
     )
 

@@ -37,7 +37,8 @@ share of the probe windows during which every worker had a generation in
 flight; tokens per second; the busy share of each core and the CPU used by
 processes that are neither the nodes nor the probe (``other``: the benchmark
 cannot stop other work on a shared machine, it can only show it). Then per
-worker the capacity plan's estimate (``status['capacity']['per_worker']``)
+worker the capacity plan's estimate (``status['capacity']['per_worker']`` less its
+grammar term: these requests carry no ``json_schema``)
 against the measured memory: the worker's cgroup (usage and peak) and its
 private memory from ``/proc/<pid>/smaps`` (``scripts/bench_memory.py``'s
 reading: private bytes minus the model file's).
@@ -548,7 +549,8 @@ def report_memory(configs: list[dict[str, Any]]) -> None:
         f"{'cg peak':>9} {'err':>7} {'private':>9} {'err':>7} {'cg limit':>9}"
     )
     for c in configs:
-        est = c["capacity"]["per_worker"]
+        # These requests carry no json_schema: the plan's grammar term is not used.
+        est = c["capacity"]["per_worker"] - c["capacity"].get("grammar", 0)
         for m in c["memory"]:
             peak = m["cgroup_peak"]
             limit = format_size(m["cgroup_limit"]) if m["cgroup_limit"] else "max"

@@ -9,9 +9,11 @@ worker's memory from ``/proc/<pid>/smaps`` and compares it with the plan of
 ``node.capacity``:
 
 * private = anonymous memory + file pages only this worker maps (psutil's USS,
-  plus its share of shared anonymous pages), against ``plan.per_worker``;
+  plus its share of shared anonymous pages), against ``plan.per_worker`` less
+  the grammar allowance (these prompts carry no ``json_schema``;
+  ``scripts/bench_grammar.py`` measures that term);
 * PSS (what the worker costs the host, shared pages split among their users)
-  against ``plan.per_worker + plan.shared_weights / N``;
+  against the same estimate ``+ plan.shared_weights / N``;
 * the model file's mapping on its own: resident, proportional and private
   bytes, which shows the weights shared (mmap) rather than copied.
 
@@ -130,9 +132,12 @@ def report(n: int, result: dict[str, Any]) -> None:
         f"plan: weights {format_size(plan.weights)} shared={plan.weights_shared}, "
         f"KV/seq {format_size(plan.kv_per_seq)}, runtime {format_size(plan.runtime_per_worker)} "
         f"(overhead {format_size(plan.runtime_overhead)} + scratch {format_size(plan.scratch)}), "
-        f"per worker {format_size(plan.per_worker)}, total {format_size(plan.total)}"
+        f"per worker {format_size(plan.per_worker)} (of it grammar {format_size(plan.grammar)}, "
+        f"not used here), total {format_size(plan.total)}"
     )
-    est_pss = plan.per_worker + plan.shared_weights // n
+    est_priv = plan.per_worker - plan.grammar  # no json_schema here
+    est_pss = est_priv + plan.shared_weights // n
+    est_total = plan.total - n * plan.grammar
     print(
         f"{'pid':>7} {'est priv':>9} {'private':>9} {'err':>7} {'anon':>9} "
         f"{'est PSS':>9} {'PSS':>9} {'err':>7} {'impl.rt':>9} "
@@ -146,16 +151,17 @@ def report(n: int, result: dict[str, Any]) -> None:
         implied = private - plan.kv_per_seq - plan.scratch
         total_pss += m["Pss"]
         print(
-            f"{pid:>7} {plan.per_worker / MiB:>8.1f}M {private / MiB:>8.1f}M "
-            f"{pct(plan.per_worker, private):>7} {m['Anonymous'] / MiB:>8.1f}M "
+            f"{pid:>7} {est_priv / MiB:>8.1f}M {private / MiB:>8.1f}M "
+            f"{pct(est_priv, private):>7} {m['Anonymous'] / MiB:>8.1f}M "
             f"{est_pss / MiB:>8.1f}M {m['Pss'] / MiB:>8.1f}M {pct(est_pss, m['Pss']):>7} "
             f"{implied / MiB:>8.1f}M {m['model_rss'] / MiB:>9.1f}M "
             f"{m['model_pss'] / MiB:>9.1f}M {m['model_private'] / MiB:>9.1f}M"
         )
     broker = result["broker"]
     print(
-        f"workers' PSS sum {format_size(total_pss)} vs plan total {format_size(plan.total)} "
-        f"({pct(plan.total, total_pss)}); broker process PSS {format_size(broker['Pss'])} "
+        f"workers' PSS sum {format_size(total_pss)} vs plan total less grammar "
+        f"{format_size(est_total)} ({pct(est_total, total_pss)}); "
+        f"broker process PSS {format_size(broker['Pss'])} "
         f"(model file PSS in it {format_size(broker['model_pss'])}; not in the plan, "
         "covered by capacity.reserve)"
     )

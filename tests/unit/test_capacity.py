@@ -15,11 +15,11 @@ from click.testing import CliRunner
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from broker.errors import ConfigError
+from node.budget import cgroup_memory_limit
 from node.capacity import (
     Plan,
     attention_scratch,
     bytes_per_element,
-    cgroup_memory_limit,
     check_fits,
     config_plan,
     kv_bytes_per_token,
@@ -173,7 +173,8 @@ def test_default_config_plans_the_real_default_model(gemma: ModelMeta) -> None:
     assert meta == gemma
     assert plan.kv_per_token == 18_432 and plan.kv_type == "f16" and plan.n_ctx == 2048
     assert plan.runtime_per_worker == 88 * MiB + 32 * MiB
-    assert plan.per_worker == 36 * MiB + 120 * MiB
+    assert plan.grammar == 176 * MiB  # node.capacity.grammar_allowance
+    assert plan.per_worker == 36 * MiB + 120 * MiB + 176 * MiB
     assert plan.total == gemma.weights_bytes + 2 * plan.per_worker
     assert plan.budget == 8 * GiB and plan.budget_source == "capacity.memory_budget"
 
@@ -210,23 +211,23 @@ def test_check_fits_returns_the_plan_when_it_fits(gemma: ModelMeta) -> None:
 
 def test_check_fits_refuses_too_many_workers_and_names_the_knobs(gemma: ModelMeta) -> None:
     with pytest.raises(ConfigError) as info:
-        check_fits(config(workers={"count": 6}, capacity={"memory_budget": "2G"}))
+        check_fits(config(workers={"count": 3}, capacity={"memory_budget": "2250M"}))
     message = info.value.message
-    assert "6 worker(s) do not fit" in message and "so 4 fit" in message
-    assert "workers.count = 4" in message
-    assert "model.n_ctx = 768" in message
-    assert 'capacity.memory_budget = "2289M"' in message
+    assert "3 worker(s) do not fit" in message and "so 2 fit" in message
+    assert "workers.count = 2" in message
+    assert "model.n_ctx = 1024" in message
+    assert 'capacity.memory_budget = "2355M"' in message
 
 
 def test_check_fits_suggests_a_smaller_kv_type_when_that_is_enough(gemma: ModelMeta) -> None:
-    # n_ctx 8192: 360 MiB per worker with f16 (no room for 2), 188.5 MiB with q8_0
+    # n_ctx 8192: 536 MiB per worker with f16 (no room for 2), 364.5 MiB with q8_0
     # (half the KV, and flash attention: 24 MiB of scratch instead of 128).
-    cfg = config(model={"n_ctx": 8192}, capacity={"memory_budget": "1960M"})
+    cfg = config(model={"n_ctx": 8192}, capacity={"memory_budget": "2100M"})
     with pytest.raises(ConfigError) as info:
         check_fits(cfg)
     assert 'model.kv_type = "q8_0"' in info.value.message
     assert check_fits(
-        config(model={"n_ctx": 8192, "kv_type": "q8_0"}, capacity={"memory_budget": "1960M"})
+        config(model={"n_ctx": 8192, "kv_type": "q8_0"}, capacity={"memory_budget": "2100M"})
     )
 
 
@@ -239,10 +240,10 @@ def test_check_fits_refuses_when_the_weights_alone_do_not_fit(gemma: ModelMeta) 
 
 
 def test_check_fits_suggests_turning_repack_off(gemma: ModelMeta) -> None:
-    # Shared: 1 GiB + 235 MiB + 2 x 172 MiB fits 1700M; two private copies do not.
+    # Shared: 1 GiB + 235 MiB + 2 x 365 MiB fits 2100M; two private copies do not.
     with pytest.raises(ConfigError, match=r"model\.repack = false"):
-        check_fits(config(model={"repack": True}, capacity={"memory_budget": "1700M"}))
-    assert check_fits(config(capacity={"memory_budget": "1700M"}))
+        check_fits(config(model={"repack": True}, capacity={"memory_budget": "2100M"}))
+    assert check_fits(config(capacity={"memory_budget": "2100M"}))
 
 
 def test_the_test_engine_reads_no_model() -> None:
@@ -458,5 +459,5 @@ def test_cli_rejects_bad_sizes_and_half_manual_mode(tmp_path: Path) -> None:
 
 def test_check_fits_refuses_a_worker_limit_below_one_workers_need() -> None:
     config = from_dict({"workers": {"memory_max": "100M"}})
-    with pytest.raises(ConfigError, match=r"workers.memory_max 100 MiB is below the 156 MiB"):
+    with pytest.raises(ConfigError, match=r"workers.memory_max 100 MiB is below the 332 MiB"):
         check_fits(config)

@@ -1,0 +1,124 @@
+"""JSON-schema requests against a worker whose cgroup has exactly the capacity plan's
+memory.max (real model, real cgroup, root).
+
+The plan's grammar allowance (node.capacity.grammar_allowance) must cover what the
+largest schemas node.grammar admits cost: each request here fills the context first,
+so the KV cache and the attention scratch are touched, then generates under the grammar.
+``scripts/bench_grammar.py`` measures the same cases with numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_cgroups import _skip_reason
+
+from broker.errors import TooLarge
+from node.capacity import config_plan
+from node.config import from_dict
+from node.grammar import MAX_REPEAT, MAX_SCHEMA_DEPTH
+from nodeproc import NodeProcess
+
+pytestmark = pytest.mark.system
+
+NodeFactory = Callable[..., NodeProcess]
+MiB = 2**20
+N_CTX = 2048
+TOKENS = 176  # enough to reach the innermost of the deepest objects allowed
+
+
+def deepest_objects() -> dict[str, Any]:
+    """The most nested objects allowed, each with a short string to write first."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range((MAX_SCHEMA_DEPTH - 1) // 2):
+        schema = {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 4}, "child": schema},
+            "required": ["name", "child"],
+        }
+    return schema
+
+
+#: The longest string allowed: the model stays inside a string, where the grammar
+#: admits almost every token, which is the sampler's costliest state.
+LONGEST_STRING = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "maxLength": MAX_REPEAT}},
+    "required": ["text"],
+}
+
+
+@pytest.fixture(scope="module")
+def usable() -> None:
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+def node_sections(memory_max: str | int) -> dict[str, dict[str, Any]]:
+    return {
+        "workers": {
+            "engine": "llama",
+            "count": 1,
+            "sandbox": "required",
+            "memory_max": memory_max,
+        },
+        "model": {"n_ctx": N_CTX},
+        "broker": {"heartbeat_interval_ms": 1000, "stall_timeout_ms": 60_000},
+        "breaker": {"slow_call_ms": 600_000},
+    }
+
+
+def fill_and_ask(node: NodeProcess, schema: dict[str, Any]) -> str:
+    """A context-filling prompt, then ``TOKENS`` tokens under ``schema``; the text."""
+    prompt = "robot " * (N_CTX - TOKENS - 96) + "\nAnswer in JSON:"  # a token per word
+    with node.client(wait_ms=240_000) as c:
+        reply = c.generate(
+            prompt,
+            json_schema=schema,
+            max_tokens=TOKENS,
+            temperature=0.0,
+            route="llm",
+            timeout_ms=240_000,
+        )
+    assert reply.served_by == "llm"
+    return reply.text
+
+
+@pytest.mark.timeout(420)
+def test_a_worker_at_the_plans_memory_max_survives_the_largest_schemas(
+    usable: None, make_node: NodeFactory
+) -> None:
+    plan, _ = config_plan(from_dict(node_sections("1G")))
+    assert plan.grammar > 0  # the allowance is in the plan the limit comes from
+    node = make_node(**node_sections(plan.memory_max))
+    before = node.status()["processes"][0]
+    assert before["memory"]["limit"] == plan.memory_max
+
+    assert fill_and_ask(node, LONGEST_STRING).startswith('{"text":')
+    assert fill_and_ask(node, deepest_objects()).startswith('{"name":')
+    with pytest.raises(TooLarge, match="maxLength 3000"):  # refused, not a crash
+        fill_and_ask(node, {"type": "string", "maxLength": 3000})
+
+    after = node.status()["processes"][0]
+    assert (after["pid"], after["restarts"], after["oom_kills"]) == (before["pid"], 0, 0)
+    memory = after["memory"]
+    assert memory["oom_kills"] == 0 and memory["limit"] == plan.memory_max
+    assert memory["peak"] is None or memory["peak"] <= plan.memory_max
+    assert Path(after["cgroup"]).name == "worker-llm-0"
+    # The sampler's freed vectors went back to the system (node.grammar.trim_heap):
+    # what the worker keeps is about a plain request's, not that plus the grammar's.
+    assert private_bytes(after["pid"]) < plan.per_worker - plan.grammar + 32 * MiB
+
+
+def private_bytes(pid: int) -> int:
+    """Private memory of ``pid`` (``Private_Clean`` + ``Private_Dirty``, smaps_rollup)."""
+    with open(f"/proc/{pid}/smaps_rollup") as fh:
+        return sum(
+            int(line.split()[1]) * 1024
+            for line in fh
+            if line.startswith(("Private_Clean:", "Private_Dirty:"))
+        )

@@ -1,0 +1,75 @@
+"""A request's ``json_schema`` against the real llama.cpp engine: schemas over node.grammar's
+bounds get 413, a grammar llama.cpp cannot parse gets 400, and neither costs the engine
+anything. Before the bounds, both kinds crashed the worker with SIGSEGV (exit 139):
+llama-cpp-python chains the NULL sampler llama.cpp returns for a grammar it refuses."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from broker.errors import ErrorCode, ProtocolError, TooLarge
+from node.engine import EngineSpec
+from node.grammar import MAX_REPEAT
+from node.llama_engine import LlamaEngine
+from node.model import resolve_model
+
+pytestmark = pytest.mark.system
+
+#: The model must still write JSON for this after every refusal.
+SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[LlamaEngine]:
+    spec = EngineSpec(
+        kind="llama", model_path=str(resolve_model("default")), n_ctx=512, n_batch=512, threads=1
+    )
+    engine = LlamaEngine(spec)
+    yield engine
+    engine.llm.close()
+
+
+def run(engine: LlamaEngine, schema: dict[str, Any], op: str = "generate") -> dict[str, Any]:
+    job: dict[str, Any] = {"op": op, "max_tokens": 12, "temperature": 0.0, "json_schema": schema}
+    if op == "generate":
+        job["prompt"] = "Answer in JSON:"
+    else:
+        job["messages"] = [{"role": "user", "content": "Answer in JSON."}]
+    return engine.run(job, threading.Event(), lambda _: None)
+
+
+def still_works(engine: LlamaEngine) -> None:
+    assert run(engine, SMALL)["text"].replace(" ", "") in ('{"ok":true}', '{"ok":false}')
+
+
+@pytest.mark.parametrize("op", ["generate", "chat"])
+def test_the_string_that_crashed_a_worker_gets_413(engine: LlamaEngine, op: str) -> None:
+    schema = {"type": "object", "properties": {"t": {"type": "string", "maxLength": 3000}}}
+    with pytest.raises(TooLarge, match="maxLength 3000 at /properties/t/maxLength") as info:
+        run(engine, schema, op)
+    assert info.value.code == ErrorCode.TOO_LARGE
+    still_works(engine)
+
+
+def test_the_longest_string_allowed_is_served(engine: LlamaEngine) -> None:
+    schema = {"type": "string", "maxLength": MAX_REPEAT}
+    assert run(engine, schema)["text"].startswith('"')
+
+
+def test_a_pattern_llama_cpp_cannot_parse_gets_400_with_its_reason(engine: LlamaEngine) -> None:
+    # The converter copies \\d into the grammar, where llama.cpp knows no such escape.
+    with pytest.raises(ProtocolError, match="cannot parse its grammar") as info:
+        run(engine, {"type": "string", "pattern": "^\\d{4}$"})
+    assert info.value.code == ErrorCode.BAD_REQUEST
+    assert "failed to parse grammar" in info.value.message  # llama.cpp's logged reason
+    still_works(engine)
+
+
+def test_a_schema_the_converter_rejects_is_still_400(engine: LlamaEngine) -> None:
+    with pytest.raises(ProtocolError, match="json_schema is not usable"):
+        run(engine, {"$ref": "#/$defs/missing"})
+    still_works(engine)

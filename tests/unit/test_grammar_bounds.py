@@ -1,0 +1,146 @@
+"""The bounds on a request's ``json_schema`` (node.grammar): what is refused with 413, what
+passes, and that the largest schemas allowed make grammars within the grammar bounds (the
+real converter of llama-cpp-python, no model)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+from broker.errors import ErrorCode, ProtocolError, TooLarge
+from fallback.intents import INTENT_SCHEMA
+from node.grammar import (
+    MAX_GRAMMAR_BYTES,
+    MAX_GRAMMAR_NESTING,
+    MAX_REPEAT,
+    MAX_SCHEMA_BYTES,
+    MAX_SCHEMA_DEPTH,
+    check_grammar,
+    check_schema,
+    grammar_nesting,
+)
+
+
+def nested(levels: int) -> dict[str, Any]:
+    """``levels`` maps and lists in all: arrays of arrays around a string."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def text(max_length: int) -> dict[str, Any]:
+    return {"type": "object", "properties": {"text": {"type": "string", "maxLength": max_length}}}
+
+
+def test_the_intent_schema_and_its_grammar_pass() -> None:
+    check_schema(INTENT_SCHEMA)
+    check_grammar(json_schema_to_gbnf(json.dumps(INTENT_SCHEMA)))
+
+
+def test_depth_up_to_the_bound_passes_one_more_is_413() -> None:
+    check_schema(nested(MAX_SCHEMA_DEPTH))
+    with pytest.raises(TooLarge, match=f"more than {MAX_SCHEMA_DEPTH} levels") as info:
+        check_schema(nested(MAX_SCHEMA_DEPTH + 1))
+    assert info.value.code == ErrorCode.TOO_LARGE
+
+
+def test_a_schema_deeper_than_pythons_recursion_limit_is_measured_not_crashed() -> None:
+    deep: Any = {}
+    for _ in range(5000):
+        deep = {"items": deep}
+    with pytest.raises(TooLarge, match="levels of maps and lists"):
+        check_schema(deep)
+
+
+def test_too_many_bytes_of_json_is_413() -> None:
+    enum = [f"value-{i:05d}" for i in range(MAX_SCHEMA_BYTES // 10)]
+    with pytest.raises(TooLarge, match=f"this node allows {MAX_SCHEMA_BYTES}"):
+        check_schema({"type": "string", "enum": enum})
+
+
+@pytest.mark.parametrize("key", ["minLength", "maxLength", "minItems", "maxItems"])
+def test_repetition_counts_above_the_bound_are_413_and_say_where(key: str) -> None:
+    check_schema({"type": "object", "properties": {"a": {key: MAX_REPEAT}}})
+    with pytest.raises(TooLarge) as info:
+        check_schema({"type": "object", "properties": {"a": {key: MAX_REPEAT + 1}}})
+    assert f"{key} {MAX_REPEAT + 1} at /properties/a/{key}" in info.value.message
+
+
+@pytest.mark.parametrize("quantifier", ["{300}", "{1,300}", "{300,}", "{ 2 , 999 }"])
+def test_pattern_quantifiers_above_the_bound_are_413(quantifier: str) -> None:
+    with pytest.raises(TooLarge, match="/pattern"):
+        check_schema({"type": "string", "pattern": f"^a{quantifier}$"})
+
+
+def test_pattern_quantifiers_within_the_bound_pass() -> None:
+    check_schema({"type": "string", "pattern": f"^[a-z]{{1,{MAX_REPEAT}}}-[0-9]{{4}}$"})
+
+
+def test_the_3000_character_string_that_crashed_a_worker_is_refused_before_conversion() -> None:
+    with pytest.raises(TooLarge, match="maxLength 3000 at /properties/text/maxLength"):
+        check_schema(text(3000))
+
+
+def test_a_schema_that_is_not_json_is_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError, match="not JSON") as info:
+        check_schema({"type": "string", "const": b"\x00bytes"})
+    assert info.value.code == ErrorCode.BAD_REQUEST
+
+
+def test_nesting_counts_groups_but_not_parentheses_in_literals_or_classes() -> None:
+    assert grammar_nesting('root ::= ("a" ("b")?)?') == 2
+    assert grammar_nesting('root ::= "((((" [()] "\\"(" ("x")') == 1
+    assert grammar_nesting('root ::= [\\]()] ("y")*') == 1
+    assert grammar_nesting("root ::= x") == 0
+
+
+def test_grammar_size_and_nesting_bounds_are_413() -> None:
+    check_grammar("root ::= " + "(" * MAX_GRAMMAR_NESTING + '"a"' + ")" * MAX_GRAMMAR_NESTING)
+    deep = "root ::= " + "(" * (MAX_GRAMMAR_NESTING + 1) + '"a"' + ")" * (MAX_GRAMMAR_NESTING + 1)
+    with pytest.raises(TooLarge, match=f"nested {MAX_GRAMMAR_NESTING + 1} deep"):
+        check_grammar(deep)
+    with pytest.raises(TooLarge, match=f"this node allows {MAX_GRAMMAR_BYTES}"):
+        check_grammar('root ::= "' + "a" * MAX_GRAMMAR_BYTES + '"')
+
+
+def test_the_longest_string_allowed_makes_a_grammar_within_the_grammar_bounds() -> None:
+    gbnf = json_schema_to_gbnf(json.dumps(text(MAX_REPEAT)))
+    check_grammar(gbnf)
+    assert MAX_REPEAT <= grammar_nesting(gbnf) <= MAX_GRAMMAR_NESTING
+
+
+#: In a child (the heap is the process's): 100 MiB of 64 KiB blocks, below glibc's mmap
+#: threshold so they come from the heap, freed but for the last one, which keeps the heap's
+#: top in use, so that only malloc_trim can give their pages back.
+TRIM_CHILD = """
+import ctypes
+from node.grammar import trim_heap
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def anon():
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("RssAnon"))
+blocks = [libc.malloc(65536) for _ in range(1600)]
+for block in blocks:
+    ctypes.memset(block, 1, 65536)
+last = blocks.pop()
+for block in blocks:
+    libc.free(block)
+before = anon()
+print(trim_heap(), before - anon())
+"""
+
+
+def test_trim_heap_gives_freed_heap_pages_back() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", TRIM_CHILD], capture_output=True, text=True, check=True
+    )
+    trimmed, released = out.stdout.split()
+    assert trimmed == "True" and int(released) > 64 * 2**20
