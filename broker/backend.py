@@ -309,7 +309,10 @@ class WorkerConversation:
             if job.replied:
                 self.owner.forget(job)
             elif (
-                (not job.req.stream or not job.chunks) and job.attempts == 0 and job.deadline > now
+                (not job.req.stream or not job.chunks)
+                and job.attempts == 0
+                and job.deadline > now
+                and not crashed_running_it(reason)
             ):
                 # Output the client never saw can be thrown away and made again.
                 job.attempts += 1
@@ -325,6 +328,8 @@ class WorkerConversation:
         self.dispatch(now)
 
     def _give_up(self, job: Job, reason: str, now: float) -> None:
+        if crashed_running_it(reason):
+            reason += " (not retried: the worker crashed running this request)"
         self.stats.count("worker_lost")
         body = p.error_reply(
             job.req.id,
@@ -336,3 +341,18 @@ class WorkerConversation:
         )
         self.owner.answer(job, body, now)
         self.owner.forget(job)
+
+
+#: Signals of a crash inside the worker's own (native) code, as the supervisor
+#: words them ("killed by SIGSEGV", node.supervisor.describe_exit). The request
+#: it was running is the likeliest cause (a grammar llama.cpp cannot parse
+#: dereferenced a null pointer: found in a break-it session), so it is not
+#: re-dispatched: a poison request would take every worker down in turn. A
+#: SIGKILL (kill -9, the OOM killer, our own verdicts) or a missed heartbeat
+#: says nothing about the request, which is re-dispatched once as before.
+CRASH_SIGNALS = ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT")
+
+
+def crashed_running_it(reason: str) -> bool:
+    """Whether a worker's exit ``reason`` is a native crash (``CRASH_SIGNALS``)."""
+    return any(f"killed by {name}" in reason for name in CRASH_SIGNALS)

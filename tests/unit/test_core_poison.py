@@ -1,0 +1,58 @@
+"""A request whose worker crashed running it (SIGSEGV & co.) is not re-dispatched:
+a poison request must not take every worker down in turn (break-it finding: a
+json_schema llama.cpp could not parse crashed both model workers, one after the
+other). A SIGKILL says nothing about the request: re-dispatched once, as before."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker.backend import crashed_running_it
+from broker.protocol import WorkerCommand
+from broker.routing import RoutingSettings
+from brokerkit import FAST, W1, W2, BrokerHarness, bodies, generate
+
+REQUEST = WorkerCommand.REQUEST
+
+
+@pytest.fixture
+def h() -> BrokerHarness:
+    return BrokerHarness(FAST, routing=RoutingSettings("full"))
+
+
+def _start_on_w1(h: BrokerHarness) -> None:
+    h.ready(W1, 0.0, worker_id="llm-0")
+    h.send(generate("poison", prompt="the poison"), 0.0)
+    assert len(bodies(h.drain_workers(), W1, REQUEST)) == 1
+    h.ready(W2, 0.05, worker_id="llm-1")
+    assert h.drain_workers() == []
+
+
+@pytest.mark.parametrize("signal", ["SIGSEGV", "SIGABRT", "SIGBUS", "SIGILL", "SIGFPE"])
+def test_a_crash_running_a_request_is_not_passed_on(h: BrokerHarness, signal: str) -> None:
+    _start_on_w1(h)
+    h.broker.worker_exited("llm-0", f"killed by {signal}", 0.1)
+    assert bodies(h.drain_workers(), W2, REQUEST) == []  # llm-1 is spared
+    (reply,) = h.replies()
+    assert reply["code"] == 503 and reply["reason"] == "worker_lost"
+    assert f"killed by {signal}" in reply["message"] and "not retried" in reply["message"]
+    h.assert_each_answered_once()
+
+
+def test_a_sigkill_is_not_the_requests_fault_and_it_is_run_again(h: BrokerHarness) -> None:
+    _start_on_w1(h)
+    h.broker.worker_exited("llm-0", "killed by SIGKILL", 0.1)
+    (again,) = bodies(h.drain_workers(), W2, REQUEST)
+    assert again["prompt"] == "the poison"
+    h.final(W2, again["rid"], 0.3)
+    assert h.replies()[0]["status"] == "ok"
+    h.assert_each_answered_once()
+
+
+def test_crash_wording_is_the_supervisors() -> None:
+    from node.supervisor import describe_exit
+
+    assert crashed_running_it(describe_exit(-11)) and crashed_running_it(describe_exit(-6))
+    assert not crashed_running_it(describe_exit(-9))
+    assert not crashed_running_it("dead: missed heartbeats")
+    assert not crashed_running_it(describe_exit(3))
