@@ -251,6 +251,30 @@ def pin(cpus: Collection[int]) -> None:
         raise SandboxError(f"cannot pin to cores {format_cpus(cpus)}: {exc.strerror}") from exc
 
 
+def pin_all_threads(cpus: Collection[int], task_dir: Path = Path("/proc/self/task")) -> None:
+    """Pin every thread this process already has (and so those they create later).
+
+    ``pin`` moves only the calling thread; a library may have started threads at
+    import (numpy's OpenBLAS pool in the node: found by a break-it session on a
+    node whose ``workers.cpus = [1]`` still had one thread allowed on core 0).
+
+    Raises:
+        SandboxError: the kernel refused (a core offline or outside the cpuset).
+    """
+    if not cpus:
+        return
+    pin(cpus)
+    for tid in sorted(int(t) for t in os.listdir(task_dir)):
+        try:
+            os.sched_setaffinity(tid, set(cpus))
+        except ProcessLookupError:
+            continue  # a thread that ended meanwhile
+        except OSError as exc:
+            raise SandboxError(
+                f"cannot pin thread {tid} to cores {format_cpus(cpus)}: {exc.strerror}"
+            ) from exc
+
+
 def renice(nice: int) -> None:
     """Set the calling thread's nice level (inherited by threads created later).
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from node.affinity import CpuPlan, plan_cpus, process_priority
+from node.affinity import CpuPlan, pin_all_threads, plan_cpus, process_priority
 from node.config import NodeConfig, WorkersSection
 from node.engine import EngineSpec
 from node.sandbox import MemoryReading, Sandbox, cgroup_name, limits_for, options_for
@@ -140,7 +139,7 @@ class WorkerPool:
         if self.plan.node:
             # The broker (and its zmq threads, created later) stays on the node's
             # cores: the host's never see a token relayed (node/affinity.py).
-            os.sched_setaffinity(0, self.plan.node)
+            pin_all_threads(self.plan.node)
         self._prefault()
 
     def _prefault(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -186,6 +187,9 @@ def test_reserved_cores_keep_the_whole_node_off_the_hosts_cores(make_node: NodeF
     # The broker and the rules follow the reservation (node.cpus = []), ahead
     # of the workers by nice level: core 0 is the host's alone.
     assert psutil.Process(status["pid"]).cpu_affinity() == [1]
+    # Every thread, including those a library started at import (numpy's OpenBLAS pool).
+    for thread in psutil.Process(status["pid"]).threads():
+        assert os.sched_getaffinity(thread.id) == {1}, thread
     assert psutil.Process(by_id["rules-0"]["pid"]).cpu_affinity() == [1]
     assert by_id["rules-0"]["nice"] == 0
     for wid in ("llm-0", "llm-1"):

@@ -284,3 +284,27 @@ def test_process_priority_reads_nice_and_autogroup() -> None:
     assert me["autogroup_nice"] == (autogroup_nice() if autogroups_enabled() else None)
     gone = process_priority(2**22 + 12345)  # above pid_max's default: no such process
     assert gone == {"nice": None, "autogroup_nice": None}
+
+
+#: A process with a thread started before it pins itself, like the node after numpy's import.
+PIN_ALL = (
+    "import os, threading; from node.affinity import pin_all_threads; "
+    "stop = threading.Event(); t = threading.Thread(target=stop.wait); t.start(); "
+    "core = min(os.sched_getaffinity(0)); pin_all_threads([core]); "
+    "print(sorted({min(os.sched_getaffinity(int(x))) for x in os.listdir('/proc/self/task')}), "
+    "sorted({len(os.sched_getaffinity(int(x))) for x in os.listdir('/proc/self/task')}), core); "
+    "stop.set(); t.join()"
+)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two allowed cores")
+def test_pin_all_threads_moves_threads_started_earlier() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", PIN_ALL],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    ).stdout.split("] ")
+    core = out[-1].strip()
+    assert out[0] == f"[{core}" and out[1] == "[1"  # every thread: that one core only
