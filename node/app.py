@@ -21,7 +21,7 @@ from broker.admission import TokenCounter
 from broker.core import Broker, WorkerEvent
 from broker.loop import BrokerLoop
 from node.capacity import check_fits
-from node.config import NodeConfig, memory_max_bytes
+from node.config import NodeConfig
 from node.engine import EngineSpec, make_token_counter
 from node.migration_log import MigrationLog, migration_log_path
 from node.model import resolve_model, resolve_rules
@@ -29,6 +29,7 @@ from node.pidfile import remove_pidfile, write_pidfile
 from node.pool import WorkerPool
 from node.pressure import PressureMonitor
 from node.units import parse_size
+from node.worker_memory import describe, memory_max_bytes
 
 log = logging.getLogger("edgenode.node")
 
@@ -54,7 +55,7 @@ class Node:
         model = str(resolve_model(c.model.path)) if c.workers.engine == "llama" else "test"
         rules = str(resolve_rules(c.fallback.rules)) if c.fallback.rules else None
         self.plan = check_fits(c)  # refuse what cannot fit, before anything starts
-        pool = WorkerPool(c, model, rules, self.run_dir)  # so does an impossible core plan
+        pool = WorkerPool(c, model, rules, self.run_dir, self.plan)  # so does a bad core plan
         self.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)
         write_pidfile(self.pidfile)
@@ -136,7 +137,7 @@ class Node:
         """What the node's cgroup may hold when nothing sets a limit: the workers'
         limits, plus what the node itself holds (the shared weights it faulted in,
         its own and the rule worker's runtime)."""
-        one = memory_max_bytes(self.config.workers)
+        one = memory_max_bytes(self.config.workers, self.plan)
         if one is None:
             return None
         own = 2 * parse_size(self.config.capacity.runtime_overhead)
@@ -190,6 +191,7 @@ class Node:
                 "memory_high": self.plan.memory_high,
                 "total": self.plan.total,
                 "budget": self.plan.budget,
+                "worker_limits": describe(self.config.workers, self.plan),
             },
         }
 

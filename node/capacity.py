@@ -48,11 +48,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from broker.errors import ConfigError
 from node.budget import config_size, configured_budget
-from node.config import memory_max_bytes
 from node.engine import needs_flash_attn
 from node.gguf_meta import ModelMeta, read_gguf_meta
 from node.model import resolve_model
 from node.units import format_size as _format_size
+from node.worker_memory import memory_high_bytes, memory_max_bytes
 
 if TYPE_CHECKING:
     from node.config import NodeConfig
@@ -296,24 +296,34 @@ def config_plan(config: NodeConfig, **overrides: Any) -> tuple[Plan, ModelMeta |
 
 
 def check_fits(config: NodeConfig) -> Plan:
-    """The plan for ``config``, or a refusal; ``edgenode start`` calls it first.
+    """The plan for ``config``, or a refusal; ``edgenode start`` calls it first, and the
+    node takes the workers' limits from the plan it returns (``workers.memory_max =
+    "auto"``: ``node.worker_memory``).
 
     Raises:
         ConfigError: the configured workers do not fit the budget with the margin
             (the message says what was asked, what fits and which knob to turn),
-            a worker's ``memory_max`` is below what one worker needs, or a
+            a worker's ``memory_max`` is below what one worker needs, a
+            ``memory_high`` is above the plan's ``memory.max`` ("auto"), or a
             capacity key is invalid.
     """
     plan, meta = config_plan(config)
     if not plan.fits:
         raise ConfigError(refusal(plan, meta))
-    limit = memory_max_bytes(config.workers)
+    limit = memory_max_bytes(config.workers, plan)
     if config.workers.engine == "llama" and limit is not None and limit < plan.per_worker:
         raise ConfigError(
             f"capacity: workers.memory_max {format_size(limit)} is below the "
             f"{format_size(plan.per_worker)} one worker needs ({breakdown(plan)}): every worker "
             f"would be OOM-killed. Set workers.memory_max to {format_size(plan.memory_max)} or "
-            "more, or lower model.n_ctx."
+            'more (or "auto"), or lower model.n_ctx.'
+        )
+    high = memory_high_bytes(config.workers, plan)
+    if limit is not None and high is not None and high > limit:  # only "auto" gets here
+        raise ConfigError(
+            f"capacity: workers.memory_high {format_size(high)} is above the "
+            f'{format_size(limit)} the plan gives workers.memory_max = "auto". Leave '
+            'workers.memory_high "" (the plan\'s memory.high) or lower it.'
         )
     return plan
 

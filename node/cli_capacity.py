@@ -29,6 +29,7 @@ from node.capacity import (
 from node.config import NodeConfig, load_config
 from node.gguf_meta import ModelMeta
 from node.units import parse_size
+from node.worker_memory import describe, is_auto
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -98,7 +99,8 @@ def capacity(
         raise click.ClickException(exc.message) from exc
     if as_json:
         tips = [] if plan.fits else advice(plan, meta)
-        click.echo(json.dumps(plan.as_dict() | {"advice": tips}, indent=2, sort_keys=True))
+        data = plan.as_dict() | {"advice": tips, "worker_limits": describe(config.workers, plan)}
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
     else:
         click.echo(render(plan, meta, config))
     if not plan.fits:
@@ -149,9 +151,7 @@ def render(plan: Plan, meta: ModelMeta | None, config: NodeConfig) -> str:
         f" memory.max = {s(plan.memory_max)}"
         f" (estimate + {plan.margin / 2:.0%} / + {plan.margin:.0%})",
     ]
-    configured = getattr(config.workers, "memory_max", None)  # the sandbox's own setting
-    if configured is not None:
-        lines.append(f"            (configured workers.memory_max: {configured})")
+    lines.append(workers_line(config, plan))
     if plan.fits:
         lines.append(f"verdict     OK: {plan.workers} worker(s) asked, {plan.fits_safe} fit")
     else:
@@ -160,6 +160,20 @@ def render(plan: Plan, meta: ModelMeta | None, config: NodeConfig) -> str:
         )
         lines += [f"  turn a knob: {tip}" for tip in advice(plan, meta)]
     return "\n".join(lines)
+
+
+def workers_line(config: NodeConfig, plan: Plan) -> str:
+    """The limits ``edgenode start`` gives each model worker's cgroup with this plan."""
+    limits = describe(config.workers, plan)
+    setting = f'workers.memory_max = "{limits["setting"]}"'
+    if is_auto(config.workers):
+        setting += ": the plan's limits"
+    top, high = limits["memory_max"], limits["memory_high"]
+    caps = [
+        "no memory.max" if top is None else f"memory.max = {format_size(int(top))}",
+        "no memory.high" if high is None else f"memory.high = {format_size(int(high))}",
+    ]
+    return f"workers     {', '.join(caps)} per worker at start ({setting})"
 
 
 def _model_lines(plan: Plan, meta: ModelMeta) -> list[str]:

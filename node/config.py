@@ -19,7 +19,8 @@ from broker.breaker import BreakerSettings
 from broker.core import BrokerSettings
 from broker.errors import ConfigError
 from broker.routing import MODES, RoutingSettings
-from node.units import format_size, parse_cores, parse_size
+from node.units import parse_cores
+from node.worker_memory import validate_memory
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -324,18 +325,7 @@ def _validate_isolation(w: WorkersSection) -> None:
             f'workers.cgroup_root must be "" or a cgroup path like "/edgenode.slice", '
             f"got {w.cgroup_root!r}"
         )
-    limit = memory_max_bytes(w)
-    high = memory_high_bytes(w)
-    if limit is not None and limit < MIN_MEMORY_MAX:
-        raise ConfigError(
-            f"workers.memory_max = {w.memory_max!r} is below {format_size(MIN_MEMORY_MAX)}: "
-            "a worker cannot even start in that"
-        )
-    if limit is not None and high is not None and high > limit:
-        raise ConfigError(
-            f"workers.memory_high ({w.memory_high!r}) must not exceed workers.memory_max "
-            f"({w.memory_max!r})"
-        )
+    validate_memory(w)  # a size or "max"; "auto" is checked against the plan at start
     try:
         parse_cores(w.cpu_quota)
     except ValueError as exc:
@@ -348,40 +338,6 @@ def _validate_isolation(w: WorkersSection) -> None:
 def _core_list(key: str, cpus: tuple[int, ...]) -> None:
     if any(c < 0 for c in cpus) or len(set(cpus)) != len(cpus):
         raise ConfigError(f"{key} must list distinct core numbers >= 0, got {list(cpus)}")
-
-
-#: The smallest per-worker memory.max accepted (bytes): below it an interpreter cannot start.
-MIN_MEMORY_MAX = 16 * 1024 * 1024
-
-
-def memory_max_bytes(w: WorkersSection) -> int | None:
-    """``workers.memory_max`` in bytes; None = "max" (no limit).
-
-    Raises:
-        ConfigError: not a size.
-    """
-    return _size_or_max("workers.memory_max", w.memory_max)
-
-
-def memory_high_bytes(w: WorkersSection) -> int | None:
-    """``workers.memory_high`` in bytes: "" = 90 % of memory_max, "max" = no watermark (None).
-
-    Raises:
-        ConfigError: not a size.
-    """
-    if w.memory_high == "":
-        limit = memory_max_bytes(w)
-        return None if limit is None else limit * 9 // 10
-    return _size_or_max("workers.memory_high", w.memory_high)
-
-
-def _size_or_max(key: str, value: str | int) -> int | None:
-    if isinstance(value, str) and value.strip().lower() == "max":
-        return None
-    try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise ConfigError(f'{key}: {exc}, or "max"') from exc
 
 
 def _positive(key: str, value: int, minimum: int) -> None:

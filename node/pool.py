@@ -22,6 +22,7 @@ from node.sandbox import MemoryReading, Sandbox, cgroup_name, limits_for, option
 from node.supervisor import Supervisor
 from node.units import format_size, parse_cores
 from node.worker import WorkerSpec
+from node.worker_memory import PlannedLimits
 
 log = logging.getLogger("edgenode.pool")
 
@@ -54,15 +55,23 @@ class WorkerPool:
         model_path: the resolved GGUF file (or "test" for the test engine).
         rules_path: the resolved rules file, or None for no rule worker.
         run_dir: logs go to ``<run_dir>/logs``; the cgroup name derives from it.
+        capacity: the capacity plan (``node.capacity.check_fits``), whose limits
+            ``workers.memory_max = "auto"`` gives every model worker's cgroup.
 
     Raises:
         ConfigError: an impossible core reservation (before anything starts).
     """
 
     def __init__(
-        self, config: NodeConfig, model_path: str, rules_path: str | None, run_dir: Path
+        self,
+        config: NodeConfig,
+        model_path: str,
+        rules_path: str | None,
+        run_dir: Path,
+        capacity: PlannedLimits | None = None,
     ) -> None:
         self.config = config
+        self.capacity = capacity
         w = config.workers
         self.plan: CpuPlan = plan_workers(w, config.node.cpus)
         self.sandbox = Sandbox(options_for(w, self.plan, cgroup_name(run_dir)))
@@ -173,7 +182,7 @@ class WorkerPool:
         if not self.sandbox.active or spec.worker_id == RULES_WORKER:
             return spec
         paths = self.sandbox.create_worker(
-            spec.worker_id, limits_for(self.config.workers, spec.cpus)
+            spec.worker_id, limits_for(self.config.workers, spec.cpus, self.capacity)
         )
         reading = self.memory(spec.worker_id)
         self._oom_base[spec.worker_id] = reading.oom_kills if reading is not None else 0

@@ -46,9 +46,10 @@ at READY.
 
 Use. In the node, before it starts threads: ``plan_cpus`` (node.affinity), then
 ``Sandbox(options_for(cfg.workers, plan, cgroup_name(run_dir))).open()``; before
-each spawn ``create_worker(id, limits_for(cfg.workers, placement.cpus))`` (it also
-resets a reused cgroup); ``memory(id)`` / ``memory()`` for status and admission;
-``close()`` after the workers are reaped. In the worker, first thing:
+each spawn ``create_worker(id, limits_for(cfg.workers, placement.cpus, capacity))``
+(``capacity``: the plan ``node.capacity.check_fits`` returned; ``create_worker``
+also resets a reused cgroup); ``memory(id)`` / ``memory()`` for status and
+admission; ``close()`` after the workers are reaped. In the worker, first thing:
 ``join_cgroup(paths)``, then ``node.affinity.apply_placement(cpus, nice)``, then
 load the model.
 
@@ -75,8 +76,9 @@ from node.cgroup_layout import Layout, Mount, parse_layout, read_layout
 from node.cgroup_v1 import V1Backend
 from node.cgroup_v2 import V2Backend
 from node.cgroupfs import KILL_WAIT_S, NODE_LEAF, V1_UNLIMITED, Host, join, pids_in
-from node.config import SANDBOX_MODES, WorkersSection, memory_high_bytes, memory_max_bytes
+from node.config import SANDBOX_MODES, WorkersSection
 from node.units import parse_cores, quota_us
+from node.worker_memory import PlannedLimits, memory_high_bytes, memory_max_bytes
 
 __all__ = [
     "KILL_WAIT_S",
@@ -110,11 +112,18 @@ WORKER_PREFIX = "worker-"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
 
 
-def limits_for(workers: WorkersSection, cpus: Sequence[int] = ()) -> Limits:
-    """A worker's limits from the config and its planned cores (``Placement.cpus``)."""
+def limits_for(
+    workers: WorkersSection, cpus: Sequence[int] = (), plan: PlannedLimits | None = None
+) -> Limits:
+    """A worker's limits from the config, its planned cores (``Placement.cpus``) and the
+    capacity plan (``node.capacity.check_fits``), which ``memory_max = "auto"`` reads.
+
+    Raises:
+        ConfigError: ``memory_max = "auto"`` and no plan.
+    """
     return Limits(
-        memory_max=memory_max_bytes(workers),
-        memory_high=memory_high_bytes(workers),
+        memory_max=memory_max_bytes(workers, plan),
+        memory_high=memory_high_bytes(workers, plan),
         cpu_quota_us=quota_us(parse_cores(workers.cpu_quota)),
         cpus=tuple(cpus),
         nice=workers.nice,

@@ -72,10 +72,15 @@ def _capacity_line(plan: dict[str, Any] | None, memory: dict[str, Any]) -> str |
         return None
     measured = memory.get("working_set")
     grammar = f", {_size(plan['grammar'])} of it for a json_schema" if plan.get("grammar") else ""
+    limits = plan.get("worker_limits") or {}
+    applied = ""
+    if limits:
+        top = "none" if limits.get("memory_max") is None else _size(limits["memory_max"])
+        applied = f'; workers get memory.max {top} (workers.memory_max = "{limits["setting"]}")'
     return (
-        f"capacity plan: {_size(plan.get('per_worker'))} per worker{grammar} (suggested "
-        f"memory.max {_size(plan.get('memory_max'))}), {_size(plan.get('total'))} in all of "
-        f"{_size(plan.get('budget'))}; measured working set {_size(measured)}"
+        f"capacity plan: {_size(plan.get('per_worker'))} per worker{grammar} (plan's "
+        f"memory.max {_size(plan.get('memory_max'))}){applied}, {_size(plan.get('total'))} in "
+        f"all of {_size(plan.get('budget'))}; measured working set {_size(measured)}"
     )
 
 

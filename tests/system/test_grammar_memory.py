@@ -1,5 +1,5 @@
-"""JSON-schema requests against a worker whose cgroup has exactly the capacity plan's
-memory.max (real model, real cgroup, root).
+"""JSON-schema requests against workers whose cgroups have exactly the capacity plan's
+memory.max, set by hand or by ``workers.memory_max = "auto"`` (real model, real cgroup, root).
 
 The plan's grammar allowance (node.capacity.grammar_allowance) must cover what the
 largest schemas node.grammar admits cost: each request here fills the context first,
@@ -9,6 +9,7 @@ so the KV cache and the attention scratch are touched, then generates under the 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,9 @@ import pytest
 from test_cgroups import _skip_reason
 
 from broker.errors import TooLarge
+from fallback.intents import INTENT_PROMPT, INTENT_SCHEMA
 from node.capacity import config_plan
+from node.cgroupfs import read_int
 from node.config import from_dict
 from node.grammar import MAX_REPEAT, MAX_SCHEMA_DEPTH
 from nodeproc import NodeProcess
@@ -58,11 +61,11 @@ def usable() -> None:
         pytest.skip(reason)
 
 
-def node_sections(memory_max: str | int) -> dict[str, dict[str, Any]]:
+def node_sections(memory_max: str | int, count: int = 1) -> dict[str, dict[str, Any]]:
     return {
         "workers": {
             "engine": "llama",
-            "count": 1,
+            "count": count,
             "sandbox": "required",
             "memory_max": memory_max,
         },
@@ -122,3 +125,42 @@ def private_bytes(pid: int) -> int:
             for line in fh
             if line.startswith(("Private_Clean:", "Private_Dirty:"))
         )
+
+
+@pytest.mark.timeout(420)
+def test_auto_gives_the_workers_the_plans_limits_and_they_serve_schemas(
+    usable: None, make_node: NodeFactory
+) -> None:
+    node = make_node(**node_sections("auto", count=2))
+    status = node.status()
+    plan = status["capacity"]
+    limits = {"setting": "auto"} | {k: plan[k] for k in ("memory_max", "memory_high")}
+    assert plan["worker_limits"] == limits
+    printed = node.cli("capacity", "--json")  # what an operator checks before starting
+    assert json.loads(printed.stdout)["worker_limits"] == limits, printed.stderr
+    before = {p["worker_id"]: p for p in status["processes"]}
+    assert sorted(before) == ["llm-0", "llm-1"]
+    for proc in before.values():
+        cgroup = Path(proc["cgroup"])
+        limit = read_int(cgroup / "memory.limit_in_bytes") or read_int(cgroup / "memory.max")
+        assert limit == plan["memory_max"]  # the kernel's own file, not just our status
+        assert proc["memory"]["high"] == plan["memory_high"]
+
+    with node.client(wait_ms=120_000) as c:
+        plain = c.generate("The capital of France is", max_tokens=8, route="llm")
+        intent = c.chat(
+            [{"role": "system", "content": INTENT_PROMPT}, {"role": "user", "content": "lights"}],
+            json_schema=INTENT_SCHEMA,
+            max_tokens=48,
+            temperature=0.0,
+            route="llm",
+        )
+    assert plain.served_by == intent.served_by == "llm"
+    assert "intent" in json.loads(intent.text)
+    assert fill_and_ask(node, LONGEST_STRING).startswith('{"text":')
+
+    after = {p["worker_id"]: p for p in node.status()["processes"]}
+    for wid, proc in after.items():
+        assert (proc["pid"], proc["restarts"], proc["oom_kills"]) == (before[wid]["pid"], 0, 0)
+        assert proc["memory"]["limit"] == plan["memory_max"]
+        assert proc["memory"]["peak"] is None or proc["memory"]["peak"] <= plan["memory_max"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from broker.errors import ConfigError, SandboxError
-from node.config import WorkersSection, from_dict, memory_high_bytes, validate
+from node.config import WorkersSection, from_dict, validate
 from node.sandbox import (
     V1_UNLIMITED,
     Host,
@@ -31,6 +31,7 @@ from node.sandbox import (
     parse_layout,
 )
 from node.units import format_size, parse_size
+from node.worker_memory import memory_high_bytes
 
 NODE_PID = 4242
 SERVICE = "/system.slice/edgenode.service"
