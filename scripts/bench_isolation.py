@@ -268,6 +268,7 @@ class Generator(threading.Thread):
         self.current_start: float | None = None
         self.token_times: list[float] = []
         self.errors: list[str] = []
+        self.error_count = 0
 
     def run(self) -> None:
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
@@ -294,6 +295,9 @@ class Generator(threading.Thread):
             "temperature": 0.8,
             "route": "llm",
             "stream": True,
+            # Long enough for max_tokens on a shared core: admission refuses, up
+            # front, what its size says cannot finish by the deadline.
+            "timeout_ms": 600_000,
         }
         sock.send_multipart([b"", p.CLIENT_TAG, p.pack(body)])
         self.current_start = start = time.monotonic()
@@ -312,7 +316,10 @@ class Generator(threading.Thread):
                 self.token_times.append(time.monotonic())
                 continue
             if reply["status"] == "error" and reply.get("code") != 499:
-                self.errors.append(f"{reply.get('code')} {reply.get('message')}")
+                if len(self.errors) < 5:  # the first few say why; the rest would only repeat
+                    self.errors.append(f"{reply.get('code')} {reply.get('message')}")
+                self.error_count += 1
+                time.sleep(0.5)  # a refused request must not become a busy loop
             break
         self.spans.append((start, time.monotonic()))
         self.current_start = None
@@ -431,6 +438,7 @@ class Config:
             "busy_coverage": round(min(self.coverage), 4),
             "tok_per_s": round(statistics.mean(self.rates), 1),
             "errors": [e for g in self.gens for e in g.errors],
+            "error_count": sum(g.error_count for g in self.gens),
             "capacity": self.capacity,
             "memory": self.memory,
         }
@@ -539,7 +547,7 @@ def report_probe(result: dict[str, Any], args: argparse.Namespace) -> None:
         )
     for c in configs:
         if c["errors"]:
-            print(f"  {c['name']}: generator errors: {c['errors']}")
+            print(f"  {c['name']}: {c['error_count']} generator errors, first: {c['errors']}")
 
 
 def report_memory(configs: list[dict[str, Any]]) -> None:
