@@ -249,31 +249,30 @@ needs_autogroups = pytest.mark.skipif(
 )
 
 
+def run_code(code: str, *, new_session: bool = False) -> str:
+    """stdout of ``code`` in a fresh interpreter started from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        start_new_session=new_session,
+        cwd=Path(__file__).resolve().parents[2],
+    ).stdout
+
+
 @needs_autogroups
 def test_a_worker_in_its_own_session_renices_its_autogroup() -> None:
     # The case that made nice 10 useless: a session of its own is an autogroup
     # that competes with the host's at nice 0 (node/affinity.py, "Priority").
-    out = subprocess.run(
-        [sys.executable, "-c", PLACE],
-        capture_output=True,
-        text=True,
-        check=True,
-        start_new_session=True,
-        cwd=Path(__file__).resolve().parents[2],
-    ).stdout.split()
+    out = run_code(PLACE, new_session=True).split()
     assert out[0] == "12" and out[-2:] == ["nice", "12"]
 
 
 @needs_autogroups
 def test_a_process_that_is_not_a_session_leader_leaves_its_sessions_autogroup_alone() -> None:
     before = autogroup_nice()
-    out = subprocess.run(
-        [sys.executable, "-c", PLACE],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=Path(__file__).resolve().parents[2],
-    ).stdout.split()
+    out = run_code(PLACE).split()
     assert out[0] == "12" and out[-1] == str(before)  # only the process was reniced
     assert autogroup_nice() == before
 
@@ -299,12 +298,6 @@ PIN_ALL = (
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two allowed cores")
 def test_pin_all_threads_moves_threads_started_earlier() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", PIN_ALL],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=Path(__file__).resolve().parents[2],
-    ).stdout.split("] ")
+    out = run_code(PIN_ALL).split("] ")
     core = out[-1].strip()
     assert out[0] == f"[{core}" and out[1] == "[1"  # every thread: that one core only
