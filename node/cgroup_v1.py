@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from broker.errors import SandboxError
-from node.affinity import format_cpus, nice_weight
+from node.affinity import format_cpus
 from node.cgroup_backend import (
     Limits,
     MemoryReading,
@@ -37,6 +37,7 @@ from node.cgroupfs import (
     reap_stale,
     write_if_present,
 )
+from node.priority import nice_weight
 
 
 @dataclass

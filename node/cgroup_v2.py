@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from broker.errors import SandboxError
-from node.affinity import cpu_weight_v2, format_cpus
+from node.affinity import format_cpus
 from node.cgroup_backend import (
     Limits,
     MemoryReading,
@@ -36,6 +36,7 @@ from node.cgroupfs import (
     reap_stale,
     write_if_present,
 )
+from node.priority import cpu_weight_v2
 
 
 class V2Backend:

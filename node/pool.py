@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from node.affinity import CpuPlan, pin_all_threads, plan_cpus, process_priority
+from node.affinity import CpuPlan, pin_all_threads, plan_cpus
 from node.config import NodeConfig, WorkersSection
 from node.engine import EngineSpec
+from node.priority import process_priority
 from node.sandbox import MemoryReading, Sandbox, cgroup_name, limits_for, options_for
 from node.supervisor import Supervisor
 from node.units import format_size, parse_cores
@@ -213,7 +214,7 @@ class WorkerPool:
 
     def status(self) -> list[dict[str, Any]]:
         """Per worker: process state, cgroup, memory, OOM kills, cpus, threads, nice
-        levels (``nice``, ``autogroup_nice``: see node.affinity)."""
+        levels (``nice``, ``autogroup_nice``: see node.priority)."""
         out = []
         for entry, spec in zip(self.supervisor.status(), self.specs, strict=True):
             wid = entry["worker_id"]

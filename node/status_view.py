@@ -100,7 +100,7 @@ def _worker_line(proc: dict[str, Any], reg: dict[str, Any] | None) -> str:
 
 def _nice(proc: dict[str, Any]) -> str:
     """The nice level; "10/0" when the worker's autogroup, which is what ranks it
-    against the host's sessions, has another (node.affinity)."""
+    against the host's sessions, has another (node.priority)."""
     nice, group = proc.get("nice"), proc.get("autogroup_nice")
     if nice is None:
         return "-"

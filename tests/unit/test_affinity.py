@@ -13,23 +13,25 @@ from pathlib import Path
 import pytest
 
 from broker.errors import ConfigError, SandboxError
-from node import affinity
+from node import priority
 from node.affinity import (
     Placement,
     apply_placement,
-    autogroup_nice,
-    autogroups_enabled,
-    cpu_weight_v2,
     format_cpus,
-    nice_weight,
     parse_cpus,
     pin,
     plan_cpus,
-    process_priority,
-    set_autogroup_nice,
     split_cores,
     threads_for_quota,
     usable_threads,
+)
+from node.priority import (
+    autogroup_nice,
+    autogroups_enabled,
+    cpu_weight_v2,
+    nice_weight,
+    process_priority,
+    set_autogroup_nice,
 )
 from node.units import parse_cores, quota_us
 
@@ -222,7 +224,7 @@ def test_set_autogroup_nice_only_lowers_and_only_for_a_session_leader(
 ) -> None:
     f = tmp_path / "autogroup"
     f.write_text("/autogroup-52 nice 5\n")
-    monkeypatch.setattr(affinity, "autogroups_enabled", lambda: True)
+    monkeypatch.setattr(priority, "autogroups_enabled", lambda: True)
     monkeypatch.setattr(os, "getsid", lambda _pid: os.getpid())
     assert set_autogroup_nice(10, f) is True
     assert f.read_text() == "10\n"  # what the kernel is given; it shows "/autogroup-52 nice 10"
@@ -232,7 +234,7 @@ def test_set_autogroup_nice_only_lowers_and_only_for_a_session_leader(
     monkeypatch.setattr(os, "getsid", lambda _pid: os.getpid() + 1)  # not a session leader
     assert set_autogroup_nice(15, f) is False
     assert f.read_text() == "/autogroup-52 nice 10\n"
-    monkeypatch.setattr(affinity, "autogroups_enabled", lambda: False)
+    monkeypatch.setattr(priority, "autogroups_enabled", lambda: False)
     monkeypatch.setattr(os, "getsid", lambda _pid: os.getpid())
     assert set_autogroup_nice(15, f) is False  # no autogroups: the thread's nice is enough
 
@@ -264,7 +266,7 @@ def run_code(code: str, *, new_session: bool = False) -> str:
 @needs_autogroups
 def test_a_worker_in_its_own_session_renices_its_autogroup() -> None:
     # The case that made nice 10 useless: a session of its own is an autogroup
-    # that competes with the host's at nice 0 (node/affinity.py, "Priority").
+    # that competes with the host's at nice 0 (node/priority.py).
     out = run_code(PLACE, new_session=True).split()
     assert out[0] == "12" and out[-2:] == ["nice", "12"]
 
