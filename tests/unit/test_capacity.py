@@ -29,21 +29,10 @@ from node.cgroupfs import Host
 from node.cli_capacity import capacity
 from node.config import from_dict
 from node.gguf_meta import ModelMeta, read_gguf_meta
-from node.model import resolve_model
 from node.units import parse_size
 
 MiB, GiB = 1 << 20, 1 << 30
 TEXTBOOK = ["--memory", "8G", "--weights", "4.2G", "--kv-per-seq", "256M", "--reserve", "1.5G"]
-
-
-@pytest.fixture(scope="module")
-def gemma() -> ModelMeta:
-    """The default model's metadata (Gemma 3 270M Q4_K_M), read without its weights."""
-    try:
-        path = resolve_model("default")
-    except ConfigError as exc:
-        pytest.skip(f"default model not available: {exc.message}")
-    return read_gguf_meta(path)
 
 
 def config(**sections: dict[str, Any]) -> Any:

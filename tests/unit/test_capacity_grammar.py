@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from gguf import GGUFWriter
+from test_capacity import config  # one plan-config helper for both files
 
 from broker.errors import ConfigError
 from node.capacity import (
@@ -25,29 +25,10 @@ from node.capacity import (
     grammar_allowance,
 )
 from node.cli_capacity import capacity
-from node.config import from_dict
 from node.gguf_meta import ModelMeta, read_gguf_meta
-from node.model import resolve_model
 
 MiB, GiB = 1 << 20, 1 << 30
 GEMMA_VOCAB = 262_144
-
-
-@pytest.fixture(scope="module")
-def gemma() -> ModelMeta:
-    try:
-        return read_gguf_meta(resolve_model("default"))
-    except ConfigError as exc:
-        pytest.skip(f"default model not available: {exc.message}")
-
-
-def config(**sections: dict[str, Any]) -> Any:
-    data: dict[str, dict[str, Any]] = {
-        "capacity": {"memory_budget": "8G", "reserve": "1G", "runtime_overhead": "88M"}
-    }
-    for name, values in sections.items():
-        data.setdefault(name, {}).update(values)
-    return from_dict(data)
 
 
 def test_the_allowance_is_bytes_per_vocabulary_token() -> None:
