@@ -200,7 +200,7 @@ def _on_worker_event(pool: WorkerPool, event: WorkerEvent) -> None:
     if event.kind == "ready":
         pool.supervisor.worker_ready(event.worker_id, event.pid)
     elif event.kind == "lost":
-        pool.supervisor.worker_lost(event.worker_id, event.pid, event.reason)
+        pool.lose(event.worker_id, event.pid, event.reason)
 
 
 def _token_counter(engine: EngineSpec) -> TokenCounter | None:

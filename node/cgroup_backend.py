@@ -69,6 +69,12 @@ class SandboxOptions:
     nice: int = 0
 
 
+#: Share of memory.max above which a worker's working set counts as at its limit.
+#: Our own threshold, not a kernel one: the kernel reclaims at the limit itself;
+#: 0.9 leaves room for the runtime's few MiB of jitter between readings.
+NEAR_LIMIT = 0.9
+
+
 @dataclass(frozen=True)
 class MemoryReading:
     """A cgroup's memory, in bytes (counts are event counts).
@@ -92,6 +98,19 @@ class MemoryReading:
     high_events: int | None
     swap: int | None
     inactive_file: int = 0
+
+    @property
+    def working_set(self) -> int:
+        """Usage minus reclaimable page cache, in bytes (the kubelet's eviction signal)."""
+        return max(0, self.current - self.inactive_file)
+
+    @property
+    def near_limit(self) -> bool:
+        """Working set at or above ``NEAR_LIMIT`` of ``limit``: the kernel is reclaiming
+        the process's own pages. Without swap (the node turns it off) a worker there
+        stalls in direct reclaim for seconds before the OOM killer ends it, long
+        enough to miss its heartbeats on a loaded host (seen in a break-it run)."""
+        return self.limit is not None and self.working_set >= NEAR_LIMIT * self.limit
 
     @property
     def over_high(self) -> bool:

@@ -201,6 +201,22 @@ class WorkerPool:
         limit = format_size(reading.limit) if reading.limit is not None else "its limit"
         return f"OOM-killed in its cgroup at memory.max {limit}"
 
+    def lose(self, worker_id: str, pid: int | None, reason: str) -> None:
+        """The broker gave up on ``worker_id`` (dead, stalled, hung): kill it.
+
+        A verdict on a worker whose working set was at its cgroup's limit says so
+        in the exit reason (``MemoryReading.near_limit``): it was most likely stuck
+        in reclaim rather than hung in its own code, and the fix is a larger
+        ``workers.memory_max`` or a smaller context, not a shorter timeout.
+        """
+        reading = self.memory(worker_id) if worker_id != RULES_WORKER else None
+        if reading is not None and reading.near_limit and reading.limit is not None:
+            reason += (
+                f", at its memory limit (working set {format_size(reading.working_set)}"
+                f" of memory.max {format_size(reading.limit)})"
+            )
+        self.supervisor.worker_lost(worker_id, pid, reason)
+
     # ------------------------------------------------------------------ readings
 
     def memory(self, worker_id: str | None = None) -> MemoryReading | None:

@@ -67,7 +67,7 @@ class PressureMonitor:
     def _classify(self, reading: MemoryReading) -> str:
         s = self.settings
         budget = self.budget(reading)
-        working_set = max(0, reading.current - reading.inactive_file)
+        working_set = reading.working_set
         pct = 100.0 * working_set / budget if budget else 0.0
         new_high_events = (
             reading.high_events is not None

@@ -50,6 +50,11 @@ NodeFactory = Callable[..., NodeProcess]
 MiB = 2**20
 LIMIT = "64M"  # per worker: an idle test-engine worker charges well under 1 MiB
 HOG_MIB = 200
+#: The shipped heartbeats (3 s to a verdict), not the tests' fast 300 ms: a worker
+#: thrashing at its limit on a loaded host can miss 300 ms of heartbeats before the
+#: OOM killer ends it, and these tests are about the OOM kill (the missed-heartbeat
+#: verdict at the limit has its own test below).
+OOM_BROKER = {"heartbeat_interval_ms": 1000}
 #: ~8 s of streaming (80 tokens x 100 ms): outlasts the hog's two OOM kills and restarts.
 LONG_STREAM = "!slow 100 " + " ".join(f"w{i}" for i in range(78))
 
@@ -117,7 +122,7 @@ class Pinger(threading.Thread):
 def test_oom_kill_stays_in_the_workers_cgroup_and_the_node_keeps_serving(
     usable: None, make_node: NodeFactory
 ) -> None:
-    node = make_node(workers={"memory_max": LIMIT, "sandbox": "required"})
+    node = make_node(workers={"memory_max": LIMIT, "sandbox": "required"}, broker=OOM_BROKER)
     assert node.proc is not None
     before = node.status()
     assert before["pid"] == node.proc.pid  # the broker runs in the node process
@@ -198,7 +203,9 @@ def test_oom_kill_stays_in_the_workers_cgroup_and_the_node_keeps_serving(
 def test_a_later_crash_is_not_blamed_on_an_earlier_oom_kill(
     usable: None, make_node: NodeFactory
 ) -> None:
-    node = make_node(workers={"count": 1, "memory_max": LIMIT, "sandbox": "required"})
+    node = make_node(
+        workers={"count": 1, "memory_max": LIMIT, "sandbox": "required"}, broker=OOM_BROKER
+    )
     col = Collector(node.frontend)
     try:
         col.send(id="hog", op="generate", prompt=f"!hog {HOG_MIB}", timeout_ms=30_000)
@@ -220,6 +227,26 @@ def test_a_later_crash_is_not_blamed_on_an_earlier_oom_kill(
     )
     (worker,) = status["processes"]
     assert (worker["last_exit"], worker["oom_kills"]) == ("killed by SIGKILL", 2)
+
+
+def test_a_worker_lost_at_its_memory_limit_says_so(usable: None, make_node: NodeFactory) -> None:
+    # A worker stuck in reclaim at its limit misses heartbeats before the OOM
+    # killer comes; a SIGSTOP at 60 of 64 MiB is that stall, made reproducible.
+    node = make_node(workers={"count": 1, "memory_max": LIMIT, "sandbox": "required"})
+    with Client(node.frontend, wait_ms=10_000) as client:
+        assert client.generate("!hog 60 held", max_tokens=1).text == "echo:"
+    (worker,) = node.status()["processes"]
+    assert worker["memory"]["current"] >= 60 * MiB  # the hog is held, under the limit
+    os.kill(worker["pid"], signal.SIGSTOP)
+    status = wait_for(lambda: (s := node.status())["processes"][0]["restarts"] == 1 and s)
+    (after,) = status["processes"]
+    assert after["last_exit"].startswith("dead: missed heartbeats, at its memory limit ("), after
+    assert "of memory.max 64 MiB)" in after["last_exit"] and after["oom_kills"] == 0, after
+    # A plain stall away from the limit gets the plain verdict.
+    fresh = wait_for(lambda: (s := node.status())["all_ready"] and s)["processes"][0]
+    os.kill(fresh["pid"], signal.SIGSTOP)
+    status = wait_for(lambda: (s := node.status())["processes"][0]["restarts"] == 2 and s)
+    assert status["processes"][0]["last_exit"] == "dead: missed heartbeats (killed by SIGKILL)"
 
 
 # --------------------------------------------------------------------------- leftovers

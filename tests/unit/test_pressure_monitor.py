@@ -57,3 +57,13 @@ def test_the_cgroup_limit_wins_over_the_default_budget() -> None:
     src.use(900, limit_mib=1000)
     assert mon.poll(0.0) == "high"
     assert mon.snapshot()["budget"] == 1000 * MiB
+
+
+def test_near_limit_counts_the_working_set_not_the_page_cache() -> None:
+    source = FakeSource()
+    source.use(58, limit_mib=64)  # 90.6 % of memory.max: the kernel reclaims its own pages
+    assert source.reading.working_set == 58 * MiB and source.reading.near_limit
+    source.use(63, inactive_mib=10, limit_mib=64)  # mostly page cache: reclaim is cheap
+    assert source.reading.working_set == 53 * MiB and not source.reading.near_limit
+    source.use(63)  # no limit: never near it
+    assert not source.reading.near_limit
