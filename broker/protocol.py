@@ -53,6 +53,10 @@ WORKER_TAG = b"EDGE/W1"
 #: body still gets a typed reply instead of a silent disconnect.
 DEFAULT_MAX_BODY_BYTES = 256 * 1024
 
+#: Deepest nesting of maps and lists msgpack's C unpacker decodes, the outermost
+#: map included (its stack of 1024 containers); a deeper body is refused (400).
+MSGPACK_MAX_DEPTH = 1024
+
 
 class WorkerCommand(bytes, Enum):
     """Commands of the worker conversation (third frame after "" and the tag)."""
@@ -89,7 +93,9 @@ def unpack_map(data: bytes) -> dict[str, Any]:
     body cannot make the unpacker allocate more than its own size suggests.
 
     Raises:
-        ProtocolError: not msgpack, trailing bytes, or not a map of str keys.
+        ProtocolError: not msgpack (the message says why: e.g. the byte 0xc1,
+            nesting deeper than ``MSGPACK_MAX_DEPTH``, truncated), trailing
+            bytes, or not a map of str keys.
     """
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
@@ -98,13 +104,28 @@ def unpack_map(data: bytes) -> dict[str, Any]:
             raise ProtocolError(
                 "map keys (field names) must be msgpack str, got an integer"
             ) from exc
-        raise ProtocolError(f"body is not valid msgpack: {exc or type(exc).__name__}") from exc
+        raise ProtocolError(f"body is not valid msgpack: {_unpack_failure(exc)}") from exc
     except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(f"body is not valid msgpack: {exc or type(exc).__name__}") from exc
+        raise ProtocolError(f"body is not valid msgpack: {_unpack_failure(exc)}") from exc
     if not isinstance(obj, dict):
         raise ProtocolError(f"body must be a msgpack map, got {type(obj).__name__}")
     _check_str_keys(obj)
     return obj
+
+
+def _unpack_failure(exc: Exception) -> str:
+    """What is wrong with a body msgpack refused, as a non-empty phrase."""
+    # The C unpacker raises StackError and FormatError without any text.
+    if isinstance(exc, msgpack.StackError):
+        return f"nesting deeper than {MSGPACK_MAX_DEPTH} maps and lists"
+    text = str(exc)
+    if isinstance(exc, msgpack.FormatError):
+        # The only byte msgpack leaves undefined; the pure-Python unpacker names it itself.
+        return text or "byte 0xc1, which msgpack never uses"
+    if "exceeds max_" in text:
+        # unpackb caps every length at the body's size: a larger one is cut off data.
+        return f"truncated ({text})"
+    return text or type(exc).__name__
 
 
 def _check_str_keys(obj: dict[Any, Any]) -> None:
