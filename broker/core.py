@@ -368,6 +368,7 @@ class Broker:
             "draining": self.draining,
             "workers": workers,
             "counters": dict(self.stats.counters),
+            "service": self.stats.snapshot(),
         }
         if self._status_hook is not None:
             node.update(self._status_hook())

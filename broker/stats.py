@@ -80,6 +80,19 @@ class Stats:
             ttft_s = job.first_token_at - job.dispatched_at
             self.sizes.observe(job.kind, job.req, max_tokens, ttft_s, total_s, usage)
 
+    def snapshot(self) -> dict[str, dict[str, float | int | None]]:
+        """For ``status``, per engine kind observed: ``mean_ms`` (dispatch to final),
+        ``samples``, and the learned per-token rates (``ServiceModel.snapshot``:
+        ``prefill_ms_per_token``, ``decode_ms_per_token``, ...) once they exist."""
+        return {
+            kind: {
+                "mean_ms": round(self._service[kind] * 1000, 1),
+                "samples": self._samples[kind],
+                **(self.sizes.snapshot(kind) or {}),
+            }
+            for kind in sorted(self._service)
+        }
+
     def retry_after_ms(self, queued: int, slots: int, kind: str = "llm") -> int:
         """Time until the queue ahead would have drained, in ms, clamped.
 

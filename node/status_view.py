@@ -29,6 +29,8 @@ def render_status(node: dict[str, Any]) -> str:
     counters = node.get("counters", {})
     if counters:
         lines += ["", "requests: " + ", ".join(f"{k} {v}" for k, v in sorted(counters.items()))]
+    if node.get("service"):
+        lines.append(_service_line(node["service"]))
     return "\n".join(line for line in lines if line is not None)
 
 
@@ -82,6 +84,21 @@ def _capacity_line(plan: dict[str, Any] | None, memory: dict[str, Any]) -> str |
         f"memory.max {_size(plan.get('memory_max'))}){applied}, {_size(plan.get('total'))} in "
         f"all of {_size(plan.get('budget'))}; measured working set {_size(measured)}"
     )
+
+
+def _service_line(service: dict[str, dict[str, Any]]) -> str:
+    """What admission predicts from: per engine kind the mean service time and,
+    once learned, the prefill and decode rates (broker.service)."""
+    parts = []
+    for kind, s in service.items():
+        rates = ""
+        if s.get("decode_ms_per_token") is not None:
+            rates = (
+                f"; prefill {s['prefill_ms_per_token']:g} ms/token,"
+                f" decode {s['decode_ms_per_token']:g} ms/token"
+            )
+        parts.append(f"{kind} mean {s['mean_ms']:g} ms ({s['samples']} served{rates})")
+    return "service: " + ", ".join(parts)
 
 
 def _worker_line(proc: dict[str, Any], reg: dict[str, Any] | None) -> str:

@@ -8,6 +8,8 @@ from broker.errors import ConfigError
 from broker.protocol import ClientRequest
 from broker.records import BrokerSettings
 from broker.service import Ratio, ServiceModel, byte_bound
+from broker.stats import Stats
+from node.status_view import render_status
 
 
 def req(prompt: str, max_tokens: int | None = None) -> ClientRequest:
@@ -96,3 +98,24 @@ def test_byte_bound_counts_chat_template_tokens() -> None:
 def test_unknown_service_estimate_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="service_estimate"):
         BrokerSettings(service_estimate="median")
+
+
+def test_status_shows_each_kinds_mean_and_learned_rates() -> None:
+    stats = Stats()
+    assert stats.snapshot() == {}  # nothing served: nothing claimed
+    stats.observe_service(0.30)
+    stats.observe_service(0.001, "rules")
+    stats.sizes.observe("llm", req("w" * 399), 8, 0.22, 0.30, usage(100, 5))
+    snap = stats.snapshot()
+    assert snap["rules"] == {"mean_ms": 1.0, "samples": 1}  # no token rates for rules
+    assert snap["llm"]["mean_ms"] == 300.0 and snap["llm"]["samples"] == 1
+    assert (snap["llm"]["prefill_ms_per_token"], snap["llm"]["decode_ms_per_token"]) == (2.0, 20.0)
+    line = render_status({**BARE_STATUS, "service": snap}).splitlines()[-1]
+    assert line == (
+        "service: llm mean 300 ms (1 served; prefill 2 ms/token, decode 20 ms/token),"
+        " rules mean 1 ms (1 served)"
+    )
+
+
+#: The least ``render_status`` reads.
+BARE_STATUS = {"queue_depth": 0, "queue_bound": 1, "in_flight": 0, "credit": 1}
