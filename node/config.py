@@ -68,6 +68,8 @@ class WorkersSection:
     restart_backoff_max_ms: int = 30_000
     test_token_ms: int = 20
     test_load_ms: int = 0
+    #: Bytes; a worker's log above it is rotated when the worker (re)spawns (0 = never).
+    log_max_bytes: int = 4 * 1024 * 1024
     # Isolation (issue 4): see etc/edgenode.toml, node/sandbox.py and node/affinity.py.
     sandbox: str = "auto"
     cgroup_root: str = ""
@@ -231,6 +233,7 @@ def validate(config: NodeConfig) -> NodeConfig:
     _choice("workers.engine", w.engine, ENGINES)
     _choice("node.log_level", config.node.log_level, ("debug", "info", "warning", "error"))
     _positive("workers.threads", w.threads, 1)
+    _positive("workers.log_max_bytes", w.log_max_bytes, 0)
     _positive("model.n_ctx", m.n_ctx, 64)
     _positive("model.n_batch", m.n_batch, 1)
     _positive("broker.max_queue", b.max_queue, 0)  # 0 = 8 per pool slot

@@ -18,9 +18,11 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from logging.handlers import RotatingFileHandler
 from pathlib import Path
 from typing import IO, Any
 
+from node.config import WorkersSection
 from node.worker import DETERMINISTIC_EXITS, WorkerSpec
 
 log = logging.getLogger("edgenode.supervisor")
@@ -103,8 +105,12 @@ class Supervisor:
 
     def _spawn(self, handle: WorkerHandle) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        if handle.log_file is None:
-            handle.log_file = open(self.log_dir / f"{handle.spec.worker_id}.log", "ab")  # noqa: SIM115
+        if handle.log_file is not None:
+            # The previous process is reaped: nobody writes to the old file any more.
+            handle.log_file.close()
+        # The pool sets log_max_bytes from workers.log_max_bytes; until it does, the default.
+        max_bytes: int = getattr(self, "log_max_bytes", WorkersSection.log_max_bytes)
+        handle.log_file = open_worker_log(self.log_dir / f"{handle.spec.worker_id}.log", max_bytes)
         spec = self.prepare(handle.spec) if self.prepare is not None else handle.spec
         cmd = [
             sys.executable,
@@ -238,6 +244,42 @@ class Supervisor:
     def all_ready(self) -> bool:
         """Whether every worker is ready (what ``edgenode start`` waits for)."""
         return all(h.state == "ready" for h in self.handles.values())
+
+
+#: Rotated worker logs kept: ``<worker_id>.log.1`` (newest) and ``.log.2``.
+WORKER_LOG_BACKUPS = 2
+
+
+def open_worker_log(path: Path, max_bytes: int) -> IO[bytes]:
+    """Open a worker's log for appending, rotating it first if it is over ``max_bytes``.
+
+    Called at every spawn, when the previous process is gone: a running child
+    writes through its own file descriptor, which follows a renamed file, so
+    rotating under it would not give it a fresh log.
+    Rotation is the standard library's: ``path`` becomes ``path.1``, ``path.1``
+    becomes ``path.2``, and the oldest beyond ``WORKER_LOG_BACKUPS`` is deleted.
+
+    Args:
+        path: the log file; created if missing.
+        max_bytes: size in bytes above which it is rotated; 0 = never.
+
+    Raises:
+        OSError: the log cannot be renamed or opened.
+    """
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        size = 0
+    if 0 < max_bytes < size:
+        rotator = RotatingFileHandler(
+            path, maxBytes=max_bytes, backupCount=WORKER_LOG_BACKUPS, encoding="utf-8", delay=True
+        )
+        try:
+            rotator.doRollover()  # with delay=True it renames only, opens nothing
+        finally:
+            rotator.close()
+        log.info("rotated %s (%d bytes)", path, size)
+    return open(path, "ab")  # the caller closes it (at the next spawn or at stop)
 
 
 def describe_exit(code: int) -> str:

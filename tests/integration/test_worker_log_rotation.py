@@ -1,0 +1,46 @@
+"""The supervisor rotates a worker's log when it spawns the worker, first start and restarts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from node.engine import EngineSpec
+from node.supervisor import Supervisor
+from node.worker import WorkerSpec
+
+
+def test_spawns_rotate_an_oversized_worker_log(tmp_path: Path) -> None:
+    spec = WorkerSpec(
+        worker_id="llm-0",
+        # Nobody listens there: the worker only has to run, not to register.
+        backend="tcp://127.0.0.1:1",
+        engine=EngineSpec(kind="test", model_path="", n_ctx=512, n_batch=64, threads=1),
+    )
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    log = logs / "llm-0.log"
+    log.write_bytes(b"previous node run\n" * 20)  # 360 bytes
+    sup = Supervisor([spec], logs, ready_timeout_s=60, backoff_s=0, backoff_max_s=0)
+    sup.log_max_bytes = 256  # type: ignore[attr-defined]  # as WorkerPool sets it from the config
+    try:
+        sup.start()
+        assert (logs / "llm-0.log.1").read_bytes() == b"previous node run\n" * 20
+        first = sup.handles["llm-0"].pid
+        assert first is not None
+        with open(log, "ab") as out:  # stands in for a chatty worker
+            out.write(b"first process\n" * 20)
+
+        sup.worker_lost("llm-0", first, "dead: test")
+        deadline = time.monotonic() + 10
+        while sup.handles["llm-0"].pid in (None, first):
+            assert time.monotonic() < deadline, sup.status()
+            sup.tick(time.monotonic())
+            time.sleep(0.02)
+
+        assert b"first process\n" * 20 in (logs / "llm-0.log.1").read_bytes()
+        assert (logs / "llm-0.log.2").read_bytes() == b"previous node run\n" * 20
+        assert b"first process" not in log.read_bytes()
+        assert not (logs / "llm-0.log.3").exists()
+    finally:
+        sup.stop(grace_s=5)
