@@ -176,8 +176,15 @@ class BrokerLoop:
             self.dropped += 1
             log.debug("dropped a message to %r: %s", frames[0][:8], exc)
 
-    def close(self) -> None:
-        """Close both sockets and the context (LINGER=0: nothing hangs)."""
-        self.frontend.close(0)
+    def close(self, linger_ms: int = 0) -> None:
+        """Close both sockets and the context.
+
+        Args:
+            linger_ms: how long replies already queued for clients may still be
+                delivered (ms); 0 drops them at once. Closing blocks at most this
+                long, however slowly clients read; messages to workers are
+                always dropped.
+        """
+        self.frontend.close(linger_ms)
         self.backend.close(0)
         self.ctx.term()

@@ -3,7 +3,8 @@
 This is the only place where ``broker`` and the process side meet: the broker
 reports worker events through callbacks, the pool reports exits back, and
 neither imports the other. Signals and ``edgenode stop`` take the same path:
-SIGTERM -> drain -> answer the rest -> stop workers -> remove cgroups and run files.
+SIGTERM -> drain -> answer the rest -> stop workers (still answering clients)
+-> close the sockets -> remove cgroups and run files.
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ from node.units import parse_size
 from node.worker_memory import describe, memory_max_bytes
 
 log = logging.getLogger("edgenode.node")
+
+#: Loop turn cap while workers stop (s): how soon an exit is noticed if no
+#: SIGCHLD wakes the loop.
+STOP_POLL_S = 0.05
+#: How long SIGKILLed workers may take to be reaped before the blocking
+#: ``WorkerPool.stop`` takes over (s); a SIGKILL normally ends them in ms.
+KILL_REAP_S = 1.0
+#: How long replies already queued for clients may still be delivered when the
+#: frontend closes (ms); bounded, so a client that stopped reading cannot hold
+#: up the stop.
+CLOSE_LINGER_MS = 500
 
 
 class Node:
@@ -110,9 +122,15 @@ class Node:
             while not self._stop_requested:
                 loop.turn()
             self._drain(loop, broker, pool)
+            self._stop_workers(loop, pool)
         finally:
-            pool.stop(c.workers.stop_grace_ms / 1000)
-            loop.close()
+            try:
+                # Close the frontend first: nothing then waits unanswered on a bound
+                # socket while cgroups are removed (or, after a failure, the pool
+                # stops). The linger lets the last turn's replies still go out.
+                loop.close(linger_ms=CLOSE_LINGER_MS)
+            finally:
+                pool.stop(c.workers.stop_grace_ms / 1000)  # at once after _stop_workers
             migration.close()
             signal.set_wakeup_fd(-1)
             wake_r.close()
@@ -166,6 +184,25 @@ class Node:
             loop.turn(max_wait_s=0.05)
         broker.abort_all("node is shutting down", time.monotonic())
         loop.flush()
+
+    def _stop_workers(self, loop: BrokerLoop, pool: WorkerPool) -> None:
+        """Stop the workers while the loop keeps answering clients (pongs, status,
+        ``503 draining``): SIGTERM now, SIGKILL after ``workers.stop_grace_ms``.
+
+        The loop's tick reaps the exits (SIGCHLD wakes it). Blocking in
+        ``Supervisor.stop`` instead left the bound frontend unread for as long as
+        the slowest worker took to exit.
+        """
+        sup = pool.supervisor
+        groups = sup.terminate_all()
+        grace_end = time.monotonic() + self.config.workers.stop_grace_ms / 1000
+        while sup.unreaped() and time.monotonic() < grace_end:
+            loop.turn(max_wait_s=STOP_POLL_S)
+        sup.kill_groups(groups)
+        kill_end = time.monotonic() + KILL_REAP_S
+        while sup.unreaped() and time.monotonic() < kill_end:
+            loop.turn(max_wait_s=STOP_POLL_S)
+        log.info("workers stopped (%d not reaped yet)", sup.unreaped())
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         log.info("received %s", signal.Signals(signum).name)

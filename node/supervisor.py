@@ -245,6 +245,32 @@ class Supervisor:
         """Whether every worker is ready (what ``edgenode start`` waits for)."""
         return all(h.state == "ready" for h in self.handles.values())
 
+    # ------------------------------------------------------------------ non-blocking stop
+
+    def terminate_all(self) -> list[int]:
+        """SIGTERM every live worker's process group and return at once.
+
+        The non-blocking counterpart of ``stop``: the node keeps its loop turning
+        (answering clients) while ``tick`` reaps the exits; ``unreaped`` says when
+        all are gone, ``kill_groups`` ends what the grace did not. Nothing is
+        restarted any more. Returns the process group ids signalled.
+        """
+        self.stopping = True
+        groups = [h.pid for h in self.handles.values() if h.pid is not None]
+        for pgid in groups:
+            _killpg(pgid, signal.SIGTERM)
+        return groups
+
+    def unreaped(self) -> int:
+        """How many worker processes ``tick`` has not reaped yet (running or exited)."""
+        return sum(h.proc is not None for h in self.handles.values())
+
+    def kill_groups(self, groups: list[int]) -> None:
+        """SIGKILL these process groups (from ``terminate_all``): a worker past
+        its grace, and any straggler left in the group of one that exited."""
+        for pgid in groups:
+            _killpg(pgid, signal.SIGKILL)
+
 
 #: Rotated worker logs kept: ``<worker_id>.log.1`` (newest) and ``.log.2``.
 WORKER_LOG_BACKUPS = 2
