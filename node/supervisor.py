@@ -206,22 +206,18 @@ class Supervisor:
     # ------------------------------------------------------------------ stop
 
     def stop(self, grace_s: float) -> None:
-        """SIGTERM every worker, wait up to ``grace_s``, then SIGKILL their groups."""
-        self.stopping = True
-        live = [h for h in self.handles.values() if h.pid is not None]
-        for handle in live:
-            _killpg(handle.pid, signal.SIGTERM)
+        """SIGTERM every worker, wait up to ``grace_s``, then SIGKILL their groups
+        (the blocking form of ``terminate_all`` + ``kill_groups``)."""
+        self.terminate_all()
         deadline = time.monotonic() + grace_s
-        for handle in live:
-            assert handle.proc is not None
-            try:
-                handle.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _killpg(handle.proc.pid, signal.SIGKILL)
-                handle.proc.wait()
         for handle in self.handles.values():
             if handle.proc is not None:
-                _killpg(handle.proc.pid, signal.SIGKILL)  # the group may hold stragglers
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    handle.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for handle in self.handles.values():
+            if handle.proc is not None:
+                _killpg(handle.proc.pid, signal.SIGKILL)  # past its grace, or stragglers
+                handle.proc.wait()
             handle.proc = None
             handle.state = "stopped" if handle.state != "failed" else "failed"
             if handle.log_file is not None:
