@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,21 @@ from broker.client import Client
 from broker.errors import EdgeNodeError
 
 REPO = Path(__file__).resolve().parent.parent
+
+#: Run in front of a node by ``NodeProcess.start`` (argv: the harness's pid, then
+#: the node's command line): asks Linux to send this process SIGTERM when the
+#: harness dies (prctl(2) PR_SET_PDEATHSIG = 1, kept across execve), then becomes
+#: the node. The node runs in its own session, so without this a test or benchmark
+#: killed with SIGKILL left it running; SIGTERM is its clean stop (workers ended,
+#: cgroups removed). A wrapper, not ``preexec_fn``: that is unsafe once threads exist.
+_DIE_WITH_HARNESS = """\
+import ctypes, os, signal, sys
+if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0) != 0:
+    sys.exit("prctl(PR_SET_PDEATHSIG): " + os.strerror(ctypes.get_errno()))
+if os.getppid() != int(sys.argv[1]):  # the harness died before prctl took effect
+    sys.exit("the harness died before its node started")
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
 
 def toml_value(value: Any) -> str:
@@ -69,8 +85,23 @@ class NodeProcess:
         ]
 
     def start(self, timeout: float = 60) -> NodeProcess:
-        """Start in the foreground mode as a child and wait for every worker READY."""
-        cmd = self._argv("start", "--foreground")
+        """Start in the foreground mode as a child and wait for every worker READY.
+
+        The node gets SIGTERM when this process dies, even by SIGKILL. Linux sends
+        that signal when the *thread* that started the node exits, so only the
+        main thread may start nodes.
+
+        Raises:
+            RuntimeError: called from another thread, or the node exited while starting.
+            TimeoutError: not every worker READY within ``timeout`` seconds.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(
+                "start nodes from the main thread: a node is stopped when the thread "
+                "that started it exits (PR_SET_PDEATHSIG follows the thread)"
+            )
+        cmd = [sys.executable, "-c", _DIE_WITH_HARNESS, str(os.getpid())]
+        cmd += self._argv("start", "--foreground")
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 cmd, stdout=out, stderr=out, cwd=REPO, start_new_session=True
