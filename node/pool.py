@@ -92,6 +92,7 @@ class WorkerPool:
             log_level=config.node.log_level,
             prepare=self._prepare,
             explain=self._explain,
+            log_max_bytes=w.log_max_bytes,
         )
 
     def _model_specs(self, model_path: str) -> list[WorkerSpec]:

@@ -71,6 +71,8 @@ class Supervisor:
         explain: ``(worker_id, returncode) -> reason or None``: a better exit reason
             than the signal alone (e.g. the cgroup saw an OOM kill).
         clock: monotonic seconds.
+        log_max_bytes: a worker's log over this many bytes is rotated when the
+            worker (re)spawns (``open_worker_log``; 0 = never).
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class Supervisor:
         log_level: str = "info",
         prepare: Callable[[WorkerSpec], WorkerSpec] | None = None,
         explain: Callable[[str, int], str | None] | None = None,
+        log_max_bytes: int = WorkersSection.log_max_bytes,
     ) -> None:
         self.handles = {s.worker_id: WorkerHandle(s) for s in specs}
         self.log_dir = log_dir
@@ -96,6 +99,7 @@ class Supervisor:
         self.log_level = log_level
         self.prepare = prepare
         self.explain = explain
+        self.log_max_bytes = log_max_bytes
         self.stopping = False
 
     def start(self) -> None:
@@ -108,9 +112,9 @@ class Supervisor:
         if handle.log_file is not None:
             # The previous process is reaped: nobody writes to the old file any more.
             handle.log_file.close()
-        # The pool sets log_max_bytes from workers.log_max_bytes; until it does, the default.
-        max_bytes: int = getattr(self, "log_max_bytes", WorkersSection.log_max_bytes)
-        handle.log_file = open_worker_log(self.log_dir / f"{handle.spec.worker_id}.log", max_bytes)
+        handle.log_file = open_worker_log(
+            self.log_dir / f"{handle.spec.worker_id}.log", self.log_max_bytes
+        )
         spec = self.prepare(handle.spec) if self.prepare is not None else handle.spec
         cmd = [
             sys.executable,

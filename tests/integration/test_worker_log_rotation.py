@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from node.config import from_dict
 from node.engine import EngineSpec
+from node.pool import WorkerPool
 from node.supervisor import Supervisor
 from node.worker import WorkerSpec
 
@@ -21,8 +23,9 @@ def test_spawns_rotate_an_oversized_worker_log(tmp_path: Path) -> None:
     logs.mkdir()
     log = logs / "llm-0.log"
     log.write_bytes(b"previous node run\n" * 20)  # 360 bytes
-    sup = Supervisor([spec], logs, ready_timeout_s=60, backoff_s=0, backoff_max_s=0)
-    sup.log_max_bytes = 256  # type: ignore[attr-defined]  # as WorkerPool sets it from the config
+    sup = Supervisor(
+        [spec], logs, ready_timeout_s=60, backoff_s=0, backoff_max_s=0, log_max_bytes=256
+    )
     try:
         sup.start()
         assert (logs / "llm-0.log.1").read_bytes() == b"previous node run\n" * 20
@@ -44,3 +47,9 @@ def test_spawns_rotate_an_oversized_worker_log(tmp_path: Path) -> None:
         assert not (logs / "llm-0.log.3").exists()
     finally:
         sup.stop(grace_s=5)
+
+
+def test_the_pool_hands_the_configured_log_size_to_the_supervisor(tmp_path: Path) -> None:
+    config = from_dict({"workers": {"engine": "test", "log_max_bytes": 12345}})
+    pool = WorkerPool(config, model_path="", rules_path=None, run_dir=tmp_path)
+    assert pool.supervisor.log_max_bytes == 12345
