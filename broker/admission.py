@@ -27,7 +27,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from broker.errors import ErrorCode
 from broker.jobs import JobTable
@@ -44,6 +44,28 @@ PRESSURE_LEVELS = ("ok", "high", "critical")
 
 #: Counts a request's prompt in tokens (the node injects the model's tokenizer).
 TokenCounter = Callable[[ClientRequest], int]
+
+
+@dataclass(frozen=True)
+class TokenCount:
+    """A prompt's tokens: the count if ``exact``, else a lower bound (over the limit
+    asked about, or all the counter's budget allowed: the worker then decides)."""
+
+    tokens: int
+    exact: bool
+
+
+@runtime_checkable
+class BoundedTokenCounter(Protocol):
+    """A ``TokenCounter`` that can also answer within a fixed budget of work: the
+    node's llama.cpp one (``node.llama_vocab``), whose exact count of a 256 KB body
+    held the loop for 0.2 s to minutes."""
+
+    def __call__(self, req: ClientRequest) -> int:
+        """The exact count, whatever it costs."""
+
+    def bounded(self, req: ClientRequest, limit: int) -> TokenCount:
+        """Enough to tell whether the prompt has at most ``limit`` tokens."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +89,8 @@ class AdmissionGate:
         jobs: the broker's job table (references): the running requests whose
             remaining work delays a new one.
         count_tokens: prompt tokens of a request, or None to skip the size check
-            (workers still refuse prompts that do not fit with 413).
+            (workers still refuse prompts that do not fit with 413). A
+            ``BoundedTokenCounter`` is asked only for what its budget allows.
     """
 
     def __init__(
@@ -84,8 +107,9 @@ class AdmissionGate:
         self.pressure = "ok"
         self._queues: dict[str, OrderedDict[int, Job]] = {p: OrderedDict() for p in PRIORITIES}
         self._per_client: dict[bytes, int] = {}
-        # The size check's exact count of the request it last saw, for its job.
-        self._counted: tuple[ClientRequest, int] | None = None
+        # What the size check established about the request it last saw, for its
+        # job: (request, at least, at most) prompt tokens; equal when counted exactly.
+        self._counted: tuple[ClientRequest, int, int] | None = None
 
     # ------------------------------------------------------------------ queue
 
@@ -236,10 +260,21 @@ class AdmissionGate:
 
     def _prompt_tokens(self, req: ClientRequest, kind: str) -> float | None:
         """The size check's exact count of ``req`` if it made one, else, when sized,
-        the estimate from its bytes; None if neither."""
+        the estimate from its bytes (within the bounds the size check found: a
+        prompt over the context is refused by its worker at once, so it never costs
+        more than the largest prompt that fits); None if neither."""
+        low: int = 0
+        high: int | None = None
         if self._counted is not None and self._counted[0] is req:
-            return self._counted[1]
-        return self.stats.sizes.prompt_tokens(kind, req) if self._sized(kind) else None
+            _, low, high = self._counted
+            if low == high:
+                return low
+        if not self._sized(kind):
+            return None
+        estimate = self.stats.sizes.prompt_tokens(kind, req)
+        if estimate is None:
+            return None
+        return max(low, estimate if high is None else min(estimate, high))
 
     def _service_s(self, req: ClientRequest, tokens: float | None, kind: str) -> float:
         """Predicted service (s) of ``req`` with ``tokens`` prompt tokens (None: count
@@ -299,21 +334,32 @@ class AdmissionGate:
         )
 
     def _size(self, req: ClientRequest, n_ctx: int | None) -> Shed | None:
+        """413 if ``req``'s prompt tokens + ``max_tokens`` exceed ``n_ctx`` (tokens).
+
+        Tokenizing runs on the broker's loop, so it is the last resort: a prompt
+        whose bytes bound it inside the context is not counted, and a bounded
+        counter stops as soon as its lower bound exceeds what fits, or when its
+        budget is spent; the worker then decides (and refuses with 413 at once).
+        """
         if self.count_tokens is None or n_ctx is None:
             return None
         max_tokens = req.max_tokens or self.settings.default_max_tokens
-        if byte_bound(req) + max_tokens <= n_ctx:
+        limit = n_ctx - max_tokens  # prompt tokens that fit
+        if byte_bound(req) <= limit:
             return None  # fits for sure: skip tokenizing (milliseconds on the loop)
-        prompt = self.count_tokens(req)
-        self._counted = (req, prompt)
-        wanted = prompt + max_tokens
-        if wanted <= n_ctx:
+        if isinstance(self.count_tokens, BoundedTokenCounter):
+            found = self.count_tokens.bounded(req, limit)
+        else:
+            found = TokenCount(self.count_tokens(req), exact=True)
+        if found.tokens <= limit:
+            self._counted = (req, found.tokens, found.tokens if found.exact else limit)
             return None
+        prompt = f"prompt {found.tokens}" if found.exact else f"prompt at least {found.tokens}"
         return Shed(
             ErrorCode.TOO_LARGE,
             "too_large",
-            f"prompt {prompt} tokens + max_tokens {wanted - prompt} = {wanted} exceeds the "
-            f"context of {n_ctx} tokens",
+            f"{prompt} tokens + max_tokens {max_tokens} = {found.tokens + max_tokens} exceeds "
+            f"the context of {n_ctx} tokens",
         )
 
     def _pressure(self, req: ClientRequest, slots: int, now: float) -> Shed | None:

@@ -2,21 +2,43 @@
 
 Found by a break-it session: 16 prompts of ~256 KiB (43,000 tokens each) were
 tokenized back to back on the broker's loop; heartbeats waited 5 s behind them
-and the node killed every healthy worker as dead.
+and the node killed every healthy worker as dead. A second one: even with the
+loop's turns bounded, 60 such prompts (each refused 413) cost 12.5 s of broker
+CPU and pushed ping p99 to 853 ms. Now the counter refuses what its lower bound
+already puts over the context without tokenizing, and tokenizes at most
+``LOOP_BYTES`` of a prompt on the loop.
 """
 
 from __future__ import annotations
 
+import random
+import string
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
+from broker.errors import TooLarge
+from broker.protocol import ClientRequest
+from node.llama_vocab import LOOP_BYTES, PromptCounter, make_token_counter
+from node.model import resolve_model
 from nodeproc import Collector, NodeProcess
 
 pytestmark = pytest.mark.system
 
 NodeFactory = Callable[..., NodeProcess]
+LIMIT = 2048 - 4  # prompt tokens that fit the default context with max_tokens 4
+
+
+@pytest.fixture(scope="module")
+def counter() -> Iterator[PromptCounter]:
+    yield make_token_counter(str(resolve_model("default")))
+
+
+def generate(prompt: str) -> ClientRequest:
+    return ClientRequest(id=1, op="generate", prompt=prompt, max_tokens=4)
 
 
 def test_a_burst_of_huge_prompts_gets_413s_and_kills_no_worker(make_node: NodeFactory) -> None:
@@ -51,3 +73,149 @@ def test_a_burst_of_huge_prompts_gets_413s_and_kills_no_worker(make_node: NodeFa
         assert ping_s < 3.0  # liveness is 3 s: the loop never stalled that long
     finally:
         col.close()
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` has used, in nanosecond resolution (psutil's are
+    10 ms ticks): its CPU-time clock, as glibc's clock_getcpuclockid(3) names it
+    (``MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)`` in the kernel's posix-timers.h)."""
+    return time.clock_gettime(((~pid) << 3) | 2)
+
+
+def hostile_prompts() -> list[str]:
+    """Prompts none of which fits a 2048-token context, and each of which took the
+    broker's tokenizer 0.15 s to 0.75 s: ~250 KB of repeated or random words (the
+    break-it sessions' bodies) or digits, and shorter text that makes llama.cpp's
+    special-token partition quadratic (every newline and HTML tag is a
+    user-defined token of Gemma 3's vocabulary)."""
+    rng = random.Random(7)
+    vocab = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9))) for _ in range(500)]
+    return (
+        ["hello " * 41_000] * 8
+        + [" ".join(rng.choices(vocab, k=45_000))[:250_000]] * 8
+        + ["".join(rng.choices(string.digits, k=250_000))] * 4
+        + ["a\n" * 6_000] * 4
+        + ["<b><i>" * 5_000] * 4
+    )
+
+
+def burst_cpu_s(node: NodeProcess, bodies: list[dict[str, Any]]) -> tuple[float, Collector]:
+    """Broker CPU seconds spent answering ``bodies`` (sent at once), and their replies."""
+    assert node.proc is not None
+    col = Collector(node.frontend)
+    before = cpu_s(node.proc.pid)
+    for body in bodies:
+        col.send(**body)
+    col.collect(timeout=45, linger=0.05)
+    spent = cpu_s(node.proc.pid) - before
+    col.close()
+    return spent, col
+
+
+def test_refusing_huge_prompts_costs_the_broker_next_to_nothing(
+    make_node: NodeFactory, counter: PromptCounter
+) -> None:
+    """The same bodies twice: with a bad field (400 before any size check), then
+    valid (413). The difference is what the size check cost the broker; it is
+    compared with what tokenizing the prompts costs, measured in the same run,
+    so neither the machine's speed nor its load matters. Before the bound, the
+    difference was all of it (6.1 s for these 28 prompts, against 9 ms)."""
+    node = make_node(workers={"engine": "llama", "count": 1})
+    prompts = hostile_prompts()
+    tokenizing_s = 0.0
+    for prompt, times in Counter(prompts).items():
+        started = time.process_time()
+        assert counter(generate(prompt)) > LIMIT
+        tokenizing_s += (time.process_time() - started) * times
+    malformed = [
+        {"id": f"bad-{i}", "op": "generate", "prompt": p, "max_tokens": 4, "priority": "urgent"}
+        for i, p in enumerate(prompts)
+    ]
+    huge = [
+        {"id": f"huge-{i}", "op": "generate", "prompt": p, "max_tokens": 4}
+        for i, p in enumerate(prompts)
+    ]
+    burst_cpu_s(node, malformed[:4])  # warm-up: first-touch costs go to neither side
+    bad_s, bad = burst_cpu_s(node, malformed)
+    huge_s, col = burst_cpu_s(node, huge)
+    bad.assert_exactly_one_final_each()
+    col.assert_exactly_one_final_each()
+    assert {bad.final(b["id"])["code"] for b in malformed} == {400}
+    assert {col.final(b["id"])["reason"] for b in huge} == {"too_large"}  # the broker's 413
+    assert huge_s - bad_s < 0.05 * tokenizing_s, (
+        f"refusing {len(huge)} oversized prompts cost the broker {huge_s * 1000:.0f} ms of "
+        f"CPU, the same bodies malformed {bad_s * 1000:.0f} ms; tokenizing them "
+        f"{tokenizing_s * 1000:.0f} ms"
+    )
+
+
+def test_a_prompt_too_costly_to_count_on_the_loop_is_left_to_its_worker(
+    make_node: NodeFactory, counter: PromptCounter
+) -> None:
+    """18 KB of HTML tags: 6001 tokens, but nothing in the bytes forces a token
+    boundary, so the bound is ~1900 tokens; counting it takes 0.6 s. The worker
+    counts it (it would anyway) and refuses it; the next request is served."""
+    prompt = "<b><i>" * 3_000
+    found = counter.bounded(generate(prompt), LIMIT)
+    assert not found.exact and found.tokens <= LIMIT  # what makes this the case
+    node = make_node(workers={"engine": "llama", "count": 1})
+    with node.client(wait_ms=30_000) as c:
+        with pytest.raises(TooLarge, match="exceed context window of 2048"):
+            c.generate(prompt, max_tokens=4)
+        assert c.generate("Once upon a time", max_tokens=4).text
+
+
+def test_gemma_3s_vocabulary_bounds_tokens_from_bytes(counter: PromptCounter) -> None:
+    """The facts the bound draws on: no token is longer than 48 bytes (16 em
+    dashes), none holds a letter or digit before a space, and newlines and tabs
+    join nothing but themselves."""
+    vocab = counter.vocab
+    assert vocab.longest == 48 and vocab.added == 1  # BOS
+    assert vocab.pair_max is not None
+    for x in (string.ascii_letters + string.digits).encode():
+        assert vocab.pair_max[x * 256 + ord(" ")] == 1
+    for x in b"\n\t":
+        joined = [y for y in range(256) if vocab.pair_max[x * 256 + y] > 1]
+        assert joined == [x]
+
+
+def random_text(rng: random.Random) -> str:
+    """Up to ~3 KB of a mix of what makes tokenizing differ: words, runs of
+    spaces, newlines and tabs, HTML tags, digits, CJK, emoji, a literal ▁,
+    control-token text, long-token text (em dashes)."""
+    parts = [
+        "hello", " world", "  ", " " * 40, "\n", "\n\n\n", "\t", "<b>", "</td>", "2024",
+        "日本", "😀", "▁", "<start_of_turn>", "—" * 20, ".", ", ",
+        "café", "x", "def f(x):", "\r\n", "<unused7>", "a\n",
+    ]  # fmt: skip
+    return "".join(rng.choices(parts, k=rng.randint(1, 300)))
+
+
+def test_the_bound_never_exceeds_the_count_and_pieces_add_up(counter: PromptCounter) -> None:
+    vocab = counter.vocab
+    rng = random.Random(11)
+    for _ in range(300):
+        text = random_text(rng).encode()
+        exact = vocab.count(text)
+        low = vocab.lower_bound(text)
+        assert low is not None and low <= exact, text
+        for limit in (exact - 1, exact, 10**6):
+            found = vocab.bounded(text, limit)
+            if found.exact:
+                assert found.tokens == exact, text
+            else:
+                assert found.tokens <= exact, text
+        if len(text) <= LOOP_BYTES:  # and no stretch of it is too long to cut
+            assert vocab.bounded(text, 10**6).exact, text
+
+
+def test_a_huge_prompt_is_refused_without_tokenizing(
+    counter: PromptCounter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_tokenizing(text: bytes, add_special: bool) -> int:
+        raise AssertionError(f"tokenized {len(text)} bytes")
+
+    monkeypatch.setattr(counter.vocab, "_tokens", no_tokenizing)
+    for prompt in set(hostile_prompts()):
+        found = counter.bounded(generate(prompt), LIMIT)
+        assert not found.exact and found.tokens > LIMIT
