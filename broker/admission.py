@@ -211,11 +211,13 @@ class AdmissionGate:
                 self.retry_after(slots, now),
             )
         wait_s = self.expected_wait_s(req.priority, slots, free, now, kind)
-        # Sized, a request must finish in time; by the mean, start in time (as before).
-        own_s = self._service_s(req, None, kind)
+        # Sized, a request must finish in time (a stream: its first token); by the
+        # mean, start in time (as before).
+        own_s = self._due_s(req, kind)
         # Without workers or a measured service time there is no basis to refuse.
         if slots and self.stats.samples_of(kind) and wait_s + own_s > deadline_s:
-            return self._shed_deadline(wait_s, own_s, deadline_s, slots, now, kind)
+            what = "first token" if req.stream else "service"
+            return self._shed_deadline(wait_s, (what, own_s), deadline_s, slots, now, kind)
         return evict
 
     def expected_wait_s(
@@ -286,6 +288,17 @@ class AdmissionGate:
         max_tokens = req.max_tokens or self.settings.default_max_tokens
         return self.stats.sizes.predict_s(kind, tokens, max_tokens)
 
+    def _due_s(self, req: ClientRequest, kind: str) -> float:
+        """How much of ``req`` must be done by its deadline, as predicted service (s)
+        once started: all of it, or for ``stream: true`` its first token (prefill
+        and one decode step): a streaming client uses the tokens as they come, and
+        the deadline then ends it with 504 and the text so far. 0.0 when not sized."""
+        if not req.stream:
+            return self._service_s(req, None, kind)
+        if not self._sized(kind):
+            return 0.0
+        return self.stats.sizes.first_token_s(kind, self._prompt_tokens(req, kind) or 0.0)
+
     def _job_service_s(self, job: Job) -> float:
         if job.prompt_tokens is None:  # queued before the first measurement
             job.prompt_tokens = self._prompt_tokens(job.req, job.kind)
@@ -317,15 +330,24 @@ class AdmissionGate:
         return slots[0]
 
     def _shed_deadline(
-        self, wait_s: float, own_s: float, deadline_s: float, slots: int, now: float, kind: str
+        self,
+        wait_s: float,
+        own: tuple[str, float],
+        deadline_s: float,
+        slots: int,
+        now: float,
+        kind: str,
     ) -> Shed:
+        """503 ``deadline_unmeetable``; ``own``: what of the request was due and its
+        predicted time (``"service"`` or ``"first token"``, s)."""
+        what, own_s = own
         budget = f"the {deadline_s * 1000:.0f} ms budget"
         if own_s > deadline_s:  # even an idle pool could not: retrying cannot help
-            message = f"expected service {own_s * 1000:.0f} ms alone exceeds {budget}"
+            message = f"expected {what} {own_s * 1000:.0f} ms alone exceeds {budget}"
             return Shed(ErrorCode.UNAVAILABLE, "deadline_unmeetable", message)
         message = f"expected wait {wait_s * 1000:.0f} ms"
         if own_s:
-            message += f" + service {own_s * 1000:.0f} ms"
+            message += f" + {what} {own_s * 1000:.0f} ms"
         return Shed(
             ErrorCode.UNAVAILABLE,
             "deadline_unmeetable",

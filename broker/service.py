@@ -155,6 +155,13 @@ class ServiceModel:
             + rates.decode_s_per_token.value * expected
         )
 
+    def first_token_s(self, kind: str, prompt_tokens: float) -> float:
+        """Predicted dispatch-to-first-token time (s): the prefill of
+        ``prompt_tokens`` and one decode step (llama.cpp samples the first token
+        at the end of the prompt's evaluation). Call only when ``ready(kind)``."""
+        rates = self._rates[kind]
+        return rates.prefill_s_per_token.value * prompt_tokens + rates.decode_s_per_token.value
+
     def snapshot(self, kind: str) -> dict[str, float] | None:
         """The learned rates of ``kind`` in ms per token (for logs and benchmarks)."""
         if not self.ready(kind):

@@ -220,3 +220,31 @@ def test_before_any_measured_request_the_size_setting_behaves_as_the_mean() -> N
     h.send(generate("first", LONG, timeout_ms=1), 0.0)  # nothing measured: no refusal
     assert h.replies() == []
     assert not h.broker.stats.sizes.ready("llm")
+
+
+def test_a_stream_is_admitted_if_its_first_token_can_come_in_time() -> None:
+    """A streaming client uses the tokens as they come: refusing a stream because
+    its *whole* answer cannot finish withheld the tokens it could have had (our
+    isolation benchmark's streams were all refused so). Its first token must come
+    in time; the deadline then ends it with 504 and the text so far."""
+    h, sim = warmed()
+    for rid, stream in (("whole", False), ("stream", True)):
+        h.send(generate(rid, LONG, max_tokens=64, timeout_ms=1500, stream=stream), 2.0)
+    sim.pump(2.0)
+    whole = sim.finals["whole"]  # 1.002 s prefill + 64 x 0.02 s decode > 1.5 s
+    assert outcome(whole) == "503 deadline_unmeetable"
+    assert "expected service 2282 ms alone exceeds" in whole["message"]
+    assert "stream" not in sim.finals  # admitted: its first token comes after 1.022 s
+    sim.run(2.0, 4.0)
+    streamed = sim.finals["stream"]
+    assert outcome(streamed) == "504" and streamed["text"] == "tok"
+
+
+def test_a_stream_whose_first_token_cannot_come_in_time_is_refused() -> None:
+    h, sim = warmed()
+    h.send(generate("late", LONG, max_tokens=64, timeout_ms=500, stream=True), 2.0)
+    sim.pump(2.0)
+    late = sim.finals["late"]
+    assert outcome(late) == "503 deadline_unmeetable"
+    assert late["message"] == "expected first token 1022 ms alone exceeds the 500 ms budget"
+    assert "retry_after_ms" not in late
