@@ -25,47 +25,22 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 from broker.errors import ErrorCode
 from broker.jobs import JobTable
 from broker.protocol import ClientRequest
-from broker.service import CHAT_TOKENS_PER_MESSAGE as CHAT_TOKENS_PER_MESSAGE
 from broker.service import byte_bound
 from broker.stats import RETRY_AFTER_MAX_MS, RETRY_AFTER_MIN_MS, Stats
+from broker.token_count import BoundedTokenCounter, TokenCount, TokenCounter
 
 if TYPE_CHECKING:
     from broker.core import BrokerSettings, Job
 
 PRIORITIES = ("critical", "normal", "sheddable")  # dispatch and eviction order
 PRESSURE_LEVELS = ("ok", "high", "critical")
-
-#: Counts a request's prompt in tokens (the node injects the model's tokenizer).
-TokenCounter = Callable[[ClientRequest], int]
-
-
-@dataclass(frozen=True)
-class TokenCount:
-    """A prompt's tokens: the count if ``exact``, else a lower bound (over the limit
-    asked about, or all the counter's budget allowed: the worker then decides)."""
-
-    tokens: int
-    exact: bool
-
-
-@runtime_checkable
-class BoundedTokenCounter(Protocol):
-    """A ``TokenCounter`` that can also answer within a fixed budget of work: the
-    node's llama.cpp one (``node.llama_vocab``), whose exact count of a 256 KB body
-    held the loop for 0.2 s to minutes."""
-
-    def __call__(self, req: ClientRequest) -> int:
-        """The exact count, whatever it costs."""
-
-    def bounded(self, req: ClientRequest, limit: int) -> TokenCount:
-        """Enough to tell whether the prompt has at most ``limit`` tokens."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from broker import protocol as p
-from broker.admission import PRESSURE_LEVELS, AdmissionGate, Shed, TokenCounter
+from broker.admission import PRESSURE_LEVELS, AdmissionGate, Shed
 from broker.backend import WorkerConversation
 from broker.breaker import BreakerSettings
 from broker.errors import EdgeNodeError, ErrorCode
@@ -34,6 +34,7 @@ from broker.protocol import ClientRequest, WorkerCommand
 from broker.records import BrokerSettings, Job, WorkerEvent
 from broker.routing import PoolView, Route, Router, RoutingSettings
 from broker.stats import Stats
+from broker.token_count import TokenCounter
 from broker.workers import WorkerRegistry
 
 __all__ = ["Broker", "BrokerSettings", "Job", "WorkerEvent"]

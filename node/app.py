@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from broker.admission import TokenCounter
 from broker.core import Broker, WorkerEvent
 from broker.loop import BrokerLoop
+from broker.token_count import TokenCounter
 from node.capacity import check_fits
 from node.config import NodeConfig
 from node.engine import EngineSpec, make_token_counter

@@ -25,8 +25,9 @@ from itertools import pairwise
 import llama_cpp.llama_cpp as llama_c
 import numpy as np
 
-from broker.admission import CHAT_TOKENS_PER_MESSAGE, TokenCount
 from broker.protocol import ClientRequest
+from broker.service import CHAT_TOKENS_PER_MESSAGE
+from broker.token_count import TokenCount
 from node.llama_log import LLAMA_LOG, LOG_ERROR
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from broker.admission import BoundedTokenCounter, TokenCount
 from broker.protocol import ClientRequest, WorkerCommand
+from broker.token_count import BoundedTokenCounter, TokenCount
 from brokerkit import FAST, W1, BrokerHarness, bodies, generate
 
 REQUEST = WorkerCommand.REQUEST
