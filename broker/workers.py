@@ -139,6 +139,13 @@ class WorkerRegistry:
                 best = w
         return best
 
+    def excuse(self, seconds: float) -> None:
+        """Move every worker's ``last_seen`` and ``progress_at`` ``seconds`` later:
+        time in which the broker did not look does not count against them."""
+        for w in self._by_identity.values():
+            w.last_seen += seconds
+            w.progress_at += seconds
+
     def verdicts(
         self, now: float, dead_after_s: float, stall_after_s: float
     ) -> list[tuple[WorkerState, str]]:

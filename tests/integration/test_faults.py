@@ -256,6 +256,24 @@ def test_broker_restart_workers_reregister(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- no false deaths
 
 
+def test_a_paused_node_kills_none_of_its_workers(make_node: NodeFactory) -> None:
+    # SIGSTOP of the node (broker) for 5 heartbeat livenesses: the workers give up
+    # on it and re-register; the broker, resumed, must not blame them for its pause.
+    node = make_node()
+    assert node.proc is not None
+    before = healthy_again(node, 2)
+    os.kill(node.proc.pid, signal.SIGSTOP)
+    time.sleep(1.5)
+    os.kill(node.proc.pid, signal.SIGCONT)
+    time.sleep(1.0)  # time for a wrongful verdict, its kill and the reaping
+    after = healthy_again(node, 2)
+    assert restarts(after) == restarts(before)
+    assert {p["pid"] for p in after["processes"]} == {p["pid"] for p in before["processes"]}
+    assert after["routing"]["breaker"]["state"] == "closed"
+    with Client(node.frontend, wait_ms=5000) as c:
+        assert c.generate("after the pause").text == "echo: after the pause"
+
+
 @pytest.mark.timeout(90)
 def test_no_false_death_on_30s_generation_and_slow_load(make_node: NodeFactory) -> None:
     node = make_node(

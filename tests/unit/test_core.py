@@ -512,6 +512,33 @@ def test_no_ack_within_the_cancel_grace_loses_the_worker(h: BrokerHarness) -> No
 # --------------------------------------------------------------------------- liveness
 
 
+def test_the_brokers_own_pause_is_not_held_against_its_workers(h: BrokerHarness) -> None:
+    """A broker SIGSTOPped for 5 s used to declare every healthy worker dead (and
+    have it killed) on its first tick after SIGCONT; the workers had re-registered
+    under new identities whose READYs it had not read yet (break-it session)."""
+    h.ready(W1, 0.0, worker_id="llm-0")
+    h.ready(W2, 0.0, worker_id="llm-1")
+    h.drain_events()
+    h.tick(0.1, keepalive=(W1, W2))
+    h.tick(5.1)  # nothing ran for 5 s: no verdict
+    assert h.drain_events() == []
+    h.ready(b"llm-0-again", 5.15, worker_id="llm-0")  # the new incarnation's READY
+    events = h.drain_events()
+    assert [(e.kind, e.worker_id) for e in events] == [("ready", "llm-0")]  # not "lost"
+    # One normal interval of the gap counts: W2 is silent from 5.0 on the broker's clock.
+    for t in (5.2, 5.29):
+        h.tick(t, keepalive=(b"llm-0-again",))
+    assert h.drain_events() == []
+    h.tick(5.31, keepalive=(b"llm-0-again",))
+    (event,) = h.drain_events()
+    assert (event.kind, event.worker_id, event.reason) == (
+        "lost",
+        "llm-1",
+        "dead: missed heartbeats",
+    )
+    assert h.broker.stats.counters["workers_lost"] == 2  # W1 replaced, W2 dead
+
+
 def test_silent_workers_are_dead_even_behind_a_live_one(h: BrokerHarness) -> None:
     h.ready(W1, 0.0, worker_id="alive")
     h.ready(W2, 0.0, worker_id="silent")
