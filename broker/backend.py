@@ -340,7 +340,9 @@ class WorkerConversation:
         self.dispatch(now)
 
     def _give_up(self, job: Job, reason: str, now: float) -> None:
-        if crashed_running_it(reason):
+        if OOM_KILLED in reason:
+            reason += " (not retried: the worker ran out of memory running this request)"
+        elif crashed_running_it(reason):
             reason += " (not retried: the worker crashed running this request)"
         self.stats.count("worker_lost")
         body = p.error_reply(
@@ -360,11 +362,19 @@ class WorkerConversation:
 #: it was running is the likeliest cause (a grammar llama.cpp cannot parse
 #: dereferenced a null pointer: found in a break-it session), so it is not
 #: re-dispatched: a poison request would take every worker down in turn. A
-#: SIGKILL (kill -9, the OOM killer, our own verdicts) or a missed heartbeat
-#: says nothing about the request, which is re-dispatched once as before.
+#: plain SIGKILL (kill -9, our own verdicts) or a missed heartbeat says nothing
+#: about the request, which is re-dispatched once as before.
 CRASH_SIGNALS = ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT")
+
+#: How the node words an OOM kill the worker's cgroup recorded (node.pool), in
+#: place of the SIGKILL alone. A worker's cgroup holds that worker and its one
+#: sequence, so what outgrew the limit is the running request's memory (its
+#: KV, a json_schema's grammar): run again on an identical worker it was
+#: OOM-killed there too (break-it session, memory_max 256M and a schema).
+OOM_KILLED = "OOM-killed in its cgroup"
 
 
 def crashed_running_it(reason: str) -> bool:
-    """Whether a worker's exit ``reason`` is a native crash (``CRASH_SIGNALS``)."""
-    return any(f"killed by {name}" in reason for name in CRASH_SIGNALS)
+    """Whether a worker's exit ``reason`` blames the request it was running: a
+    native crash (``CRASH_SIGNALS``) or an OOM kill in its cgroup (``OOM_KILLED``)."""
+    return OOM_KILLED in reason or any(f"killed by {name}" in reason for name in CRASH_SIGNALS)

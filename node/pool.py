@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from broker.backend import OOM_KILLED
 from node.affinity import CpuPlan, pin_all_threads, plan_cpus
 from node.config import NodeConfig, WorkersSection
 from node.engine import EngineSpec
@@ -200,7 +201,7 @@ class WorkerPool:
         self._oom_base[worker_id] = reading.oom_kills
         self.oom_kills[worker_id] = self.oom_kills.get(worker_id, 0) + new
         limit = format_size(reading.limit) if reading.limit is not None else "its limit"
-        return f"OOM-killed in its cgroup at memory.max {limit}"
+        return f"{OOM_KILLED} at memory.max {limit}"
 
     def lose(self, worker_id: str, pid: int | None, reason: str) -> None:
         """The broker gave up on ``worker_id`` (dead, stalled, hung): kill it.

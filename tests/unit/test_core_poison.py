@@ -49,6 +49,19 @@ def test_a_sigkill_is_not_the_requests_fault_and_it_is_run_again(h: BrokerHarnes
     h.assert_each_answered_once()
 
 
+def test_an_oom_kill_running_a_request_is_not_passed_on(h: BrokerHarness) -> None:
+    _start_on_w1(h)
+    oom = "OOM-killed in its cgroup at memory.max 256 MiB (killed by SIGKILL)"
+    h.broker.worker_exited("llm-0", oom, 0.1)
+    assert bodies(h.drain_workers(), W2, REQUEST) == []  # llm-1 is spared
+    (reply,) = h.replies()
+    assert (reply["code"], reply["reason"]) == (503, "worker_lost")
+    assert reply["message"] == (
+        f"worker lost: {oom} (not retried: the worker ran out of memory running this request)"
+    )
+    h.assert_each_answered_once()
+
+
 def test_crash_wording_is_the_supervisors() -> None:
     from node.supervisor import describe_exit
 
