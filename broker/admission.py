@@ -130,7 +130,8 @@ class AdmissionGate:
     # ------------------------------------------------------------------ limits
 
     def queue_bound(self, slots: int) -> int:
-        """How many may wait: configured (or 8 per slot), halved under pressure."""
+        """How many requests for one engine may wait: configured (or 8 per slot),
+        halved under pressure."""
         bound = self.settings.max_queue or 8 * max(1, slots)
         return bound if self.pressure == "ok" else max(1, bound // 2)
 
@@ -173,8 +174,10 @@ class AdmissionGate:
             if shed is not None:
                 return shed
         evict: Job | None = None
-        if len(self) >= self.queue_bound(slots):
-            evict = self._eviction_victim(req.priority)
+        # Each engine has its own bound: a model backlog must not shut out the
+        # rules, the fallback meant for exactly that time (break-it session).
+        if sum(j.kind == kind for j in self) >= self.queue_bound(slots):
+            evict = self._eviction_victim(req.priority, kind)
             if evict is None:
                 return self._shed_queue_full(slots, now)
         if self._per_client.get(client, 0) >= self.settings.max_in_flight_per_client:
@@ -372,12 +375,13 @@ class AdmissionGate:
             self.retry_after(slots, now),
         )
 
-    def _eviction_victim(self, priority: str) -> Job | None:
-        """The newest queued job of a lower class than ``priority``, if any."""
+    def _eviction_victim(self, priority: str, kind: str) -> Job | None:
+        """The newest queued ``kind`` job of a lower class than ``priority``, if any."""
         rank = PRIORITIES.index(priority)
         for p in reversed(PRIORITIES[rank + 1 :]):
-            if self._queues[p]:
-                return next(reversed(self._queues[p].values()))
+            victim = next((j for j in reversed(self._queues[p].values()) if j.kind == kind), None)
+            if victim is not None:
+                return victim
         return None
 
     def _shed_queue_full(self, slots: int, now: float) -> Shed:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from broker.protocol import ClientRequest, WorkerCommand
-from brokerkit import CLIENT, FAST, OTHER_CLIENT, W1, W2, BrokerHarness, bodies, generate
+from brokerkit import CLIENT, FAST, OTHER_CLIENT, RULES, W1, W2, BrokerHarness, bodies, generate
 
 REQUEST = WorkerCommand.REQUEST
 CANCEL = WorkerCommand.CANCEL
@@ -220,3 +220,18 @@ def test_prompts_that_surely_fit_are_not_tokenized() -> None:
     h.send(generate("big", prompt="w" * 2040, max_tokens=64), 0.0)
     assert len(calls) == 1  # might not fit: counted exactly (and refused, 413)
     assert [r["code"] for r in h.replies() if r["status"] == "error"] == [413]
+
+
+def test_a_model_backlog_leaves_the_rules_their_own_queue() -> None:
+    """Break-it finding: in a flood of model requests the rule engine's requests,
+    the fallback meant for exactly that time, were refused queue_full."""
+    h = harness(max_queue=2)
+    h.ready(W1, 0.0)
+    h.ready(RULES, 0.0, engine="rules", worker_id="rules-0")
+    h.send(generate("model-run", route="llm"), 0.0)
+    fill(h, 2, 0.0, route="llm")  # the model's queue is full
+    h.send(generate("model-more", route="llm"), 0.0)
+    h.send(generate("rules-run", route="rules"), 0.0)  # runs at once
+    h.send(generate("rules-wait", route="rules"), 0.0)  # waits: the rule worker is busy
+    assert errors(h) == [("model-more", 503, "queue_full")]
+    assert sum(j.kind == "rules" for j in h.broker.gate) == 1
