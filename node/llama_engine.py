@@ -12,6 +12,13 @@ llama-cpp-python#1529). Cancellation works at two depths:
 
 Special tokens never reach a client's text: they are masked at sampling (all
 but end-of-generation) and have no text on the way out (``_TextTokenizer``).
+
+Prompts are tokenized in pieces (``node.llama_vocab.Vocab.pieces``), in time
+linear in their length: whole, llama.cpp's special-token partition takes time
+growing with the square of the user-defined tokens in them (64 KB of ``"a\\n"``
+took 52 s inside ``Llama.tokenize``, long enough for the broker to declare the
+worker stalled). A prompt is counted before it is evaluated: one over the
+context is refused from its bytes or its first pieces.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from node.engine import Emit, EngineSpec, needs_flash_attn
 from node.grammar import check_grammar, check_schema, trim_heap
 from node.llama_log import LLAMA_LOG as _LOG
 from node.llama_log import LOG_QUIET
+from node.llama_vocab import PIECE_BYTES, TooManyTokens, Vocab
 
 #: ``model.kv_type`` -> ggml_type (ggml.h), as llama_context_params.type_k/type_v take it.
 KV_GGML_TYPES = {
@@ -95,7 +103,10 @@ class LlamaEngine:
         self.kv_cache_bytes = kv_buffer_bytes("".join(load_log))
         self.n_ctx = self.llm.n_ctx()
         hidden, self._masked = special_tokens(self.llm)
-        self.llm.tokenizer_ = _TextTokenizer(self.llm, hidden)
+        # ~0.6 s for Gemma 3: the tables that let prompts be tokenized in pieces.
+        self.vocab = Vocab(llama_cpp.llama_model_get_vocab(self.llm.model))
+        trim_heap()  # reading them freed ~6 MiB of heap that would stay resident
+        self.llm.tokenizer_ = _TextTokenizer(self.llm, hidden, self.vocab)
         # A base model has no chat template; llama-cpp-python would then fall
         # back to the llama-2 format, which such models answer with nothing.
         has_template = "tokenizer.chat_template" in self.llm.metadata
@@ -217,7 +228,8 @@ class LlamaEngine:
         if job["op"] == "chat" and self.plain_chat:
             kwargs["stop"] = [*job.get("stop", []), *QA_STOPS]
             first = True
-            for chunk in self.llm.create_completion(qa_prompt(job["messages"]), **kwargs):
+            prompt = self._prompt(qa_prompt(job["messages"]))
+            for chunk in self.llm.create_completion(prompt, **kwargs):
                 choice = chunk["choices"][0]
                 text = choice.get("text") or ""
                 if first and text:
@@ -230,9 +242,56 @@ class LlamaEngine:
                 choice = chunk["choices"][0]
                 yield choice["delta"].get("content") or "", choice.get("finish_reason") or ""
         else:
-            for chunk in self.llm.create_completion(job["prompt"], **kwargs):
+            for chunk in self.llm.create_completion(self._prompt(job["prompt"]), **kwargs):
                 choice = chunk["choices"][0]
                 yield choice.get("text") or "", choice.get("finish_reason") or ""
+
+    def _prompt(self, text: str) -> str | list[int]:
+        """What ``create_completion`` gets for ``text``: its token ids, tokenized in
+        pieces (``Vocab.pieces``, parse_special as llama-cpp-python does for a str
+        prompt) with the tokens ``_around_text`` says go around them, or ``text``
+        itself when the vocabulary does not qualify.
+
+        Given ids, llama-cpp-python adds no BOS and refuses as for text (ids >=
+        n_ctx, ``Llama._create_completion``), and ``Llama.generate`` reuses the
+        KV cache's common prefix with them as with text. Each piece is a compute
+        step (the worker's progress) and a point where a cancel is seen.
+
+        Raises:
+            TooLarge: the prompt leaves no room in ``n_ctx`` (413), found from
+                its bytes or its first pieces before anything is evaluated.
+            _CancelledInEngine: the request was cancelled meanwhile.
+        """
+        if self.vocab.pair_max is None:
+            return text
+        head, tail = _around_text(self.llm)
+        room = self.n_ctx - 1 - len(head) - len(tail)  # at least one token to generate
+        ids = list(head)
+        try:
+            for piece in self.vocab.pieces(text.encode(), special=True, limit=room):
+                ids += piece
+                self.steps += 1
+                if self._cancelled is not None and self._cancelled.is_set():
+                    raise _CancelledInEngine
+        except TooManyTokens as exc:
+            needed = exc.tokens + len(head) + len(tail)
+            raise TooLarge(
+                f"Requested tokens (at least {needed}) exceed context window of "
+                f"{self.n_ctx}: shorten the prompt or raise model.n_ctx"
+            ) from None
+        return ids + tail
+
+
+def _around_text(llm: Any) -> tuple[list[int], list[int]]:
+    """The tokens ``create_completion`` puts before and after a str prompt's ids
+    (llama-cpp-python 0.3, ``Llama._create_completion``): CLS, else BOS, if the
+    model adds BOS; SEP, else EOS, if it adds EOS or has a SEP."""
+    model = llm._model
+    cls, sep = model.token_cls(), model.token_sep()
+    first = cls if cls != -1 else llm.token_bos()
+    head = [first] if model.add_bos_token() and first != -1 else []
+    tail = [sep if sep != -1 else llm.token_eos()] if model.add_eos_token() or sep != -1 else []
+    return head, tail
 
 
 #: Where a plain Q/A transcript's answer ends: the model starting the next turn.
@@ -321,17 +380,30 @@ def special_tokens(llm: Any) -> tuple[frozenset[int], Any]:
 
 
 class _TextTokenizer(LlamaTokenizer):
-    """llama-cpp-python's tokenizer, minus special tokens' text on the way out.
+    """llama-cpp-python's tokenizer, minus special tokens' text on the way out,
+    tokenizing in pieces on the way in.
 
     ``Llama.detokenize`` (which every completion and stream chunk goes through)
     delegates here. It still returns bytes, so llama-cpp-python's handling of a
     character split over byte tokens is unchanged. ``special`` is ignored: text
     for clients never carries special tokens.
+
+    ``Llama.tokenize`` delegates here too, so the prompt a chat template renders
+    (``llama_chat_format``'s handlers tokenize it) is tokenized in pieces.
     """
 
-    def __init__(self, llm: Any, hidden: frozenset[int]) -> None:
+    def __init__(self, llm: Any, hidden: frozenset[int], vocab: Vocab) -> None:
         super().__init__(llm)
         self.hidden = hidden
+        self.vocab = vocab
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = True) -> list[int]:
+        """The ids ``llama_tokenize`` gives ``text`` whole (``add_bos`` is its
+        add_special), in pieces when the vocabulary allows and it is worth it."""
+        if self.vocab.pair_max is None or len(text) <= PIECE_BYTES:
+            return super().tokenize(text, add_bos, special)
+        ids = self.vocab.tokenize(text, special)
+        return [*self.vocab.bos, *ids, *self.vocab.eos] if add_bos else ids
 
     def detokenize(
         self, tokens: list[int], prev_tokens: list[int] | None = None, special: bool = False
