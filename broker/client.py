@@ -9,15 +9,30 @@
             print(piece, end="")
         print(stream.result.finish_reason)
 
+Every request has an ``id`` (PROTOCOL §3.3): pass ``id=`` to choose it, else
+the client makes one up (``"<pid in hex>-<n>"``); ``Stream.id`` and ``Reply.id``
+tell it, and ``Client.cancel(id)`` takes it. One client can have several
+requests in flight on its one socket (streams, plus a cancel, ping, status or
+generate meanwhile): replies are filed by ``id``, each kept until the call
+waiting for that id reads it.
+
 Error replies raise the typed exceptions of ``broker.errors`` (``Overloaded``,
-``Unavailable``, ``DeadlineExceeded`` ...), each carrying ``retry_after_ms`` and
-any partial text. Not thread-safe: use one ``Client`` per thread.
+``Unavailable``, ``DeadlineExceeded``, ``Cancelled`` ...). Each carries the
+error reply's fields: ``code`` (the HTTP-aligned ``ErrorCode``), ``reason``
+(PROTOCOL §5.2, e.g. ``"queue_full"``; None when the reply has none),
+``retry_after_ms`` (None when retrying later cannot help) and ``partial_text``
+(text generated before the failure). Branch on ``reason``, not on the message.
+Not thread-safe: use one ``Client`` per thread.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import os
+import time
+import weakref
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,18 +40,62 @@ from typing import Any
 import zmq
 
 from broker import protocol as p
-from broker.errors import Unavailable, error_from_wire
+from broker.errors import EdgeNodeError, ProtocolError, Unavailable, error_from_wire
 
 #: Extra wait beyond the request's own ``timeout_ms`` before the client gives
 #: up on the node itself (the node answers 504 at the deadline on its own).
 REPLY_SLACK_MS = 2000
 
+RequestId = str | int
+#: Replies received for one request id and not read yet, oldest first.
+Inbox = deque[dict[str, Any]]
+#: A request in flight: its id, how long to wait for each of its replies (ms), its inbox.
+Sent = tuple[RequestId, int, Inbox]
+
+
+def forget(inboxes: dict[RequestId, Inbox], rid: RequestId, box: Inbox) -> None:
+    """Stop keeping replies for ``rid``, if ``box`` is still its inbox (the id may
+    be in flight again by now, for a newer request)."""
+    if inboxes.get(rid) is box:
+        del inboxes[rid]
+
+
+def with_reason(exc: EdgeNodeError, reason: str | None) -> EdgeNodeError:
+    """``exc`` with a ``reason`` attribute (PROTOCOL §5.2; None for none)."""
+    # broker.errors does not declare ``reason`` yet; every exception this client
+    # raises gets one, so apps can read ``exc.reason`` without getattr.
+    exc.reason = reason  # type: ignore[attr-defined]
+    return exc
+
+
+def reply_error(reply: dict[str, Any]) -> EdgeNodeError:
+    """The typed exception for an error reply body, with all its fields.
+
+    ``code`` picks the class (unknown or missing: ``InternalError``); ``message``,
+    ``reason``, ``retry_after_ms`` and ``text`` (as ``partial_text``) are copied
+    when they have their documented types (PROTOCOL §4.4).
+    """
+    code, retry, reason = reply.get("code"), reply.get("retry_after_ms"), reply.get("reason")
+    text = reply.get("text")
+    exc = error_from_wire(
+        code if isinstance(code, int) else 500,
+        str(reply.get("message", "")),
+        retry if isinstance(retry, int) and not isinstance(retry, bool) else None,
+        text if isinstance(text, str) else "",
+    )
+    return with_reason(exc, reason if isinstance(reason, str) else None)
+
 
 @dataclass(frozen=True)
 class Reply:
-    """A final ``ok`` reply. Times in ms; ``usage`` counts tokens."""
+    """A final ``ok`` reply. Times in ms; ``usage`` counts tokens.
 
-    id: str | int
+    ``id`` is the request's id; ``raw`` the whole reply body (PROTOCOL §4.2),
+    including the fields without an attribute (``worker``, ``degrade_reason``,
+    the rule engine's ``confidence`` and ``rule``).
+    """
+
+    id: RequestId
     text: str
     finish_reason: str
     usage: dict[str, int]
@@ -65,10 +124,21 @@ class Reply:
 
 
 class Stream:
-    """Iterates the text pieces of a streamed request; ``result`` is set at the end."""
+    """The text pieces of a streamed request, as they come.
 
-    def __init__(self, pieces: Iterator[str | Reply]) -> None:
+    Iterating yields each ``partial`` reply's text (str) and stops after the
+    final ``ok``, which sets ``result``; an error reply raises its typed
+    exception from the iteration (``Cancelled`` after ``Client.cancel(stream.id)``).
+    Iteration can stop and resume (``next(it)`` a few times, a ``ping``, more).
+
+    Attributes:
+        id: the request's id: the ``id=`` given, else the one the client made up.
+        result: the final ``Reply``; None until the stream ends with ``ok``.
+    """
+
+    def __init__(self, pieces: Iterator[str | Reply], rid: RequestId) -> None:
         self._pieces = pieces
+        self.id = rid
         self.result: Reply | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -80,12 +150,21 @@ class Stream:
 
 
 class Client:
-    """Talks to a node's frontend endpoint.
+    """Talks to a node's frontend endpoint over one DEALER socket.
 
     Args:
         endpoint: e.g. ``ipc:///tmp/edgenode-0/frontend.sock`` or ``tcp://127.0.0.1:5555``.
         timeout_ms: default request budget sent as ``timeout_ms`` (None: the node's default).
-        wait_ms: how long to wait for a reply when the request has no budget.
+        wait_ms: how long to wait for each reply of a request that has no budget; with
+            a budget, ``timeout_ms + REPLY_SLACK_MS``. Past it, the call raises
+            ``Unavailable`` ("no reply ... is the node running?").
+
+    The request methods take the protocol's fields as keywords (PROTOCOL §3.1):
+    ``id`` (str of 1-128 characters or int; default ``"<pid in hex>-<n>"``),
+    ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
+    ``json_schema``, ``timeout_ms`` (ms), ``route``, ``priority``. An ``id`` that
+    is still in flight on this client raises ``ProtocolError`` with ``reason``
+    ``"duplicate_id"`` before anything is sent.
     """
 
     def __init__(
@@ -100,6 +179,10 @@ class Client:
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._prefix = f"{os.getpid():x}-"
+        # One inbox per request in flight. A reply for another id than the one a
+        # call waits for goes to that id's inbox: a cancel's wait must not eat
+        # the target stream's 499, nor a ping a stream's partials.
+        self._inboxes: dict[RequestId, Inbox] = {}
 
     def __enter__(self) -> Client:
         return self
@@ -108,95 +191,166 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Close the socket (pending replies are dropped)."""
+        """Close the socket (pending replies are dropped; requests still run on the node)."""
         self._sock.close(0)
+        self._inboxes.clear()
 
     # ------------------------------------------------------------------ ops
 
     def generate(self, prompt: str, **fields: Any) -> Reply:
-        """Complete ``prompt``; ``fields`` are protocol fields (max_tokens, temperature ...)."""
-        return self._final(self.send({"op": "generate", "prompt": prompt, **fields}))
+        """Complete ``prompt`` and return the final reply (``Reply.id`` is the request's id).
+
+        ``fields`` are protocol fields (see the class docstring). Raises the typed
+        exception of an error reply, ``Unavailable`` when no reply comes in time.
+        """
+        return self._final(self._start({"op": "generate", "prompt": prompt, **fields}))
 
     def chat(self, messages: list[dict[str, str]], **fields: Any) -> Reply:
-        """Answer a chat (``[{"role": "user", "content": ...}]``) with the model's template."""
-        return self._final(self.send({"op": "chat", "messages": messages, **fields}))
+        """Answer a chat (``[{"role": "user", "content": ...}]``) with the model's template.
+
+        As ``generate`` otherwise.
+        """
+        return self._final(self._start({"op": "chat", "messages": messages, **fields}))
 
     def stream_generate(self, prompt: str, **fields: Any) -> Stream:
-        """Like ``generate`` but yields text as it is produced."""
-        body = {"op": "generate", "prompt": prompt, "stream": True, **fields}
-        return Stream(self._replies(self.send(body)))
+        """Like ``generate`` but returns a ``Stream`` that yields text as it is produced.
+
+        The request is sent at once; ``Stream.id`` is its id, for ``cancel``.
+        Errors are raised while iterating.
+        """
+        return self._stream({"op": "generate", "prompt": prompt, "stream": True, **fields})
 
     def stream_chat(self, messages: list[dict[str, str]], **fields: Any) -> Stream:
-        """Like ``chat`` but yields text as it is produced."""
-        body = {"op": "chat", "messages": messages, "stream": True, **fields}
-        return Stream(self._replies(self.send(body)))
+        """Like ``chat`` but returns a ``Stream``, as ``stream_generate`` does."""
+        return self._stream({"op": "chat", "messages": messages, "stream": True, **fields})
 
-    def cancel(self, target: str | int) -> None:
-        """Cancel an in-flight request of this client by its id; raises ``NotFound``."""
+    def cancel(self, target: RequestId) -> None:
+        """Cancel a request of this client that is still in flight, by its id.
+
+        The target's own final reply (499) comes first and is kept for it: the
+        stream that reads it raises ``Cancelled`` with the text so far.
+
+        Raises:
+            NotFound: ``target`` is not in flight on this connection (unknown or
+                already answered).
+        """
         self.request({"op": "cancel", "target": target})
 
     def ping(self) -> dict[str, Any]:
-        """Round trip to the broker (no worker involved)."""
+        """Round trip to the broker (no worker involved): ``{id, status, pong, version}``."""
         return self.request({"op": "ping"})
 
     def status(self) -> dict[str, Any]:
-        """The node's status map (workers, queue, counters)."""
+        """The node's status map (workers, queue, counters; PROTOCOL §12)."""
         node: dict[str, Any] = self.request({"op": "status"})["node"]
         return node
 
     # ------------------------------------------------------------------ plumbing
 
-    def send(self, body: dict[str, Any]) -> tuple[str | int, int]:
-        """Send a request body (an ``id`` is added if missing); returns (id, wait ms)."""
+    def send(self, body: dict[str, Any]) -> tuple[RequestId, int]:
+        """Send a request body (an ``id`` is added if missing or None); returns (id, wait ms).
+
+        Nothing is kept for it: its replies are dropped when some other call of
+        this client reads the socket. Use the ops, or ``request``, to get them.
+        """
         body = dict(body)
-        body.setdefault("id", self._prefix + str(next(self._ids)))
+        if body.get("id") is None:
+            body["id"] = self._prefix + str(next(self._ids))
         if self.timeout_ms is not None:
             body.setdefault("timeout_ms", self.timeout_ms)
         wait = body["timeout_ms"] + REPLY_SLACK_MS if "timeout_ms" in body else self.wait_ms
         self._sock.send_multipart([b"", p.CLIENT_TAG, p.pack(body)])
-        rid: str | int = body["id"]
+        rid: RequestId = body["id"]
         return rid, wait
 
     def request(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Send ``body`` and return the final reply body; raises on error replies."""
-        for reply in self._raw_replies(self.send(body)):
+        """Send ``body`` and return its final reply body; raises on error replies."""
+        for reply in self._raw_replies(self._start(body)):
             if reply["status"] != "partial":
                 return reply
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _final(self, sent: tuple[str | int, int]) -> Reply:
+    def _start(self, body: dict[str, Any]) -> Sent:
+        """Send ``body`` with an inbox kept for its id until its final reply is read."""
+        body = dict(body)
+        if body.get("id") is None:
+            body["id"] = self._prefix + str(next(self._ids))
+        rid = body["id"]
+        if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+            raise with_reason(ProtocolError(f"id must be a str or an int, got {rid!r}"), None)
+        if rid in self._inboxes:
+            # The node would refuse it too, but its 400 would carry this same id
+            # and end the request in flight instead (PROTOCOL §3.3).
+            raise with_reason(
+                ProtocolError(f"id {rid!r} is already in flight on this client"), "duplicate_id"
+            )
+        rid, wait = self.send(body)
+        box: Inbox = deque()
+        self._inboxes[rid] = box
+        return rid, wait, box
+
+    def _stream(self, body: dict[str, Any]) -> Stream:
+        sent = self._start(body)
+        stream = Stream(self._replies(sent), sent[0])
+        # A stream dropped before it was ever iterated has no generator to close:
+        # its inbox goes with the stream object.
+        weakref.finalize(stream, forget, self._inboxes, sent[0], sent[2])
+        return stream
+
+    def _final(self, sent: Sent) -> Reply:
         for item in self._replies(sent):
             if isinstance(item, Reply):
                 return item
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _replies(self, sent: tuple[str | int, int]) -> Iterator[str | Reply]:
+    def _replies(self, sent: Sent) -> Iterator[str | Reply]:
         for reply in self._raw_replies(sent):
             if reply["status"] == "partial":
                 yield reply.get("text", "")
             else:
                 yield Reply.from_body(reply)
 
-    def _raw_replies(self, sent: tuple[str | int, int]) -> Iterator[dict[str, Any]]:
-        rid, wait_ms = sent
-        while True:
-            if not self._sock.poll(wait_ms):
-                raise Unavailable(
-                    f"no reply from {self.endpoint} within {wait_ms} ms (is the node running?)"
+    def _raw_replies(self, sent: Sent) -> Iterator[dict[str, Any]]:
+        """The replies to ``sent``, its final one last; an error reply is raised."""
+        rid, wait_ms, box = sent
+        try:
+            while True:
+                reply = self._next_reply(box, wait_ms)
+                if reply.get("status") == "error":
+                    raise reply_error(reply)
+                yield reply
+                if reply.get("status") != "partial":
+                    return
+        finally:
+            # Answered, failed, timed out or abandoned (the generator closed):
+            # later replies for this id, e.g. after a local timeout, are dropped.
+            forget(self._inboxes, rid, box)
+
+    def _next_reply(self, box: Inbox, wait_ms: int) -> dict[str, Any]:
+        """The oldest reply in ``box``, reading the socket until one arrives.
+
+        Raises:
+            Unavailable: none within ``wait_ms`` (replies for other ids do not count).
+        """
+        deadline = time.monotonic() + wait_ms / 1000
+        while not box:
+            left_ms = math.ceil((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self._sock.poll(left_ms):
+                raise with_reason(
+                    Unavailable(
+                        f"no reply from {self.endpoint} within {wait_ms} ms (is the node running?)"
+                    ),
+                    None,
                 )
-            frames = self._sock.recv_multipart()
-            if len(frames) != 3 or frames[1] != p.CLIENT_TAG:
-                continue
-            reply = p.unpack_map(frames[2])
-            if reply.get("id") != rid:
-                continue  # a late reply to an earlier request that timed out here
-            if reply.get("status") == "error":
-                raise error_from_wire(
-                    int(reply.get("code", 500)),
-                    str(reply.get("message", "")),
-                    reply.get("retry_after_ms"),
-                    reply.get("text", ""),
-                )
-            yield reply
-            if reply.get("status") != "partial":
-                return
+            self._file(self._sock.recv_multipart())
+        return box.popleft()
+
+    def _file(self, frames: list[bytes]) -> None:
+        """Put a received reply in the inbox of its id; drop it if none is kept
+        (a late reply to a request that timed out here, or one sent with ``send``)."""
+        if len(frames) != 3 or frames[1] != p.CLIENT_TAG:
+            return
+        reply = p.unpack_map(frames[2])
+        rid = reply.get("id")
+        if isinstance(rid, (str, int)) and (box := self._inboxes.get(rid)) is not None:
+            box.append(reply)

@@ -1,0 +1,125 @@
+"""One ``Client``, several requests in flight: cancel, ping and status while a
+stream is open, interleaved streams, and the error fields apps branch on.
+
+Real node, test engine (``!slow <ms>`` sets the per-token delay). The clients
+wait at most 5 s for a reply, so a reply the client loses fails the test in
+seconds instead of hanging for the default two minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import pytest
+
+from broker.errors import Cancelled, ErrorCode, NotFound, ProtocolError, Unavailable
+from nodeproc import NodeProcess
+
+NodeFactory = Callable[..., NodeProcess]
+
+#: A stream of 1 + 30 pieces at 100 ms each: still running whenever a test acts on it.
+SLOW = "!slow 100 " + " ".join(f"w{i}" for i in range(28))
+WAIT_MS = 5000
+
+
+def test_cancel_on_the_same_client_ends_the_stream_with_cancelled(make_node: NodeFactory) -> None:
+    node = make_node()
+    with node.client(wait_ms=WAIT_MS) as c:
+        stream = c.stream_generate(SLOW, max_tokens=100, id="story-1", route="llm")
+        assert stream.id == "story-1"
+        pieces = iter(stream)
+        first = [next(pieces) for _ in range(3)]
+        assert first == ["echo:", " !slow", " 100"]
+        started = time.monotonic()
+        assert c.cancel("story-1") is None
+        with pytest.raises(Cancelled) as caught:
+            list(pieces)
+        assert time.monotonic() - started < 2.0, "the stream must end at once, not at wait_ms"
+        assert caught.value.code == ErrorCode.CANCELLED
+        assert caught.value.partial_text.startswith("echo: !slow 100")
+        assert caught.value.reason is None  # 499 has no reason (PROTOCOL §5.2)
+        assert stream.result is None
+        # The request is over: a second cancel finds nothing, and the client still works.
+        with pytest.raises(NotFound):
+            c.cancel("story-1")
+        assert c.generate("still here", max_tokens=3).text == "echo: still here"
+
+
+def test_the_generated_id_of_a_stream_cancels_it(make_node: NodeFactory) -> None:
+    node = make_node()
+    with node.client(wait_ms=WAIT_MS) as c:
+        stream = c.stream_chat([{"role": "user", "content": SLOW}], max_tokens=100)
+        assert isinstance(stream.id, str) and stream.id.startswith(f"{os.getpid():x}-")
+        c.cancel(stream.id)  # before reading anything
+        with pytest.raises(Cancelled):
+            list(stream)
+
+
+def test_ping_status_and_generate_while_a_stream_is_open(make_node: NodeFactory) -> None:
+    node = make_node()
+    with node.client(wait_ms=WAIT_MS) as c:
+        stream = c.stream_generate("!slow 50 a b c d e f", max_tokens=20)
+        pieces = iter(stream)
+        got = [next(pieces), next(pieces)]
+        assert c.ping()["pong"] is True
+        assert c.status()["protocol"] == 1
+        assert c.generate("in between", max_tokens=4).text == "echo: in between"
+        got += list(pieces)  # nothing the stream was sent meanwhile is lost
+        assert stream.result is not None
+        assert "".join(got) == stream.result.text == "echo: !slow 50 a b c d e f"
+        assert stream.result.id == stream.id
+
+
+def test_two_streams_interleaved_on_one_client(make_node: NodeFactory) -> None:
+    node = make_node()
+    with node.client(wait_ms=WAIT_MS) as c:
+        one = c.stream_generate("!slow 30 a b c d e", max_tokens=20)
+        two = c.stream_generate("!slow 20 v w x y z", max_tokens=20)
+        assert one.id != two.id
+        it1, it2 = iter(one), iter(two)
+        got1, got2 = [next(it1)], [next(it2)]
+        time.sleep(0.3)  # both finish meanwhile: their replies wait in the client
+        got2 += list(it2)
+        got1 += list(it1)
+        assert "".join(got1) == "echo: !slow 30 a b c d e"
+        assert "".join(got2) == "echo: !slow 20 v w x y z"
+        assert one.result is not None and one.result.id == one.id
+        assert two.result is not None and two.result.id == two.id
+
+
+def test_an_id_in_flight_on_this_client_is_refused_locally(make_node: NodeFactory) -> None:
+    node = make_node()
+    with node.client(wait_ms=WAIT_MS) as c:
+        stream = c.stream_generate(SLOW, max_tokens=100, id="twice")
+        pieces = iter(stream)
+        next(pieces)
+        with pytest.raises(ProtocolError) as caught:
+            c.generate("again", id="twice")
+        assert caught.value.reason == "duplicate_id"
+        assert caught.value.code == ErrorCode.BAD_REQUEST
+        c.cancel("twice")
+        with pytest.raises(Cancelled):
+            list(pieces)
+        # Once answered, the id is free again.
+        assert c.generate("again", id="twice", max_tokens=2).id == "twice"
+
+
+def test_errors_carry_reason_code_and_retry_after(make_node: NodeFactory) -> None:
+    node = make_node(workers={"count": 1}, broker={"max_queue": 1})
+    with node.client(wait_ms=WAIT_MS) as c:
+        running = c.stream_generate(SLOW, max_tokens=100)
+        next(iter(running))  # it runs: the only worker is busy
+        queued = c.stream_generate("waits", max_tokens=2)
+        with pytest.raises(Unavailable) as caught:
+            c.generate("no room", max_tokens=2)
+        err = caught.value
+        assert err.code == ErrorCode.UNAVAILABLE
+        assert err.reason == "queue_full"
+        assert err.retry_after_ms is not None and 50 <= err.retry_after_ms <= 30_000
+        assert "queue is full" in str(err)
+        c.cancel(running.id)
+        with pytest.raises(Cancelled):
+            list(running)
+        assert "".join(queued) == "echo: waits"
