@@ -60,14 +60,6 @@ def forget(inboxes: dict[RequestId, Inbox], rid: RequestId, box: Inbox) -> None:
         del inboxes[rid]
 
 
-def with_reason(exc: EdgeNodeError, reason: str | None) -> EdgeNodeError:
-    """``exc`` with a ``reason`` attribute (PROTOCOL §5.2; None for none)."""
-    # broker.errors does not declare ``reason`` yet; every exception this client
-    # raises gets one, so apps can read ``exc.reason`` without getattr.
-    exc.reason = reason  # type: ignore[attr-defined]
-    return exc
-
-
 def reply_error(reply: dict[str, Any]) -> EdgeNodeError:
     """The typed exception for an error reply body, with all its fields.
 
@@ -77,13 +69,13 @@ def reply_error(reply: dict[str, Any]) -> EdgeNodeError:
     """
     code, retry, reason = reply.get("code"), reply.get("retry_after_ms"), reply.get("reason")
     text = reply.get("text")
-    exc = error_from_wire(
+    return error_from_wire(
         code if isinstance(code, int) else 500,
         str(reply.get("message", "")),
         retry if isinstance(retry, int) and not isinstance(retry, bool) else None,
         text if isinstance(text, str) else "",
+        reason if isinstance(reason, str) else None,
     )
-    return with_reason(exc, reason if isinstance(reason, str) else None)
 
 
 @dataclass(frozen=True)
@@ -277,12 +269,12 @@ class Client:
             body["id"] = self._prefix + str(next(self._ids))
         rid = body["id"]
         if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-            raise with_reason(ProtocolError(f"id must be a str or an int, got {rid!r}"), None)
+            raise ProtocolError(f"id must be a str or an int, got {rid!r}")
         if rid in self._inboxes:
             # The node would refuse it too, but its 400 would carry this same id
             # and end the request in flight instead (PROTOCOL §3.3).
-            raise with_reason(
-                ProtocolError(f"id {rid!r} is already in flight on this client"), "duplicate_id"
+            raise ProtocolError(
+                f"id {rid!r} is already in flight on this client", reason="duplicate_id"
             )
         rid, wait = self.send(body)
         box: Inbox = deque()
@@ -336,11 +328,8 @@ class Client:
         while not box:
             left_ms = math.ceil((deadline - time.monotonic()) * 1000)
             if left_ms <= 0 or not self._sock.poll(left_ms):
-                raise with_reason(
-                    Unavailable(
-                        f"no reply from {self.endpoint} within {wait_ms} ms (is the node running?)"
-                    ),
-                    None,
+                raise Unavailable(
+                    f"no reply from {self.endpoint} within {wait_ms} ms (is the node running?)"
                 )
             self._file(self._sock.recv_multipart())
         return box.popleft()

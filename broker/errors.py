@@ -31,17 +31,26 @@ class EdgeNodeError(Exception):
         code: the wire code a client sees for this error.
         retry_after_ms: when set, retrying after this many milliseconds may succeed.
         partial_text: text generated before the failure (may be empty).
+        reason: the machine reason of a refusal (PROTOCOL §5.2: ``queue_full``,
+            ``draining``, ``worker_lost``, ...), None when the reply had none.
+            Apps branch on it, not on the message.
     """
 
     code: ErrorCode = ErrorCode.INTERNAL
 
     def __init__(
-        self, message: str, *, retry_after_ms: int | None = None, partial_text: str = ""
+        self,
+        message: str,
+        *,
+        retry_after_ms: int | None = None,
+        partial_text: str = "",
+        reason: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after_ms = retry_after_ms
         self.partial_text = partial_text
+        self.reason = reason
 
 
 class ProtocolError(EdgeNodeError):
@@ -118,7 +127,11 @@ ERROR_BY_CODE: dict[int, type[EdgeNodeError]] = {
 
 
 def error_from_wire(
-    code: int, message: str, retry_after_ms: int | None = None, partial_text: str = ""
+    code: int,
+    message: str,
+    retry_after_ms: int | None = None,
+    partial_text: str = "",
+    reason: str | None = None,
 ) -> EdgeNodeError:
     """Build the typed exception for a wire error reply.
 
@@ -127,6 +140,7 @@ def error_from_wire(
         message: the reply's ``message`` field.
         retry_after_ms: the reply's ``retry_after_ms`` field, if any.
         partial_text: the reply's ``text`` field, if any.
+        reason: the reply's ``reason`` field, if any.
     """
     cls = ERROR_BY_CODE.get(code, InternalError)
-    return cls(message, retry_after_ms=retry_after_ms, partial_text=partial_text)
+    return cls(message, retry_after_ms=retry_after_ms, partial_text=partial_text, reason=reason)
