@@ -247,8 +247,9 @@ def ask(
     except EdgeNodeError as exc:
         partial = f"\npartial text: {exc.partial_text}" if exc.partial_text else ""
         retry = f" (retry after {exc.retry_after_ms} ms)" if exc.retry_after_ms else ""
+        reason = f" [{exc.reason}]" if exc.reason else ""
         raise click.ClickException(
-            f"{int(exc.code)} {exc.code.name}: {exc.message}{retry}{partial}"
+            f"{int(exc.code)} {exc.code.name}{reason}: {exc.message}{retry}{partial}"
         ) from exc
     assert reply is not None
     if as_json:

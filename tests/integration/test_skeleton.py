@@ -161,6 +161,10 @@ def test_cli_background_start_status_ask_stop(make_node: NodeFactory) -> None:
     assert answer.returncode == 0, answer.stderr
     assert "echo: robot move forward" in answer.stdout
     assert "completion tokens" in answer.stderr
+    # A refusal names its machine reason, the one apps branch on.
+    refused = node.cli("ask", "too long", "--raw", "--max-tokens", "4096")
+    assert refused.returncode == 1
+    assert "413 TOO_LARGE [too_large]: prompt " in refused.stderr, refused.stderr
     stopped = node.cli("stop")
     assert stopped.returncode == 0, stopped.stderr
     assert leftover_processes(node.run_dir) == []
