@@ -15,7 +15,8 @@ from pathlib import Path
 import click
 
 from node.migration_log import migration_log_path
-from node.report import format_report, summarize
+from node.report import summarize
+from node.report_view import format_report
 
 
 @click.command()

@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from broker.client import Client
 from fallback.intents import EVAL_COMMANDS, INTENT_PROMPT, INTENT_SCHEMA
-from node.report import format_report, summarize
+from node.report import summarize
+from node.report_view import format_report
 from nodeproc import NodeProcess
 
 COMMANDS = EVAL_COMMANDS

@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 from node.cli_report import report
 from node.migration_log import MigrationLog
-from node.report import format_report, log_files, percentiles, summarize, verdict
+from node.report import log_files, percentiles, summarize, verdict
+from node.report_view import format_report
 
 AGREE = '{"intent":"lights_on","room":"Kitchen"}'
 OFF = '{"intent":"lights_off","room":"kitchen"}'
