@@ -11,14 +11,15 @@ llama-cpp-python#1529). Cancellation works at two depths:
   ``RuntimeError``; the context is then reset and stays usable.
 
 Special tokens never reach a client's text: they are masked at sampling (all
-but end-of-generation) and have no text on the way out (``_TextTokenizer``).
+but end-of-generation; ``node.llama_vocab.special_tokens`` says which) and have
+no text on the way out (``_TextTokenizer``).
 
-Prompts are tokenized in pieces (``node.llama_vocab.Vocab.pieces``), in time
-linear in their length: whole, llama.cpp's special-token partition takes time
-growing with the square of the user-defined tokens in them (64 KB of ``"a\\n"``
-took 52 s inside ``Llama.tokenize``, long enough for the broker to declare the
-worker stalled). A prompt is counted before it is evaluated: one over the
-context is refused from its bytes or its first pieces.
+Prompts are tokenized in pieces (``node.llama_vocab.Vocab.pieces``, cut by
+``node.llama_pieces``), in time linear in their length: whole, llama.cpp's
+special-token partition takes time growing with the square of the user-defined
+tokens in them (64 KB of ``"a\\n"`` took 52 s inside ``Llama.tokenize``, long
+enough for the broker to declare the worker stalled). A prompt is counted before
+it is evaluated: one over the context is refused from its bytes or first pieces.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from node.engine import Emit, EngineSpec, needs_flash_attn
 from node.grammar import check_grammar, check_schema, trim_heap
 from node.llama_log import LLAMA_LOG as _LOG
 from node.llama_log import LOG_QUIET
-from node.llama_vocab import PIECE_BYTES, TooManyTokens, Vocab
+from node.llama_pieces import PIECE_BYTES
+from node.llama_vocab import TooManyTokens, Vocab, around_text, special_tokens
 
 #: ``model.kv_type`` -> ggml_type (ggml.h), as llama_context_params.type_k/type_v take it.
 KV_GGML_TYPES = {
@@ -249,7 +251,7 @@ class LlamaEngine:
     def _prompt(self, text: str) -> str | list[int]:
         """What ``create_completion`` gets for ``text``: its token ids, tokenized in
         pieces (``Vocab.pieces``, parse_special as llama-cpp-python does for a str
-        prompt) with the tokens ``_around_text`` says go around them, or ``text``
+        prompt) with the tokens ``around_text`` says go around them, or ``text``
         itself when the vocabulary does not qualify.
 
         Given ids, llama-cpp-python adds no BOS and refuses as for text (ids >=
@@ -264,7 +266,7 @@ class LlamaEngine:
         """
         if self.vocab.pair_max is None:
             return text
-        head, tail = _around_text(self.llm)
+        head, tail = around_text(self.llm)
         room = self.n_ctx - 1 - len(head) - len(tail)  # at least one token to generate
         ids = list(head)
         try:
@@ -280,18 +282,6 @@ class LlamaEngine:
                 f"{self.n_ctx}: shorten the prompt or raise model.n_ctx"
             ) from None
         return ids + tail
-
-
-def _around_text(llm: Any) -> tuple[list[int], list[int]]:
-    """The tokens ``create_completion`` puts before and after a str prompt's ids
-    (llama-cpp-python 0.3, ``Llama._create_completion``): CLS, else BOS, if the
-    model adds BOS; SEP, else EOS, if it adds EOS or has a SEP."""
-    model = llm._model
-    cls, sep = model.token_cls(), model.token_sep()
-    first = cls if cls != -1 else llm.token_bos()
-    head = [first] if model.add_bos_token() and first != -1 else []
-    tail = [sep if sep != -1 else llm.token_eos()] if model.add_eos_token() or sep != -1 else []
-    return head, tail
 
 
 #: Where a plain Q/A transcript's answer ends: the model starting the next turn.
@@ -339,44 +329,6 @@ def _model_params(use_extra_bufts: bool) -> Iterator[None]:
         yield
     finally:
         llama_c.llama_model_default_params = original
-
-
-#: llama_token_attr bits (llama.h) of tokens that are not text: llama.cpp's
-#: ``llama_token_to_piece`` renders CONTROL only with ``special``, UNKNOWN and
-#: UNUSED as placeholders.
-_NOT_TEXT = (
-    llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
-    | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
-    | llama_cpp.LLAMA_TOKEN_ATTR_UNUSED
-)
-#: How special-token markers are spelled. llama.cpp renders USER_DEFINED tokens
-#: even without ``special``, and some GGUFs mark markers so: the default model's
-#: <start_of_image>, <end_of_image> and [multimodal] (seen in its output). Its
-#: other user-defined tokens, HTML tags (<table>) and runs of spaces, are text.
-_MARKER = re.compile(r"<\|.*\|>|<(?:start|end)_of_\w+>|\[\w+\]", re.DOTALL)
-
-
-def special_tokens(llm: Any) -> tuple[frozenset[int], Any]:
-    """(every special token id, the ids to mask at sampling as a numpy array).
-
-    Special = a llama.cpp attribute in ``_NOT_TEXT``, or a user-defined token
-    spelled like a marker (``_MARKER``). End-of-generation tokens
-    (``llama_vocab_is_eog``) are special but not masked: the model must be able
-    to stop. One pass over the vocabulary per load (~0.2 s for Gemma's 262k tokens).
-    """
-    vocab = llama_cpp.llama_model_get_vocab(llm.model)
-    special: set[int] = set()
-    for token in range(llama_cpp.llama_vocab_n_tokens(vocab)):
-        attr = llama_cpp.llama_vocab_get_attr(vocab, token)
-        if attr & _NOT_TEXT or (
-            attr & llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
-            and _MARKER.fullmatch(
-                llama_cpp.llama_vocab_get_text(vocab, token).decode(errors="replace")
-            )
-        ):
-            special.add(token)
-    masked = sorted(t for t in special if not llama_cpp.llama_vocab_is_eog(vocab, t))
-    return frozenset(special), np.array(masked, dtype=np.intc)
 
 
 class _TextTokenizer(LlamaTokenizer):

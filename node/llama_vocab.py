@@ -1,32 +1,25 @@
-"""A model's vocabulary through llama.cpp: the node's prompt-token counter, and
-tokenizing in pieces for the workers.
+"""A model's vocabulary through llama.cpp: the node's prompt-token counter, the
+workers' tokenizing in pieces, and which tokens are special.
 
 Part of the llama.cpp engine adapter (``node.llama_engine``, ``node.llama_log``):
 the modules that import ``llama_cpp``. The node process loads a vocabulary
 alone (no weights) once for the broker's 413 check; each worker wraps its
 model's (``Vocab``) to tokenize prompts.
 
-Tokenizing is not cheap: ~1 µs per byte of text, and llama.cpp's special-token
-partition (``tokenizer_st_partition`` in ``src/llama-vocab.cpp``) erases each
-match from a linked list by walking it from the start, so text dense in
-user-defined tokens (Gemma 3 has one per newline, tab and HTML tag) costs time
-growing with the square of its length: 16 KB of ``"a\\n"`` took 0.95 s here,
-64 KB 22 s (52 s through ``Llama.tokenize``, which tokenizes twice past 32,768
-tokens), 250 KB of ordinary words 0.2-0.3 s. So the counter first bounds the
-count from the bytes and the vocabulary (``Vocab.lower_bound``), and tokenizes
-only what the bound cannot decide, in pieces, within ``LOOP_BYTES``; a worker
-tokenizes a whole prompt in pieces (``Vocab.pieces``), which costs time linear
-in its length.
+Tokenizing is not cheap: ~1 µs per byte of text, and time growing with the
+square of the special-token matches (``node.llama_pieces`` says why). So the
+counter first bounds the count from the bytes and the vocabulary
+(``Vocab.lower_bound``), and tokenizes only what the bound cannot decide, in
+pieces, within ``LOOP_BYTES``; a worker tokenizes a whole prompt in pieces
+(``Vocab.pieces``), which costs time linear in its length.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 import weakref
-from collections.abc import Collection, Iterator
-from itertools import pairwise
+from collections.abc import Iterator
 from typing import Any
 
 import llama_cpp.llama_cpp as llama_c
@@ -36,6 +29,17 @@ from broker.protocol import ClientRequest
 from broker.service import CHAT_TOKENS_PER_MESSAGE
 from broker.token_count import TokenCount
 from node.llama_log import LLAMA_LOG, LOG_ERROR
+from node.llama_pieces import (
+    MAX_PIECE_BYTES,
+    PIECE_BYTES,
+    SAMPLE,
+    Specials,
+    cuts_hold,
+    hold_pairs,
+    piece_spans,
+    spell_spaces,
+    stretches,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +47,6 @@ log = logging.getLogger(__name__)
 #: them, what the lower bound cannot refuse is left to the worker (which counts
 #: anyway). 4 KiB of ordinary text take ~3-5 ms here.
 LOOP_BYTES = 4 * 1024
-#: Text is tokenized in pieces of about this many bytes, cut where no token can
-#: span, so the partition's quadratic cost stays that of a small piece: 4 KiB of
-#: alternating newlines and tabs take ~125 ms whole, ~7 ms in 256-byte pieces.
-PIECE_BYTES = 256
-#: The longest stretch tokenized in one call (bytes): text no token boundary is
-#: forced in (digits, CJK, ``<b><i>`` repeated) cannot be cut. 2 KiB of the worst
-#: such text measured here (``<b><i>`` repeated) take ~4 ms.
-MAX_PIECE_BYTES = 2 * 1024
-
-_UTF8_CONTINUATION = 0x80  # 0b10xxxxxx: no character starts at such a byte
 #: Tokens the special-token partition cuts out of a text (llama_token_attr, llama.h);
 #: without parse_special it skips the CONTROL and UNKNOWN ones.
 _SPECIAL = (
@@ -122,7 +116,7 @@ class Vocab:
             model alive as long as this object is used.
 
     ``pair_max`` is None when the vocabulary does not qualify for the bound or
-    for pieces (``_pair_lengths``, or the check on ``_SAMPLE`` failed): then
+    for pieces (``_pair_lengths``, or the check on ``SAMPLE`` failed): then
     only whole texts are tokenized.
     """
 
@@ -135,10 +129,10 @@ class Vocab:
         self.eos = [eos] if llama_c.llama_vocab_get_add_eos(vocab) else []
         self.pair_max, specials = _pair_lengths(vocab)
         user = [text for text, attr in specials if not attr & _CONTROL]
-        self._specials = {False: _Specials(user), True: _Specials([t for t, _ in specials])}
+        self._specials = {False: Specials(user), True: Specials([t for t, _ in specials])}
         # A text a control token has needs parse_special, whatever else has it too.
-        self._controls = _Specials([text for text, attr in specials if attr & _CONTROL])
-        if self.pair_max is not None and not self._pieces_hold(_SAMPLE.encode()):
+        self._controls = Specials([text for text, attr in specials if attr & _CONTROL])
+        if self.pair_max is not None and not self._pieces_hold(SAMPLE.encode()):
             log.warning("tokenizing in pieces fails on a sample; prompts are tokenized whole")
             self.pair_max = None
         # The longest token text (bytes): its pairs hold the table's largest entry.
@@ -207,9 +201,9 @@ class Vocab:
 
         The pieces (~``PIECE_BYTES``) are cut at forced token boundaries
         (``lower_bound``) and, in a stretch longer than a piece, at both ends of
-        each special-token text no other can overlap (``_Specials``): no token
+        each special-token text no other can overlap (``Specials``): no token
         spans a cut, and the partition's quadratic cost stays that of a piece
-        (checked at load on ``_SAMPLE``). A piece with no control-token text is
+        (checked at load on ``SAMPLE``). A piece with no control-token text is
         tokenized without parse_special (the same ids), which spares the
         partition a search per control token (6,250 in Gemma 3): with one, a
         piece costs ~50 µs per ``<`` in it (256 KB of ``<pad>``: 2.8 s). What no
@@ -226,9 +220,9 @@ class Vocab:
         crude = -(-len(text) // self.longest)  # no token is longer
         if limit is not None and crude > limit:
             raise TooManyTokens(crude)
-        starts, lows = self._stretches(text, self._specials[special])
+        starts, lows = stretches(self.pair_max, text, self._specials[special])
         counted, rest = 0, int(lows.sum())
-        for begin, end, low in _pieces(starts, lows, len(text)):
+        for begin, end, low in piece_spans(starts, lows, len(text)):
             if limit is not None and counted + rest > limit:
                 raise TooManyTokens(counted + rest)
             parse = special and self._controls.search(text, begin, end)
@@ -239,29 +233,12 @@ class Vocab:
             raise TooManyTokens(counted)
 
     def lower_bound(self, text: bytes) -> int | None:
-        """A lower bound on ``count(text)`` (tokens) from the bytes alone, or None
-        when the vocabulary gives none (see ``_pair_lengths``).
-
-        Why it holds: in llama.cpp every token of a text covers a stretch of it and
-        its text (``llama_vocab_get_text``) spells that stretch: a user-defined token
-        exactly (the partition finds it by its text), any other token in its
-        SentencePiece form, where a space is ``▁`` (3 bytes), so never in fewer
-        bytes than it covers; a byte-fallback token covers one byte. So a token
-        covering k >= 2 bytes holds each adjacent pair of them in a token text of
-        >= k bytes, and with ``pair_max[x, y]`` = the longest token text holding
-        x, y adjacent (either spelling), byte j gets weight 1 / max(pair_max of its
-        pair to the left, to the right) <= 1/k: one token's bytes weigh at most 1,
-        and the text's weights sum to at most its tokens. A pair no token holds
-        (pair_max 1) is a forced token boundary; every stretch between two of
-        them holds whole tokens, so each stretch counts ceil(its weight) >= 1.
-        Gemma 3: the longest token is 48 bytes (16 em dashes, box-drawing lines or
-        ellipses); whitespace runs stop at 31 bytes; no token holds a letter or
-        digit before a space, so every word starts a token, and newlines and
-        tabs join nothing but themselves.
-        """
+        """A lower bound on ``count(text)`` (tokens) from the bytes alone
+        (``node.llama_pieces.stretches`` says why it holds), or None when the
+        vocabulary gives none (see ``_pair_lengths``)."""
         if self.pair_max is None:
             return None
-        return self.added + int(self._stretches(text)[1].sum())
+        return self.added + int(stretches(self.pair_max, text)[1].sum())
 
     def bounded(self, text: bytes, limit: int) -> TokenCount:
         """Whether ``count(text)`` is at most ``limit`` tokens, within ``LOOP_BYTES``.
@@ -270,7 +247,7 @@ class Vocab:
         not be raised within the budget. Tokenizes in pieces cut at forced token
         boundaries (``lower_bound``): no token, user-defined or merged, spans one,
         so the pieces' counts add up to the whole's (checked at load on
-        ``_SAMPLE``); it stops as soon as the counted pieces plus the bound of the
+        ``SAMPLE``); it stops as soon as the counted pieces plus the bound of the
         rest exceed ``limit``.
         """
         if len(text) <= PIECE_BYTES:
@@ -283,13 +260,13 @@ class Vocab:
         crude = self.added - (-len(text) // self.longest)
         if crude > limit:
             return TokenCount(crude, exact=False)
-        starts, lows = self._stretches(text)
+        starts, lows = stretches(self.pair_max, text)
         rest = int(lows.sum())
         counted = self.added
         if counted + rest > limit:
             return TokenCount(counted + rest, exact=False)
         budget = LOOP_BYTES
-        for begin, end, low in _pieces(starts, lows, len(text)):
+        for begin, end, low in piece_spans(starts, lows, len(text)):
             if end - begin > min(budget, MAX_PIECE_BYTES):
                 return TokenCount(counted + rest, exact=False)  # the worker decides
             budget -= end - begin
@@ -299,154 +276,63 @@ class Vocab:
                 return TokenCount(counted + rest, exact=False)
         return TokenCount(counted, exact=True)
 
-    def _stretches(
-        self, text: bytes, specials: _Specials | None = None, longer: int = PIECE_BYTES
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Where ``text``'s stretches between forced token boundaries start (byte
-        offsets) and each one's lower bound (tokens). Only with ``pair_max``.
-
-        Boundaries are kept only before the first byte of a character, so a piece
-        is valid UTF-8 and llama.cpp splits it into the same characters. With
-        ``specials``, a stretch over ``longer`` bytes is also cut at both ends of
-        each special-token text no other can overlap (``_Specials``): those are
-        token boundaries too, and each part still holds whole tokens.
-        """
-        assert self.pair_max is not None
-        data = np.frombuffer(text, dtype=np.uint8)
-        if data.size < 2:
-            return np.zeros(data.size, np.int64), np.ones(data.size, np.int64)
-        index = data[:-1].astype(np.intp) * 256 + data[1:]
-        pair = self.pair_max[index]
-        ones = np.ones(1, pair.dtype)
-        reach = np.maximum(np.concatenate((ones, pair)), np.concatenate((pair, ones)))
-        cut = (pair == 1) & (data[1:] & 0xC0 != _UTF8_CONTINUATION)
-        if specials is not None:
-            bounds = np.concatenate(([0], np.flatnonzero(cut) + 1, [data.size]))
-            long = np.flatnonzero(np.diff(bounds) > longer)
-            if long.size:  # mark the bytes of the long stretches
-                edges = np.zeros(data.size + 1, np.int64)
-                np.add.at(edges, bounds[long], 1)
-                np.add.at(edges, bounds[long + 1], -1)
-                specials.cut(text, index, cut, np.cumsum(edges)[:-1] > 0)
-        starts = np.concatenate((np.zeros(1, np.int64), np.flatnonzero(cut) + 1))
-        weight = np.add.reduceat(1.0 / reach, starts)
-        # A float sum may land a hair above a whole number it should equal.
-        lows = np.maximum(np.ceil(weight - 1e-6), 1).astype(np.int64)
-        return starts, lows
-
     def _pieces_hold(self, sample: bytes) -> bool:
-        """Whether ``sample`` cut at every forced token boundary gives the ids it
-        gives whole (without parse_special, as the counter tokenizes), cut also
-        around every special-token text no other can overlap the ids it gives
-        whole with and without parse_special, and whether ``lower_bound`` does
-        not exceed its count.
-
-        A vocabulary whose tokenizer adds a space before text that follows a cut
-        (llama.cpp's ``add_space_prefix``, set for Llama 2) fails here.
-        """
-
-        def joined(starts: np.ndarray, parse_special: bool) -> list[int]:
-            cuts = pairwise([*starts.tolist(), len(sample)])
-            return [t for a, b in cuts for t in self._ids(sample[a:b], parse_special)]
-
-        holds = joined(self._stretches(sample)[0], False) == self._ids(sample, False)
-        for special in (False, True):
-            starts = self._stretches(sample, self._specials[special], longer=0)[0]
-            holds &= joined(starts, special) == self._ids(sample, special)
+        """Whether cutting ``sample`` holds (``node.llama_pieces.cuts_hold``) and
+        ``lower_bound`` does not exceed its count."""
+        assert self.pair_max is not None
+        holds = cuts_hold(self.pair_max, self._specials, sample, self._ids)
         low = self.lower_bound(sample)
         return holds and low is not None and low <= self.count(sample)
 
 
-def _pieces(starts: np.ndarray, lows: np.ndarray, size: int) -> Iterator[tuple[int, int, int]]:
-    """(begin, end, lower bound) of consecutive pieces of ``size`` bytes made of whole
-    stretches (``starts``, ``lows``): each ends at the last stretch start at or
-    before its begin + ``PIECE_BYTES``, or with its first stretch if that is longer."""
-    bounds = np.concatenate((starts, [size]))
-    low_before = np.concatenate(([0], np.cumsum(lows)))
-    first = 0
-    while first < len(starts):
-        last = int(np.searchsorted(bounds, bounds[first] + PIECE_BYTES, side="right")) - 1
-        last = max(last, first + 1)
-        yield int(bounds[first]), int(bounds[last]), int(low_before[last] - low_before[first])
-        first = last
+def around_text(llm: Any) -> tuple[list[int], list[int]]:
+    """The tokens ``create_completion`` puts before and after a str prompt's ids
+    (llama-cpp-python 0.3, ``Llama._create_completion``): CLS, else BOS, if the
+    model adds BOS; SEP, else EOS, if it adds EOS or has a SEP."""
+    model = llm._model
+    cls, sep = model.token_cls(), model.token_sep()
+    first = cls if cls != -1 else llm.token_bos()
+    head = [first] if model.add_bos_token() and first != -1 else []
+    tail = [sep if sep != -1 else llm.token_eos()] if model.add_eos_token() or sep != -1 else []
+    return head, tail
 
 
-class _Specials:
-    """The texts of some special tokens, as cutting a text into pieces needs them.
+#: llama_token_attr bits (llama.h) of tokens that are not text: llama.cpp's
+#: ``llama_token_to_piece`` renders CONTROL only with ``special``, UNKNOWN and
+#: UNUSED as placeholders.
+_NOT_TEXT = (
+    llama_c.LLAMA_TOKEN_ATTR_CONTROL
+    | llama_c.LLAMA_TOKEN_ATTR_UNKNOWN
+    | llama_c.LLAMA_TOKEN_ATTR_UNUSED
+)
+#: How special-token markers are spelled. llama.cpp renders USER_DEFINED tokens
+#: even without ``special``, and some GGUFs mark markers so: the default model's
+#: <start_of_image>, <end_of_image> and [multimodal] (seen in its output). Its
+#: other user-defined tokens, HTML tags (<table>) and runs of spaces, are text.
+_MARKER = re.compile(r"<\|.*\|>|<(?:start|end)_of_\w+>|\[\w+\]", re.DOTALL)
 
-    llama.cpp's partition (``tokenizer_st_partition``) takes the special tokens
-    longest text first (ties in no defined order: ``std::sort``) and cuts each
-    one's leftmost non-overlapping occurrences out of what text is left; what
-    is left is tokenized fragment by fragment. Where occurrences overlap, which
-    one is cut out depends on that order; one that overlaps no other is always
-    cut out, so both its ends are token boundaries. Such are the *segments* (the
-    bytes between two pairs no text of the set holds) that are a text of the
-    set holding no other (``simple``): no occurrence can overlap them.
+
+def special_tokens(llm: Any) -> tuple[frozenset[int], Any]:
+    """(every special token id, the ids to mask at sampling as a numpy array).
+
+    Special = a llama.cpp attribute in ``_NOT_TEXT``, or a user-defined token
+    spelled like a marker (``_MARKER``). End-of-generation tokens
+    (``llama_vocab_is_eog``) are special but not masked: the model must be able
+    to stop. One pass over the vocabulary per load (~0.2 s for Gemma's 262k tokens).
     """
-
-    def __init__(self, texts: Collection[bytes]) -> None:
-        self.texts = frozenset(t for t in texts if t)
-        self.longest = max(map(len, self.texts), default=0)
-        self.pairs = np.zeros(256 * 256, dtype=bool)  # the byte pairs a text holds
-        for text in self.texts:
-            self.pairs[[x * 256 + y for x, y in pairwise(text)]] = True
-        self._simple: dict[bytes, bool] = {}  # memo: ~1 s for all of Gemma 3's
-
-    def simple(self, text: bytes) -> bool:
-        """Whether ``text`` is one of the texts and holds no other one."""
-        if text not in self.texts:
-            return False
-        if text not in self._simple:
-            n = len(text)  # any other text inside it?
-            inner = (text[a:b] for a in range(n) for b in range(a + 1, n + 1) if b - a < n)
-            self._simple[text] = not any(part in self.texts for part in inner)
-        return self._simple[text]
-
-    @functools.cached_property
-    def _find(self) -> re.Pattern[bytes] | None:
-        # A trie as a regular expression: a match costs its length whatever the
-        # number of texts (Gemma 3 has 6,250 control tokens; ~0.15 s to compile).
-        return re.compile(_trie(self.texts)) if self.texts else None
-
-    def search(self, text: bytes, begin: int, end: int) -> bool:
-        """Whether one of the texts occurs in ``text[begin:end]``."""
-        return self._find is not None and self._find.search(text, begin, end) is not None
-
-    def cut(self, text: bytes, index: np.ndarray, cut: np.ndarray, within: np.ndarray) -> None:
-        """Sets ``cut`` (a cut before byte i + 1) at both ends of each simple
-        segment of ``text`` that starts where ``within`` (per byte) is true.
-        ``index`` is its byte pairs (x * 256 + y)."""
-        n = len(text)
-        bounds = np.concatenate(([0], np.flatnonzero(~self.pairs[index]) + 1, [n]))
-        begins, ends = bounds[:-1], bounds[1:]
-        pick = (ends - begins <= self.longest) & within[begins]
-        ends_at = [
-            p
-            for a, b in zip(begins[pick].tolist(), ends[pick].tolist(), strict=True)
-            if self.simple(text[a:b])
-            for p in (a, b)
-            if 0 < p < n
-        ]
-        cut[np.array(ends_at, dtype=np.intp) - 1] = True
-
-
-def _trie(texts: Collection[bytes]) -> bytes:
-    """A regular expression matching the longest of ``texts`` (non-empty) at a position."""
-    root: dict[int, Any] = {}
-    for text in texts:
-        node = root
-        for byte in text:
-            node = node.setdefault(byte, {})
-        node[-1] = {}  # a text ends here
-
-    def pattern(node: dict[int, Any]) -> bytes:
-        branches = [re.escape(bytes([b])) + pattern(n) for b, n in sorted(node.items()) if b >= 0]
-        if not branches:
-            return b""
-        body = branches[0] if len(branches) == 1 else b"(?:" + b"|".join(branches) + b")"
-        return b"(?:" + body + b")?" if -1 in node else body
-
-    return pattern(root)
+    vocab = llama_c.llama_model_get_vocab(llm.model)
+    special: set[int] = set()
+    for token in range(llama_c.llama_vocab_n_tokens(vocab)):
+        attr = llama_c.llama_vocab_get_attr(vocab, token)
+        if attr & _NOT_TEXT or (
+            attr & llama_c.LLAMA_TOKEN_ATTR_USER_DEFINED
+            and _MARKER.fullmatch(
+                llama_c.llama_vocab_get_text(vocab, token).decode(errors="replace")
+            )
+        ):
+            special.add(token)
+    masked = sorted(t for t in special if not llama_c.llama_vocab_is_eog(vocab, t))
+    return frozenset(special), np.array(masked, dtype=np.intc)
 
 
 def _pair_lengths(
@@ -462,8 +348,7 @@ def _pair_lengths(
     characters) or may drop bytes their vocabulary lacks (BPE). Tokens with
     LSTRIP/RSTRIP make the partition drop the whitespace beside them, so they
     disqualify a vocabulary too. Byte-fallback tokens cover one byte and hold no
-    pair. A pair of the prompt that holds a space appears in SentencePiece
-    spelling as ``▁`` (E2 96 81): its pairs count both ways. The vocabulary is
+    pair (``node.llama_pieces.hold_pairs``, ``spell_spaces``). The vocabulary is
     read in chunks: a worker builds this too, and its peak memory counts
     against its limit (Gemma 3: 262,144 tokens, 2.5 MB of text).
     """
@@ -480,39 +365,7 @@ def _pair_lengths(
         qualifies = qualifies and not any(attr & strip for attr in attrs)
         if qualifies:
             byte = llama_c.LLAMA_TOKEN_ATTR_BYTE
-            _hold_pairs(longest, [t for t, a in zip(texts, attrs, strict=True) if not a & byte])
+            hold_pairs(longest, [t for t, a in zip(texts, attrs, strict=True) if not a & byte])
     if not qualifies:
         return None, specials
-    table = longest.reshape(256, 256)
-    left = np.arange(256)
-    left[0x20] = 0x81  # a space ends as ▁'s last byte
-    right = np.arange(256)
-    right[0x20] = 0xE2  # and starts as its first
-    return np.maximum(table, table[left][:, right]).reshape(-1), specials
-
-
-def _hold_pairs(longest: np.ndarray, texts: list[bytes]) -> None:
-    """Raises ``longest[x * 256 + y]`` to the length of each of ``texts`` holding x, y."""
-    data = np.frombuffer(b"".join(texts), dtype=np.uint8)
-    sizes = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
-    owner_size = np.repeat(sizes, sizes)[:-1]  # the length of the text each pair starts in
-    within = np.ones(max(data.size - 1, 0), dtype=bool)
-    within[np.cumsum(sizes)[:-1][sizes[:-1] > 0] - 1] = False  # pairs across two texts
-    pairs = data[:-1].astype(np.intp) * 256 + data[1:]
-    np.maximum.at(longest, pairs[within], owner_size[within])
-
-
-#: Checked at load (``Vocab._pieces_hold``): its pieces must give the ids it gives
-#: whole. It holds what the bound's and the cuts' reasoning relies on: spaces and
-#: runs of them, newlines, tabs, HTML tags (user-defined tokens in Gemma 3) next
-#: to each other, a literal ▁, control-token text, CJK, emoji, digits, code.
-_SAMPLE = (
-    "The quick brown fox, 2024-11-29: jumps  over   the lazy dog.\n\n\tdef f(x):\n"
-    "        return x ** 2  # square\n<table><tr><td>1</td></tr></table> <b><i>bold</i></b>"
-    "\u2014\u2014\u2014 \u2581\u2581 \u2581x <start_of_turn>user<end_of_turn>"
-    "\u65e5\u672c\u8a9e\u306e\u6587\u7ae0\u3002 \U0001f600\U0001f600 "
-    + " " * 40
-    + "end\n" * 3
-    + "\r\n\x00\x7f caf\u00e9 na\u00efve <b><i><b><i></td><td></td><td>a\na\n\n\t\n\t"
-    "<unused7><b><pad>x\n\n<i>"
-)
+    return spell_spaces(longest), specials

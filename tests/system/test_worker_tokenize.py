@@ -8,7 +8,7 @@ llama.cpp's special-token partition (``tokenizer_st_partition`` in
 ``"<b><i>"`` 4.8 s, of random words 0.05 s. With a large context such a prompt
 outlived the stall timeout, the worker was killed, and the request killed the
 next one too. The engine now counts first (a lower bound from the bytes),
-then tokenizes in pieces cut where no token can span (``node.llama_vocab``).
+then tokenizes in pieces cut where no token can span (``node.llama_pieces``).
 """
 
 from __future__ import annotations
