@@ -15,8 +15,9 @@ What: the vocabulary's byte-pair table (``hold_pairs``, ``spell_spaces``: per by
 pair, the longest token text holding it; a pair none holds is a forced token
 boundary), the stretches between forced boundaries with each one's lower bound
 (``stretches``), their grouping into pieces (``piece_spans``), and the special
-tokens' texts a piece can also be cut around (``Specials``). Plain bytes and numpy
-arrays: reading the vocabulary and tokenizing are ``node.llama_vocab``'s, and
+tokens' texts a piece can also be cut around (``Specials``), and counting a piece
+as parse_special would with no control-token text parsed (``count_unparsed``).
+Plain bytes and numpy arrays: reading the vocabulary and tokenizing are ``node.llama_vocab``'s, and
 whether a vocabulary qualifies is checked there on ``SAMPLE``.
 """
 
@@ -85,8 +86,9 @@ def stretches(
     token boundaries too, and each part still holds whole tokens.
 
     Why the bound holds: in llama.cpp every token of a text covers a stretch of it
-    and its text (``llama_vocab_get_text``) spells that stretch: a user-defined
-    token exactly (the partition finds it by its text), any other token in its
+    and its text (``llama_vocab_get_text``) spells that stretch: a special token
+    exactly (the partition finds it by its text: a user-defined one always, a
+    control one with parse_special, as the worker tokenizes), any other token in its
     SentencePiece form, where a space is ``▁`` (3 bytes), so never in fewer bytes
     than it covers; a byte-fallback token covers one byte. So a token covering
     k >= 2 bytes holds each adjacent pair of them in a token text of >= k bytes, and
@@ -222,11 +224,11 @@ def cuts_hold(
     sample: bytes,
     ids: Callable[[bytes, bool], list[int]],
 ) -> bool:
-    """Whether ``sample`` cut at every forced token boundary gives the ids it
-    gives whole (without parse_special, as the counter tokenizes), and cut also
-    around every text of ``specials[special]`` no other can overlap the ids it
-    gives whole with and without parse_special. ``ids(text, parse_special)`` is
-    the vocabulary's ``llama_tokenize`` without BOS/EOS.
+    """Whether ``sample`` cut at every forced token boundary, and cut also around
+    every text of ``specials[special]`` no other can overlap, gives the ids it
+    gives whole, with and without parse_special (= ``special``).
+    ``ids(text, parse_special)`` is the vocabulary's ``llama_tokenize`` without
+    BOS/EOS.
 
     A vocabulary whose tokenizer adds a space before text that follows a cut
     (llama.cpp's ``add_space_prefix``, set for Llama 2) fails here.
@@ -236,17 +238,57 @@ def cuts_hold(
         cuts = pairwise([*starts.tolist(), len(sample)])
         return [t for a, b in cuts for t in ids(sample[a:b], parse_special)]
 
-    holds = joined(stretches(pair_max, sample)[0], False) == ids(sample, False)
+    holds = True
     for special in (False, True):
+        whole = ids(sample, special)
+        holds &= joined(stretches(pair_max, sample)[0], special) == whole
         starts = stretches(pair_max, sample, specials[special], longer=0)[0]
-        holds &= joined(starts, special) == ids(sample, special)
+        holds &= joined(starts, special) == whole
     return holds
 
 
-#: Checked at load (``cuts_hold``, ``Vocab._pieces_hold``): its pieces must give the ids it gives
-#: whole. It holds what the bound's and the cuts' reasoning relies on: spaces and
-#: runs of them, newlines, tabs, HTML tags (user-defined tokens in Gemma 3) next
-#: to each other, a literal ▁, control-token text, CJK, emoji, digits, code.
+def count_unparsed(
+    pair_max: np.ndarray,
+    specials: Specials,
+    controls: Specials,
+    piece: bytes,
+    tokens: Callable[[bytes], int],
+    calls: int,
+) -> int | None:
+    """The tokens of ``piece`` with parse_special (``specials``: every special
+    token's text), counted without asking llama.cpp to parse it: the control-token
+    texts (``controls``) the partition cuts out of it are one token each, and the
+    runs between them hold none, so ``tokens`` (``llama_tokenize`` without
+    parse_special) counts them the same. None when a control-token text in it may
+    overlap another special text (then llama.cpp's order decides), or when it has
+    more than ``calls`` runs.
+
+    With parse_special the partition searches the text for each control token
+    (6,250 in Gemma 3): ~55 µs per ``<`` in it, 14 ms for 256 bytes of ``<``.
+    """
+    starts = stretches(pair_max, piece, specials, longer=0)[0]
+    found, run = 0, 0
+    runs: list[tuple[int, int]] = []
+    for a, b in pairwise([*starts.tolist(), len(piece)]):
+        if not controls.search(piece, a, b):
+            continue
+        if not specials.simple(piece[a:b]):
+            return None
+        if run < a:
+            runs.append((run, a))
+        found, run = found + 1, b
+    if run < len(piece):
+        runs.append((run, len(piece)))
+    if len(runs) > calls:
+        return None
+    return found + sum(tokens(piece[a:b]) for a, b in runs)
+
+
+#: Checked at load (``cuts_hold``, ``Vocab._pieces_hold``): its pieces must give
+#: the ids it gives whole. It holds what the bound's and the cuts' reasoning relies
+#: on: spaces and runs of them, newlines, tabs, HTML tags (user-defined tokens in
+#: Gemma 3) next to each other, a literal ▁, control-token text, CJK, emoji,
+#: digits, code.
 SAMPLE = (
     "The quick brown fox, 2024-11-29: jumps  over   the lazy dog.\n\n\tdef f(x):\n"
     "        return x ** 2  # square\n<table><tr><td>1</td></tr></table> <b><i>bold</i></b>"

@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import llama_cpp.llama_cpp as llama_c
 import pytest
 
 from broker.errors import TooLarge
@@ -182,21 +183,43 @@ def test_gemma_3s_vocabulary_bounds_tokens_from_bytes(counter: PromptCounter) ->
 def random_text(rng: random.Random) -> str:
     """Up to ~3 KB of a mix of what makes tokenizing differ: words, runs of
     spaces, newlines and tabs, HTML tags, digits, CJK, emoji, a literal ▁,
-    control-token text, long-token text (em dashes)."""
+    control-token text (one token each, as the worker parses it), long-token
+    text (em dashes)."""
     parts = [
         "hello", " world", "  ", " " * 40, "\n", "\n\n\n", "\t", "<b>", "</td>", "2024",
         "日本", "😀", "▁", "<start_of_turn>", "—" * 20, ".", ", ",
         "café", "x", "def f(x):", "\r\n", "<unused7>", "a\n",
+        "<end_of_turn>", "<pad>", "<bos>", "<eos>", "<unk>", "<mask>", "<start_of_image>",
+        "[multimodal]", "<start_of_turn>user\n", "<pad>" * 40, "<", ">", "<<b>>", "<unused7>0",
     ]  # fmt: skip
     return "".join(rng.choices(parts, k=rng.randint(1, 300)))
 
 
+#: The control-token texts of ``random_text`` (one token each with parse_special).
+CONTROLS = [c.encode() for c in ("<start_of_turn>", "<end_of_turn>", "<pad>", "<bos>", "<eos>")]
+CONTROLS += [c.encode() for c in ("<unk>", "<mask>", "<unused7>")]
+
+
+def whole_count(counter: PromptCounter, text: bytes) -> int:
+    """What the worker counts: llama_tokenize of the whole text with BOS and
+    parse_special, as ``Llama.tokenize(text, special=True)`` does for a str prompt."""
+    vocab = counter.vocab._vocab
+    n = llama_c.llama_tokenize(vocab, text, len(text), None, 0, True, True)
+    return -int(n) if n < 0 else int(n)
+
+
 def test_the_bound_never_exceeds_the_count_and_pieces_add_up(counter: PromptCounter) -> None:
+    """Against the count the worker makes (control-token text parsed): the
+    bound's reasoning holds for it too, since a control token covers exactly
+    its text's bytes. Control-token text is counted on the loop unless it is
+    too dense (a tokenize call per 16 bytes at most)."""
     vocab = counter.vocab
     rng = random.Random(11)
+    with_controls = 0
     for _ in range(300):
         text = random_text(rng).encode()
-        exact = vocab.count(text)
+        exact = whole_count(counter, text)
+        assert vocab.count(text) == exact, text
         low = vocab.lower_bound(text)
         assert low is not None and low <= exact, text
         for limit in (exact - 1, exact, 10**6):
@@ -205,17 +228,43 @@ def test_the_bound_never_exceeds_the_count_and_pieces_add_up(counter: PromptCoun
                 assert found.tokens == exact, text
             else:
                 assert found.tokens <= exact, text
-        if len(text) <= LOOP_BYTES:  # and no stretch of it is too long to cut
+        controls = any(c in text for c in CONTROLS)
+        if len(text) <= LOOP_BYTES and not controls:  # and no stretch is too long to cut
             assert vocab.bounded(text, 10**6).exact, text
+        with_controls += controls and vocab.bounded(text, 10**6).exact
+    assert with_controls >= 200, with_controls  # 275 here
 
 
 def test_a_huge_prompt_is_refused_without_tokenizing(
     counter: PromptCounter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def no_tokenizing(text: bytes, add_special: bool) -> int:
+    def no_tokenizing(text: bytes, *_: bool) -> int:
         raise AssertionError(f"tokenized {len(text)} bytes")
 
     monkeypatch.setattr(counter.vocab, "_tokens", no_tokenizing)
     for prompt in set(hostile_prompts()):
         found = counter.bounded(generate(prompt), LIMIT)
         assert not found.exact and found.tokens > LIMIT
+
+
+def test_control_token_text_is_counted_as_the_worker_counts_it(
+    make_node: NodeFactory, counter: PromptCounter
+) -> None:
+    """A Gemma transcript near the context's limit: ``<start_of_turn>`` is one
+    token to the worker (llama-cpp-python tokenizes a str prompt with
+    parse_special) and was 6 to the broker's counter, which refused the prompt
+    413 though the worker would serve it. The broker's count now equals the
+    worker's ``usage.prompt_tokens``, within its budget."""
+    n_ctx, max_tokens = 768, 4
+    turn = "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\nhello<end_of_turn>\n"
+    prompt = turn * (LOOP_BYTES // len(turn))
+    limit = n_ctx - max_tokens
+    as_text = counter.vocab.added + counter.vocab._tokens(prompt.encode(), parse_special=False)
+    assert as_text > limit  # what the broker counted
+    found = counter.bounded(generate(prompt), limit)
+    assert found.exact and found.tokens == whole_count(counter, prompt.encode())
+    assert limit * 3 // 4 < found.tokens <= limit
+    node = make_node(workers={"engine": "llama", "count": 1}, model={"n_ctx": n_ctx})
+    with node.client(wait_ms=30_000) as c:
+        reply = c.generate(prompt, max_tokens=max_tokens, temperature=0.0)
+    assert reply.usage["prompt_tokens"] == found.tokens == counter(generate(prompt))
