@@ -310,9 +310,13 @@ class Client:
                 reply = self._next_reply(box, wait_ms)
                 if reply.get("status") == "error":
                     raise reply_error(reply)
-                yield reply
                 if reply.get("status") != "partial":
+                    # Free the id before handing the final over: a finished stream
+                    # kept alive by its caller must not keep the id in flight.
+                    forget(self._inboxes, rid, box)
+                    yield reply
                     return
+                yield reply
         finally:
             # Answered, failed, timed out or abandoned (the generator closed):
             # later replies for this id, e.g. after a local timeout, are dropped.

@@ -123,3 +123,15 @@ def test_errors_carry_reason_code_and_retry_after(make_node: NodeFactory) -> Non
         with pytest.raises(Cancelled):
             list(running)
         assert "".join(queued) == "echo: waits"
+
+
+def test_a_finished_stream_frees_its_id_while_the_stream_object_lives(
+    make_node: NodeFactory,
+) -> None:
+    # Break-it finding: the id stayed "in flight" until the Stream was collected.
+    node = make_node()
+    with node.client(wait_ms=WAIT_MS) as c:
+        stream = c.stream_generate("tell me", max_tokens=5, id="s6")
+        assert "".join(stream) == "echo: tell me"
+        again = c.stream_generate("x", max_tokens=2, id="s6")
+        assert "".join(again) == "echo: x" and stream.id == again.id == "s6"
