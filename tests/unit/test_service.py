@@ -50,10 +50,28 @@ def test_long_prompts_weigh_more_than_short_ones() -> None:
     learned from a long one (a mean of the two per-request rates would be 2 ms)."""
     model = ServiceModel()
     model.observe("llm", req("w" * 999), 1, 1.0, 1.0, usage(1000, 1))  # 1 ms/token
-    model.observe("llm", req("w" * 9), 1, 0.03, 0.03, usage(10, 1))  # 3 ms/token, overhead
+    model.observe("llm", req("w" * 39), 1, 0.12, 0.12, usage(40, 1))  # 3 ms/token, overhead
     snap = model.snapshot("llm")
-    # (0.8 x 1.0 + 0.03) s / (0.8 x 1000 + 10) tokens
-    assert snap is not None and snap["prefill_ms_per_token"] == pytest.approx(1.025, abs=1e-3)
+    # (0.8 x 1.0 + 0.12) s / (0.8 x 1000 + 40) tokens
+    assert snap is not None and snap["prefill_ms_per_token"] == pytest.approx(1.095, abs=1e-3)
+
+
+def test_tiny_prompts_and_schema_requests_teach_no_rates() -> None:
+    """Break-it finding: a 3-token warm-up taught 44 ms/token of prefill (its fixed
+    overhead), so a 1700-token prompt the model evaluates in 15 s was refused as
+    needing 85 s; json_schema requests taught a decode rate 5x the plain one."""
+    model = ServiceModel()
+    model.observe("llm", req("warm up"), 4, 0.15, 0.2, usage(3, 2))
+    assert not model.ready("llm")  # no prefill rate yet: admission uses the mean
+    schema = ClientRequest(id=2, op="generate", prompt="w" * 99, json_schema={"type": "object"})
+    assert not model.observe("llm", schema, 8, 0.5, 4.0, usage(100, 8))
+    assert not model.ready("llm")
+    model.observe("llm", req("w" * 399), 8, 0.82, 1.5, usage(100, 8))
+    snap = model.snapshot("llm")
+    # Decode: (0.8 x 0.05 + 0.68) s / (0.8 x 1 + 7) tokens = 92.3 ms; prefill from
+    # the long prompt alone: (0.82 - 0.0923) s / 100 tokens (with the warm-up: 7.89).
+    assert snap is not None and snap["decode_ms_per_token"] == pytest.approx(92.308, abs=1e-2)
+    assert snap["prefill_ms_per_token"] == pytest.approx(7.277, abs=1e-2)
 
 
 def test_samples_without_size_teach_nothing() -> None:
