@@ -318,6 +318,10 @@ class WorkerConversation:
             self.jobs.disarm("ack", rid)
             if worker.kind == "llm" and failure:
                 self.router.worker_failed(job, now, reason)
+            else:
+                # Not the pool's failure (replaced, disconnected, stopping): its
+                # 503 worker_lost must not count against the breaker either.
+                self.router.release(job, now)
             if job.replied:
                 self.owner.forget(job)
             elif (

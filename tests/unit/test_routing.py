@@ -68,6 +68,22 @@ def test_clean_disconnects_and_stopping_workers_are_not_failures() -> None:
     assert h.broker.router.breaker.snapshot(0.5)["failures"] == 0
 
 
+def test_a_request_lost_to_a_replaced_incarnation_is_no_pool_failure() -> None:
+    """Break-it finding: after a broker pause the workers re-register, their streams
+    end 503 worker_lost, and each such reply counted as a model failure (the breaker
+    was one call short of opening)."""
+    h = harness("full")
+    h.ready(W1, 0.0, worker_id="llm-0")
+    h.send(generate("story", stream=True), 0.0)
+    (req,) = bodies(h.drain_workers(), W1, REQUEST)
+    h.partial(W1, req["rid"], "Once", 0.1)
+    h.ready(b"llm-0-again", 0.2, worker_id="llm-0")
+    (lost,) = [r for r in h.replies() if r["status"] == "error"]
+    assert (lost["reason"], lost["text"]) == ("worker_lost", "Once")
+    snap = h.broker.router.breaker.snapshot(0.3)
+    assert snap["failures"] == 0 and snap["state"] == "closed"
+
+
 def test_zero_latency_budget_means_no_budget() -> None:
     h = harness(budget_ms=0)
     h.ready(W1, 0.0)
