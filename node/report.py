@@ -94,6 +94,7 @@ class _Tally:
     fallback_ms: list[float] = field(default_factory=list)
     fallback: Counter[str] = field(default_factory=Counter)
     skipped: Counter[str] = field(default_factory=Counter)
+    refused: Counter[str] = field(default_factory=Counter)
     memory_peak: int | None = None
 
     def add(self, rec: dict[str, Any]) -> None:
@@ -132,6 +133,9 @@ class _Tally:
             self.disagree.update(str(f) for f in agreement.get("disagree") or [])
 
     def _llm(self, llm: dict[str, Any]) -> None:
+        if llm.get("status") != "ok" and not _model_failure(llm):
+            self.refused[str(llm.get("reason") or llm.get("code"))] += 1
+            return
         self.llm_attempts += 1
         if llm.get("status") == "ok":
             _append_number(self.llm_ms, llm.get("latency_ms"))
@@ -155,6 +159,7 @@ class _Tally:
             },
             "fallback": _reasons(self.fallback),
             "copy_skipped": _reasons(self.skipped),
+            "refused": _reasons(self.refused),
             "memory_peak_bytes": self.memory_peak,
         }
 
@@ -256,6 +261,23 @@ def _reasons(counts: Counter[str]) -> dict[str, Any]:
 def _top(counts: Counter[str]) -> list[tuple[str, int]]:
     # Ties broken by name so the report is stable from run to run.
     return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_FIELDS]
+
+
+def _model_failure(llm: dict[str, Any]) -> bool:
+    """Whether a model request's error is the model pool's, as the circuit breaker
+    judges it (``broker.routing``): an engine error (500), a lost worker, a
+    deadline reached on a worker. The broker's own refusals (an evicted or
+    shed queued request, shutdown, a deadline reached in the queue) and the
+    client's cancels say nothing of the model: a flood counted 160 of 352 as
+    "model errors". Records from before ``dispatched`` was logged count as before."""
+    if "dispatched" not in llm:
+        return True
+    code = llm.get("code")
+    return (
+        code == 500
+        or llm.get("reason") == "worker_lost"
+        or (code == 504 and llm.get("dispatched") is True)
+    )
 
 
 def _pct(part: int, whole: int) -> float | None:

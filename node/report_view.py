@@ -43,7 +43,11 @@ def _mode_block(mode: str, s: dict[str, Any]) -> list[str]:
     llm = s["llm"]
     if llm["attempts"]:
         lines.append(f"  model errors: {llm['errors']} of {llm['attempts']}")
-    for name, label in (("fallback", "fallbacks to rules"), ("copy_skipped", "copies skipped")):
+    for name, label in (
+        ("fallback", "fallbacks to rules"),
+        ("copy_skipped", "copies skipped"),
+        ("refused", "model requests the broker refused or the client cancelled"),
+    ):
         if s[name]["total"]:
             lines.append(f"  {label}: {_reason_line(s[name])}")
     if s["memory_peak_bytes"] is not None:

@@ -150,6 +150,36 @@ def test_llm_latency_from_pairs_and_llm_events_and_reasons(tmp_path: Path) -> No
     assert s["by_mode"]["shadow"]["copy_skipped"]["by_reason"] == {"no_credit": 1}
 
 
+def test_only_the_models_own_failures_count_as_model_errors(tmp_path: Path) -> None:
+    """Break-it finding: after a flood the report said "model errors 160 of 352"
+    (hold), counting the broker's own refusals of queued requests."""
+    path = tmp_path / "migration.jsonl"
+
+    def llm(code: int | None, reason: str | None = None, dispatched: bool = True) -> dict[str, Any]:
+        status = "ok" if code is None else "error"
+        return ev("llm", "full", status=status, code=code, reason=reason, dispatched=dispatched)
+
+    write_log(
+        path,
+        [
+            llm(None),
+            llm(500),  # the engine failed
+            llm(503, "worker_lost"),  # the worker died
+            llm(504),  # a deadline reached on a worker: slow
+            llm(504, dispatched=False),  # expired in the queue: the broker's backlog
+            llm(503, "queue_full", dispatched=False),  # evicted by a critical request
+            llm(503, "shutdown", dispatched=False),
+            llm(499, dispatched=True),  # the client cancelled
+        ],
+    )
+    s = summarize([path])
+    assert s["llm"] == {"attempts": 4, "errors": 3}
+    assert s["refused"]["by_reason"] == {"504": 1, "queue_full": 1, "shutdown": 1, "499": 1}
+    text = format_report(s)
+    assert "model errors: 3 of 4" in text
+    assert "model requests the broker refused or the client cancelled: 4" in text
+
+
 def test_malformed_lines_are_counted_not_fatal(tmp_path: Path) -> None:
     path = tmp_path / "migration.jsonl"
     write_log(path, [pair(1)])
