@@ -119,7 +119,13 @@ class WorkerLoop:
             if now >= next_beat:
                 self._heartbeat()
                 next_beat = now + self.interval
-            if now - self.broker_seen > self.interval * self.spec.heartbeat_liveness:
+            # Busy, it keeps working: a broker that was only paused (SIGSTOP, a
+            # host stall) takes the answer on this same identity, while one that
+            # restarted says DISCONNECT "not registered" to the next heartbeat.
+            # Reconnecting here threw away every stream in flight over a 5 s
+            # pause of the node (break-it session).
+            silent = now - self.broker_seen > self.interval * self.spec.heartbeat_liveness
+            if silent and self.current is None:
                 log.warning("broker silent for %.1fs: reconnecting", now - self.broker_seen)
                 self._reconnect()
             self._turn(max(0.0, next_beat - time.monotonic()))

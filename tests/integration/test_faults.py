@@ -274,6 +274,31 @@ def test_a_paused_node_kills_none_of_its_workers(make_node: NodeFactory) -> None
         assert c.generate("after the pause").text == "echo: after the pause"
 
 
+def test_streams_in_flight_survive_a_pause_of_the_node(make_node: NodeFactory) -> None:
+    # Busy workers used to give up on the silent broker, cancel their requests and
+    # re-register: both streams ended 503 worker_lost after the pause.
+    node = make_node()
+    assert node.proc is not None
+    col = Collector(node.frontend)
+    try:
+        words = " ".join(f"w{i}" for i in range(20))
+        for rid in ("s1", "s2"):
+            col.send(id=rid, op="generate", prompt=f"!slow 100 {words}", max_tokens=30, stream=True)
+        wait_for(lambda: sum(bool(w["active"]) for w in node.status()["workers"]) == 2)
+        os.kill(node.proc.pid, signal.SIGSTOP)
+        time.sleep(1.0)  # > 3 x 100 ms: both workers hear nothing from the broker
+        os.kill(node.proc.pid, signal.SIGCONT)
+        col.collect(timeout=15)
+        col.assert_exactly_one_final_each()
+        for rid in ("s1", "s2"):
+            final = col.final(rid)
+            assert final["status"] == "ok", final
+            assert final["text"] == "echo: !slow 100 " + words
+    finally:
+        col.close()
+    assert all(r == (0, "") for r in restarts(node.status()).values())
+
+
 @pytest.mark.timeout(90)
 def test_no_false_death_on_30s_generation_and_slow_load(make_node: NodeFactory) -> None:
     node = make_node(
