@@ -124,21 +124,31 @@ class Node:
             self._drain(loop, broker, pool)
             self._stop_workers(loop, pool)
         finally:
-            try:
-                # Close the frontend first: nothing then waits unanswered on a bound
-                # socket while cgroups are removed (or, after a failure, the pool
-                # stops). The linger lets the last turn's replies still go out.
-                loop.close(linger_ms=CLOSE_LINGER_MS)
-            finally:
-                pool.stop(c.workers.stop_grace_ms / 1000)  # at once after _stop_workers
-            migration.close()
-            signal.set_wakeup_fd(-1)
-            wake_r.close()
-            wake_w.close()
-            for name in ("frontend.sock", "workers/backend.sock"):
-                (self.run_dir / name).unlink(missing_ok=True)
-            log.info("edgenode stopped")
+            self._close(loop, pool, migration, (wake_r, wake_w))
         return 0
+
+    def _close(
+        self,
+        loop: BrokerLoop,
+        pool: WorkerPool,
+        migration: MigrationLog,
+        wake: tuple[socket.socket, socket.socket],
+    ) -> None:
+        """Close the sockets, stop what is left of the pool, remove the run files."""
+        try:
+            # Close the frontend first: nothing then waits unanswered on a bound
+            # socket while cgroups are removed (or, after a failure, the pool
+            # stops). The linger lets the last turn's replies still go out.
+            loop.close(linger_ms=CLOSE_LINGER_MS)
+        finally:
+            pool.stop(self.config.workers.stop_grace_ms / 1000)  # at once after _stop_workers
+        migration.close()
+        signal.set_wakeup_fd(-1)
+        for sock in wake:
+            sock.close()
+        for name in ("frontend.sock", "workers/backend.sock"):
+            (self.run_dir / name).unlink(missing_ok=True)
+        log.info("edgenode stopped")
 
     def _migration_log(self, pool: WorkerPool) -> MigrationLog:
         """The shadow/dual/degrade log, with each model worker's memory peak."""
