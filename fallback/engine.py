@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from broker.protocol import Cancelled, ProtocolError
-from fallback.rules import Condition, Rule, RuleSet, load_rules
+from fallback.rule_keys import Condition
+from fallback.rules import Rule, RuleSet, load_rules
 from fallback.template import Unconvertible, render_json, render_text
 from fallback.text import normalise_text
 

@@ -10,7 +10,6 @@ Keyword semantics (``any``/``all``/``none``) are those of ``fallback.text``.
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,31 +18,36 @@ from re import Pattern
 from typing import Any
 
 from broker.protocol import ConfigError
+from fallback.rule_keys import (
+    Condition,
+    FieldError,
+    check_capture,
+    check_confidence,
+    check_extract,
+    check_json,
+    check_name,
+    check_regex,
+    check_str,
+    check_text,
+    check_when,
+    check_words,
+)
 from fallback.template import (
-    NAME_RE,
     Template,
     json_template_names,
-    parse_json_template,
-    parse_template,
 )
-from fallback.text import keyword_pattern, normalise_text
+from fallback.text import keyword_pattern
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
-#: Condition operators on JSON fields of structured requests.
-OPS = (">", ">=", "<", "<=", "==", "!=", "in", "exists")
-NUMERIC_OPS = (">", ">=", "<", "<=")
 RULE_KEYS = (
     "name", "description", "any", "all", "none", "regex", "extract", "when", "capture",
     "text", "json", "confidence",
 )  # fmt: skip
-CONDITION_KEYS = ("field", "op", "value")
 NO_MATCH_TEXT = "no rule matched"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
-_FIELD = re.compile(NAME_RE)
 
 
 class RulesError(ConfigError):
@@ -53,15 +57,6 @@ class RulesError(ConfigError):
         self.errors = tuple(errors)
         lines = "\n".join(f"  {e}" for e in errors)
         super().__init__(f"{source}: {len(errors)} error(s)\n{lines}")
-
-
-@dataclass(frozen=True)
-class Condition:
-    """``field op value`` on a JSON object request; ``field`` is a dotted path."""
-
-    field: str
-    op: str
-    value: Any
 
 
 @dataclass(frozen=True)
@@ -181,15 +176,6 @@ def _parse_no_match(raw: Any, errors: list[str]) -> NoMatch:
     return NoMatch(text, obj)
 
 
-class _FieldError(Exception):
-    """One bad key of one rule: ``key`` and what is wrong with it."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(message)
-        self.key = key
-        self.message = message
-
-
 def _parse_rule(index: int, raw: dict[str, Any]) -> tuple[Rule | None, list[str]]:
     name = raw.get("name")
     label = f'rule #{index} "{name}"' if isinstance(name, str) else f"rule #{index}"
@@ -203,21 +189,21 @@ def _parse_rule(index: int, raw: dict[str, Any]) -> tuple[Rule | None, list[str]
             return
         try:
             fields[key] = check(key, raw[key])
-        except _FieldError as exc:
+        except FieldError as exc:
             errors.append(f"{label}: {exc.key}: {exc.message}")
 
-    take("name", _check_name, required=True)
-    take("confidence", _check_confidence, required=True)
-    take("description", _check_str)
+    take("name", check_name, required=True)
+    take("confidence", check_confidence, required=True)
+    take("description", check_str)
     for key in ("any", "none"):
-        take(key, lambda k, v: keyword_pattern(_check_words(k, v)))
-    take("all", lambda k, v: tuple(keyword_pattern([w]) for w in _check_words(k, v)))
-    take("regex", _check_regex)
-    take("extract", _check_extract)
-    take("when", _check_when)
-    take("capture", _check_capture)
-    take("text", _check_text)
-    take("json", _check_json)
+        take(key, lambda k, v: keyword_pattern(check_words(k, v)))
+    take("all", lambda k, v: tuple(keyword_pattern([w]) for w in check_words(k, v)))
+    take("regex", check_regex)
+    take("extract", check_extract)
+    take("when", check_when)
+    take("capture", check_capture)
+    take("text", check_text)
+    take("json", check_json)
     if errors:
         return None, errors
     errors.extend(f"{label}: {e}" for e in _check_rule_shape(fields))
@@ -272,139 +258,3 @@ def _captured_names(f: dict[str, Any]) -> set[str]:
     names.update(c.field for c in f.get("when", ()))
     names.update(f.get("capture", ()))
     return names
-
-
-# --------------------------------------------------------------------------- key checks
-
-
-def _check_name(key: str, value: Any) -> str:
-    if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise _FieldError(
-            key, "must be 1-64 letters, digits or _ . : - and start with a letter or digit"
-        )
-    return value
-
-
-def _check_confidence(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _FieldError(key, f"must be a number in [0, 1], got {type(value).__name__}")
-    if not 0 <= value <= 1:
-        raise _FieldError(key, f"must be in [0, 1], got {value}")
-    return float(value)
-
-
-def _check_str(key: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise _FieldError(key, f"must be a string, got {type(value).__name__}")
-    return value
-
-
-def _check_words(key: str, value: Any) -> list[str]:
-    if not isinstance(value, list) or not value:
-        raise _FieldError(key, "must be a non-empty array of strings")
-    for i, word in enumerate(value):
-        if not isinstance(word, str) or not normalise_text(word):
-            raise _FieldError(f"{key}[{i}]", "must be a non-empty string")
-    return value
-
-
-def _compile(key: str, value: Any) -> Pattern[str]:
-    if not isinstance(value, str) or not value:
-        raise _FieldError(key, "must be a non-empty string (a Python regular expression)")
-    try:
-        return re.compile(value, re.IGNORECASE)
-    except re.error as exc:
-        raise _FieldError(key, str(exc)) from None
-
-
-def _check_regex(key: str, value: Any) -> Pattern[str]:
-    return _compile(key, value)
-
-
-def _check_extract(key: str, value: Any) -> tuple[Pattern[str], ...]:
-    if not isinstance(value, list) or not value:
-        raise _FieldError(key, "must be a non-empty array of regular expressions")
-    patterns = []
-    for i, item in enumerate(value):
-        pattern = _compile(f"{key}[{i}]", item)
-        if not pattern.groupindex:
-            raise _FieldError(f"{key}[{i}]", "has no named group (?P<name>...) to capture")
-        patterns.append(pattern)
-    return tuple(patterns)
-
-
-def _check_field(key: str, value: Any) -> str:
-    if not isinstance(value, str) or not _FIELD.fullmatch(value):
-        raise _FieldError(key, f"must be a JSON field name or dotted path, got {value!r}")
-    return value
-
-
-def _check_capture(key: str, value: Any) -> tuple[str, ...]:
-    if not isinstance(value, list) or not value:
-        raise _FieldError(key, "must be a non-empty array of JSON field names")
-    return tuple(_check_field(f"{key}[{i}]", v) for i, v in enumerate(value))
-
-
-def _check_when(key: str, value: Any) -> tuple[Condition, ...]:
-    if not isinstance(value, list) or not value or not all(isinstance(c, dict) for c in value):
-        raise _FieldError(key, "must be a non-empty array of {field, op, value} tables")
-    return tuple(_check_condition(f"{key}[{i}]", c) for i, c in enumerate(value))
-
-
-def _check_condition(key: str, raw: dict[str, Any]) -> Condition:
-    unknown = [k for k in raw if k not in CONDITION_KEYS]
-    if unknown:
-        raise _FieldError(key, f"unknown key {unknown[0]!r}")
-    field = _check_field(f"{key}.field", raw.get("field"))
-    op = raw.get("op")
-    if op not in OPS:
-        raise _FieldError(f"{key}.op", f"must be one of {' '.join(OPS)}; got {op!r}")
-    if op == "exists":
-        value = raw.get("value", True)
-        if not isinstance(value, bool):
-            raise _FieldError(f"{key}.value", "must be true or false for 'exists'")
-        return Condition(field, op, value)
-    if "value" not in raw:
-        raise _FieldError(f"{key}.value", "missing (required)")
-    return Condition(field, op, _check_operand(f"{key}.value", op, raw["value"]))
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_operand(key: str, op: str, value: Any) -> Any:
-    if op in NUMERIC_OPS and not _is_number(value):
-        raise _FieldError(key, f"must be a number for {op!r}, got {type(value).__name__}")
-    if op == "in":
-        ok = isinstance(value, list) and value and all(_is_scalar(v) for v in value)
-        if not ok:
-            raise _FieldError(key, "must be a non-empty array of strings, numbers or booleans")
-        return tuple(value)
-    if op in ("==", "!=") and not _is_scalar(value):
-        raise _FieldError(key, f"must be a string, number or boolean, got {type(value).__name__}")
-    return value
-
-
-def _is_scalar(value: Any) -> bool:
-    return isinstance(value, (str, bool, int, float))
-
-
-def _check_text(key: str, value: Any) -> Template:
-    if not isinstance(value, str):
-        raise _FieldError(key, f"must be a string, got {type(value).__name__}")
-    try:
-        return parse_template(value)
-    except ValueError as exc:
-        raise _FieldError(key, str(exc)) from None
-
-
-def _check_json(key: str, value: Any) -> Any:
-    if not isinstance(value, dict):
-        raise _FieldError(key, "must be a table (a JSON object template)")
-    try:
-        return parse_json_template(value, key)
-    except ValueError as exc:
-        # The message already starts with the path inside the template (json.room: ...).
-        path, _, message = str(exc).partition(": ")
-        raise _FieldError(path, message) from None

@@ -20,7 +20,8 @@ from fallback.intents import (
     ROOMS,
     intent_errors,
 )
-from fallback.rules import Condition, RulesError, load_rules, loads_rules
+from fallback.rule_keys import Condition
+from fallback.rules import RulesError, load_rules, loads_rules
 from fallback.template import Unconvertible, parse_json_template, parse_template, render_json
 
 SHIPPED = Path(__file__).resolve().parents[2] / "etc" / "rules.toml"
