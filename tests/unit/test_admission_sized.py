@@ -94,14 +94,20 @@ class SimulatedWorkers:
             t = round(t + step, 6)
 
 
-def burst(estimate: str) -> tuple[BrokerHarness, dict[Any, dict[str, Any]]]:
-    """Warm up on one long and eight short requests, then send 4 short and 8 long
-    ones at once, each with a 3 s budget, to two one-slot workers."""
+def two_workers(estimate: str) -> tuple[BrokerHarness, SimulatedWorkers]:
+    """A broker estimating by ``estimate`` with two one-slot simulated workers."""
     h = BrokerHarness(replace(QUIET, service_estimate=estimate))
     h.broker.gate.count_tokens = chars
     sim = SimulatedWorkers(h)
     for w in (W1, W2):
         h.ready(w, 0.0)
+    return h, sim
+
+
+def burst(estimate: str) -> tuple[BrokerHarness, dict[Any, dict[str, Any]]]:
+    """Warm up on one long and eight short requests, then send 4 short and 8 long
+    ones at once, each with a 3 s budget, to two one-slot workers."""
+    h, sim = two_workers(estimate)
     h.send(generate("warm-long", LONG, max_tokens=MAX_TOKENS), 0.0)
     sim.pump(0.0)
     sim.run(0.0, 1.5)
@@ -156,11 +162,7 @@ def test_size_estimate_refuses_the_doomed_part_of_the_burst_up_front() -> None:
 
 def warmed(estimate: str = "size") -> tuple[BrokerHarness, SimulatedWorkers]:
     """Two workers and a service model that has seen one long and one short request."""
-    h = BrokerHarness(replace(QUIET, service_estimate=estimate))
-    h.broker.gate.count_tokens = chars
-    sim = SimulatedWorkers(h)
-    for w in (W1, W2):
-        h.ready(w, 0.0)
+    h, sim = two_workers(estimate)
     h.send(generate("warm-long", LONG, max_tokens=MAX_TOKENS), 0.0)
     h.send(generate("warm-short", SHORT, max_tokens=MAX_TOKENS), 0.0)
     sim.pump(0.0)
