@@ -11,9 +11,13 @@ Deadline feasibility and ``retry_after_ms`` rest on one estimate. With
 ``service_estimate = "size"`` (the default) each request's service time is
 predicted from its prompt tokens and ``max_tokens`` (``broker.service``), and
 the queue ahead is played forward on the pool's slots: a request that could
-not *finish* by its deadline is refused. Until the first measured request of an
-engine (and with ``"mean"``), one mean service time per engine estimates when
-a request could *start*, as before.
+not *finish* by its deadline is refused. A worker with several slots decodes
+its running requests together, each the slower the more there are, so every
+request is predicted at its *batch level*: a request starting on a worker with
+k others running runs at level k + 1 (once the queue is played forward onto a
+full pool, that is the worker's slot count). Until the first measured request
+of an engine (and with ``"mean"``), one mean service time per engine estimates
+when a request could *start*, as before.
 
 Pressure levels come from outside (the node reads its cgroup); the gate only
 reacts: ``high`` sheds sheddable work, halves the queue and the credit the
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,12 +39,17 @@ from broker.protocol import ClientRequest
 from broker.service import byte_bound
 from broker.stats import RETRY_AFTER_MAX_MS, RETRY_AFTER_MIN_MS, Stats
 from broker.token_count import BoundedTokenCounter, TokenCount, TokenCounter
+from broker.workers import WorkerRegistry
 
 if TYPE_CHECKING:
     from broker.core import BrokerSettings, Job
 
 PRIORITIES = ("critical", "normal", "sheddable")  # dispatch and eviction order
 PRESSURE_LEVELS = ("ok", "high", "critical")
+
+#: The pool as admission plays it forward: per worker, when each of its usable
+#: slots is free (s from now; a heap).
+Pool = list[list[float]]
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,9 @@ class AdmissionGate:
         count_tokens: prompt tokens of a request, or None to skip the size check
             (workers still refuse prompts that do not fit with 413). A
             ``BoundedTokenCounter`` is asked only for what its budget allows.
+        workers: the broker's worker registry (a reference): which worker a free
+            slot belongs to, hence the batch level a request would start at.
+            Without it every free slot counts as a worker of its own.
     """
 
     def __init__(
@@ -74,11 +86,13 @@ class AdmissionGate:
         stats: Stats,
         jobs: JobTable,
         count_tokens: TokenCounter | None = None,
+        workers: WorkerRegistry | None = None,
     ) -> None:
         self.settings = settings
         self.stats = stats
         self.jobs = jobs
         self.count_tokens = count_tokens
+        self.workers = workers if workers is not None else WorkerRegistry()
         self.pressure = "ok"
         self._queues: dict[str, OrderedDict[int, Job]] = {p: OrderedDict() for p in PRIORITIES}
         self._per_client: dict[bytes, int] = {}
@@ -188,26 +202,35 @@ class AdmissionGate:
                 "already in flight",
                 self.retry_after(slots, now),
             )
-        wait_s = self.expected_wait_s(req.priority, slots, free, now, kind)
-        # Sized, a request must finish in time (a stream: its first token); by the
-        # mean, start in time (as before).
-        own_s = self._due_s(req, kind)
+        wait_s, level = self._start(req.priority, slots, free, now, kind)
+        # Sized, a request must finish in time (a stream: its first token) at the
+        # batch level it would start at; by the mean, start in time (as before).
+        own_s = self._due_s(req, kind, level)
         # Without workers or a measured service time there is no basis to refuse.
         if slots and self.stats.samples_of(kind) and wait_s + own_s > deadline_s:
             what = "first token" if req.stream else "service"
-            return self._shed_deadline(wait_s, (what, own_s), deadline_s, slots, now, kind)
+            own = (what, own_s, level)
+            return self._shed_deadline(req, wait_s, own, deadline_s, slots, now, kind)
         return evict
 
     def expected_wait_s(
         self, priority: str, slots: int, free: int, now: float, kind: str = "llm"
     ) -> float:
-        """Seconds until a new request of ``priority`` for ``kind``'s workers would start.
+        """Seconds until a new request of ``priority`` for ``kind``'s workers would
+        start (``_start``)."""
+        return self._start(priority, slots, free, now, kind)[0]
+
+    def _start(
+        self, priority: str, slots: int, free: int, now: float, kind: str
+    ) -> tuple[float, int]:
+        """When a new request of ``priority`` for ``kind``'s workers would start (s
+        from now) and at which batch level.
 
         Sized: the requests queued ahead of it (its class and those above, same
-        kind) are played forward on the slots — each starts on the slot that
-        frees first, the running requests' slots after their predicted remaining
-        work, the ``free`` ones at once. By the mean (before any measurement):
-        ``(ahead - free + 1) / slots`` mean service times (Little's law).
+        kind) are played forward on the workers' slots (``_play``); it starts on
+        the slot that frees first, at the level of that slot's worker then. By the
+        mean (before any measurement): ``(ahead - free + 1) / slots`` mean service
+        times (Little's law), level 1 (unused: the mean ignores levels).
         """
         ahead = [
             j
@@ -215,21 +238,27 @@ class AdmissionGate:
             for j in self._queues[p].values()
             if j.kind == kind
         ]
-        if free > len(ahead):
-            return 0.0
         if not self._sized(kind):
-            return (len(ahead) - free + 1) / max(1, slots) * self.stats.service_time(kind)
-        return self._play(ahead, free, now, kind)
+            if free > len(ahead):
+                return 0.0, 1
+            return (len(ahead) - free + 1) / max(1, slots) * self.stats.service_time(kind), 1
+        slot = _next_slot(self._play(ahead, free, now, kind))
+        return (0.0, 1) if slot is None else slot[:2]
 
-    def retry_after(self, slots: int, now: float, kind: str = "llm") -> int:
+    def retry_after(
+        self, slots: int, now: float, kind: str = "llm", fits: Callable[[int], bool] | None = None
+    ) -> int:
         """Advice for a shed client (ms, clamped): when a request queued last for
         ``kind`` would start, by the same estimate as the deadline check (the mean
-        one: ``Stats.retry_after_ms`` over the whole queue)."""
+        one: ``Stats.retry_after_ms`` over the whole queue). With ``fits`` (sized
+        only): when it would start on a worker at a batch level ``fits`` accepts
+        (a request refused only for the load beside it retries once that eased)."""
         if not self._sized(kind):
             return self.stats.retry_after_ms(len(self), slots)
         queued = [j for j in self if j.kind == kind]
         idle = max(0, slots - len(self._running(kind)))
-        estimate = self._play(queued, idle, now, kind) * 1000
+        pool = self._play(queued, idle, now, kind)
+        estimate = _first_fit(pool, fits or (lambda _level: True)) * 1000
         return int(min(RETRY_AFTER_MAX_MS, max(RETRY_AFTER_MIN_MS, estimate)))
 
     # ------------------------------------------------------------------ estimates
@@ -256,31 +285,36 @@ class AdmissionGate:
             return None
         return max(low, estimate if high is None else min(estimate, high))
 
-    def _service_s(self, req: ClientRequest, tokens: float | None, kind: str) -> float:
+    def _service_s(
+        self, req: ClientRequest, tokens: float | None, kind: str, level: int = 1
+    ) -> float:
         """Predicted service (s) of ``req`` with ``tokens`` prompt tokens (None: count
-        or estimate them); 0.0 when not sized (the mean asks only when it starts)."""
+        or estimate them) at batch ``level``; 0.0 when not sized (the mean asks
+        only when it starts)."""
         if not self._sized(kind):
             return 0.0
         if tokens is None:
             tokens = self._prompt_tokens(req, kind) or 0.0
         max_tokens = req.max_tokens or self.settings.default_max_tokens
-        return self.stats.sizes.predict_s(kind, tokens, max_tokens)
+        return self.stats.sizes.predict_s(kind, tokens, max_tokens, level)
 
-    def _due_s(self, req: ClientRequest, kind: str) -> float:
+    def _due_s(self, req: ClientRequest, kind: str, level: int = 1) -> float:
         """How much of ``req`` must be done by its deadline, as predicted service (s)
-        once started: all of it, or for ``stream: true`` its first token (prefill
-        and one decode step): a streaming client uses the tokens as they come, and
-        the deadline then ends it with 504 and the text so far. 0.0 when not sized."""
+        once started at batch ``level``: all of it, or for ``stream: true`` its
+        first token (prefill and one decode step): a streaming client uses the
+        tokens as they come, and the deadline then ends it with 504 and the text
+        so far. 0.0 when not sized."""
         if not req.stream:
-            return self._service_s(req, None, kind)
+            return self._service_s(req, None, kind, level)
         if not self._sized(kind):
             return 0.0
-        return self.stats.sizes.first_token_s(kind, self._prompt_tokens(req, kind) or 0.0)
+        tokens = self._prompt_tokens(req, kind) or 0.0
+        return self.stats.sizes.first_token_s(kind, tokens, level)
 
-    def _job_service_s(self, job: Job) -> float:
+    def _job_service_s(self, job: Job, level: int = 1) -> float:
         if job.prompt_tokens is None:  # queued before the first measurement
             job.prompt_tokens = self._prompt_tokens(job.req, job.kind)
-        return self._service_s(job.req, job.prompt_tokens, job.kind)
+        return self._service_s(job.req, job.prompt_tokens, job.kind, level)
 
     def _running(self, kind: str) -> list[Job]:
         """``kind``'s jobs holding a slot (a cancelled one until its worker acks)."""
@@ -290,47 +324,80 @@ class AdmissionGate:
             if j.kind == kind and j.worker is not None and j.dispatched_at is not None
         ]
 
-    def _play(self, ahead: list[Job], free: int, now: float, kind: str) -> float:
-        """Seconds until a slot is free for a request queued after ``ahead``: list
-        scheduling of ``ahead`` (in dispatch order) on the slots, which free up
-        when a running request's predicted work is done (at once if answered:
-        its cancel ack is due) or now (``free`` of them)."""
-        slots = [0.0] * free
+    def _play(self, ahead: list[Job], free: int, now: float, kind: str) -> Pool:
+        """The pool once ``ahead`` (in dispatch order) has started: list scheduling
+        on the workers' slots, which free up when a running request's predicted
+        work is done (at once if answered: its cancel ack is due) or now
+        (``free`` of them, spread over the workers as ``WorkerRegistry.pick``
+        does). Each job runs at the batch level of the worker whose slot it takes
+        when it starts (``_next_slot``); a running job at its worker's level now."""
+        by_worker: dict[bytes | int, list[Job]] = {}
         for job in self._running(kind):
-            started = now if job.dispatched_at is None else job.dispatched_at
-            left = 0.0 if job.replied else self._job_service_s(job) - (now - started)
-            slots.append(max(0.0, left))
-        if not slots:
-            return 0.0  # no slot at all: nothing to wait for that can be estimated
-        heapq.heapify(slots)
+            assert job.worker is not None
+            by_worker.setdefault(job.worker, []).append(job)
+        pool: dict[bytes | int, list[float]] = {
+            worker: [self._left_s(job, now, len(jobs)) for job in jobs]
+            for worker, jobs in by_worker.items()
+        }
+        credit = {w.identity: w.credit for w in self.workers.of_kind(kind)}
+        for n in range(free):
+            best = max(credit, key=lambda identity: credit[identity], default=None)
+            if best is None or credit[best] <= 0:
+                pool[n] = [0.0]  # credit the registry does not show: a slot of its own
+                continue
+            credit[best] -= 1
+            pool.setdefault(best, []).append(0.0)
+        heaps = list(pool.values())
+        for heap in heaps:
+            heapq.heapify(heap)
         for job in ahead:
-            heapq.heapreplace(slots, slots[0] + self._job_service_s(job))
-        return slots[0]
+            slot = _next_slot(heaps)
+            if slot is None:
+                break  # no slot at all: nothing to wait for that can be estimated
+            start, level, heap = slot
+            heapq.heapreplace(heap, start + self._job_service_s(job, level))
+        return heaps
+
+    def _left_s(self, job: Job, now: float, level: int) -> float:
+        """Predicted work left (s) of the running ``job`` at batch ``level``."""
+        if job.replied:
+            return 0.0
+        started = now if job.dispatched_at is None else job.dispatched_at
+        return max(0.0, self._job_service_s(job, level) - (now - started))
 
     def _shed_deadline(
         self,
+        req: ClientRequest,
         wait_s: float,
-        own: tuple[str, float],
+        own: tuple[str, float, int],
         deadline_s: float,
         slots: int,
         now: float,
         kind: str,
     ) -> Shed:
-        """503 ``deadline_unmeetable``; ``own``: what of the request was due and its
-        predicted time (``"service"`` or ``"first token"``, s)."""
-        what, own_s = own
+        """503 ``deadline_unmeetable``; ``own``: what of the request was due, its
+        predicted time (``"service"`` or ``"first token"``, s) and the batch level
+        it was predicted at."""
+        what, own_s, level = own
         budget = f"the {deadline_s * 1000:.0f} ms budget"
-        if own_s > deadline_s:  # even an idle pool could not: retrying cannot help
-            message = f"expected {what} {own_s * 1000:.0f} ms alone exceeds {budget}"
+        alone_s = own_s if level == 1 else self._due_s(req, kind, 1)
+        if alone_s > deadline_s:  # even an idle pool could not: retrying cannot help
+            message = f"expected {what} {alone_s * 1000:.0f} ms alone exceeds {budget}"
             return Shed(ErrorCode.UNAVAILABLE, "deadline_unmeetable", message)
         message = f"expected wait {wait_s * 1000:.0f} ms"
         if own_s:
             message += f" + {what} {own_s * 1000:.0f} ms"
+        if level > 1:
+            message += f" at batch level {level}"
+
+        def fits(at: int) -> bool:
+            return self._due_s(req, kind, at) <= deadline_s
+
         return Shed(
             ErrorCode.UNAVAILABLE,
             "deadline_unmeetable",
             f"{message} exceeds {budget}",
-            self.retry_after(slots, now, kind),
+            self.retry_after(slots, now, kind, fits),
         )
 
     def _size(self, req: ClientRequest, n_ctx: int | None) -> Shed | None:
@@ -397,3 +464,32 @@ class AdmissionGate:
         classes = {"ok": (), "high": ("sheddable",), "critical": ("normal", "sheddable")}
         queued = (j for p in classes[self.pressure] for j in self._queues[p].values())
         return [j for j in queued if j.kind == "llm"]  # the rules need no memory to speak of
+
+
+def _next_slot(pool: Pool) -> tuple[float, int, list[float]] | None:
+    """The slot the next request would take: the earliest to free (s from now),
+    on a tie the worker's with the most slots free then (``WorkerRegistry.pick``);
+    with its batch level (the worker's slots still busy then, plus itself) and
+    its worker's heap. None if the pool has no slot."""
+    best: tuple[float, int, list[float]] | None = None
+    most_free = 0
+    for heap in pool:
+        if not heap:
+            continue
+        free = sum(1 for t in heap if t <= heap[0])
+        if best is None or (heap[0], -free) < (best[0], -most_free):
+            best, most_free = (heap[0], len(heap) - free + 1, heap), free
+    return best
+
+
+def _first_fit(pool: Pool, fits: Callable[[int], bool]) -> float:
+    """The first time (s from now) a slot is free on a worker whose batch level
+    then (``_next_slot``'s rule) ``fits`` accepts; once every slot is free the
+    level is 1. 0.0 for a pool without slots."""
+    for t in sorted({0.0, *(x for heap in pool for x in heap)}):
+        free_then = [(sum(1 for x in h if x <= t), len(h)) for h in pool if h and h[0] <= t]
+        if free_then:
+            free, size = max(free_then)
+            if fits(size - free + 1):
+                return t
+    return max((x for heap in pool for x in heap), default=0.0)

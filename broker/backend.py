@@ -178,6 +178,7 @@ class WorkerConversation:
             return
         if job.first_token_at is None:
             job.first_token_at = now
+            self.stats.levels.first_token(worker.identity, job.rid, now)
         # A hedge's text is held back: it is the client's only if the rules win.
         if job.req.stream and job.hedge_of is None:
             self.owner.send_client(job.client, p.partial_reply(job.req.id, text, len(job.chunks)))
@@ -191,8 +192,9 @@ class WorkerConversation:
         if job is not None:
             self.jobs.disarm("ack", job.rid)
             if not job.replied:
-                self._reply_final(job, worker, body, now)
+                self._reply_final(job, worker, body, now)  # learns its batch level first
             self.owner.forget(job)
+        self.stats.levels.running(worker.identity, worker.active, now)
         self.dispatch(now)
 
     def _reply_final(self, job: Job, worker: WorkerState, body: dict[str, Any], now: float) -> None:
@@ -228,6 +230,7 @@ class WorkerConversation:
             self.gate.remove(job)
             free[job.kind] -= 1
             worker.active.add(job.rid)
+            self.stats.levels.running(worker.identity, worker.active, now)
             if len(worker.active) == 1:
                 worker.progress_at = now  # the stall clock starts when work starts
             worker.last_dispatch = now
@@ -303,6 +306,7 @@ class WorkerConversation:
         a clean DISCONNECT or an incarnation replaced by a newer one).
         """
         self.workers.remove(worker.identity)
+        self.stats.levels.running(worker.identity, (), now)
         self.stats.count("workers_lost")
         if notify:
             pid = worker.info.get("pid")

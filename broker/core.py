@@ -66,7 +66,7 @@ class Broker:
         self.workers = WorkerRegistry()
         self.stats = Stats()
         self.jobs = JobTable()
-        self.gate = AdmissionGate(settings, self.stats, self.jobs, count_tokens)
+        self.gate = AdmissionGate(settings, self.stats, self.jobs, count_tokens, self.workers)
         self.router = Router(routing, breaker)
         self.to_clients: list[list[bytes]] = []
         self.to_workers: list[list[bytes]] = []

@@ -23,6 +23,18 @@ The rates are effective ones: llama-cpp-python reuses the KV cache of the
 previous prompt's common prefix on the same worker, so traffic that repeats a
 long prefix teaches a lower prefill rate per (reported) prompt token.
 
+**Batch level.** A worker with S slots decodes all its running sequences in one
+``llama_decode`` per step, so a sequence's ms/token depends on how many run
+beside it. Each rate is therefore a small table keyed by the *batch level* b,
+the number of requests running on the worker (the request itself included):
+for a finished request, the time-weighted mean of that count over its prefill
+and over its decode (``BatchLevels``), rounded to the nearest integer. A level
+not measured yet is predicted from the nearest measured one (in ratio, the
+higher on a tie): decode scaled by ``batch_cost`` (the per-sequence step time
+the issue-10 measurement gives), prefill unscaled (see ``batch_cost``). A
+worker with one slot only ever runs at level 1, which is the single rate it
+always had.
+
 Two more ratios turn a request into tokens without tokenizing it on the
 broker's loop (~1.6 ms for 2 KB with the default model's vocabulary): prompt
 tokens per byte of ``byte_bound`` (the exact count is used when the 413 check
@@ -32,6 +44,9 @@ generate (most stop before the limit).
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from broker.protocol import ClientRequest
@@ -49,6 +64,44 @@ MIN_PREFILL_TOKENS = 32
 #: Weight lost per newer sample, as ``broker.stats.Stats.ALPHA``: about the
 #: last 10 requests count.
 ALPHA = 0.2
+
+#: Aggregate decode tokens/s of b sequences in one llama context, as a multiple
+#: of one sequence's: issue 10's measurement with llama-cpp-python's low-level
+#: API, the default model and one thread on the 2-core development machine
+#: (midpoints of the measured ranges: "none" at 2, 1.3-1.55x at 4, 1.7-1.9x at 8,
+#: 2.0-2.5x at 16). Two threads scale further, so it errs on the slow side; it
+#: is only used for levels not measured yet.
+BATCH_GAIN = ((1, 1.0), (2, 1.0), (4, 1.425), (8, 1.8), (16, 2.25))
+
+
+def batch_cost(level: float) -> float:
+    """One sequence's decode time per token at batch ``level``, as a multiple of
+    its time alone: ``level / gain(level)``, the gain (``BATCH_GAIN``)
+    interpolated linearly in log2(level) and held at its last value beyond 16
+    (so the cost then grows linearly: no further gain is assumed). 2.8 at 4 and
+    4.4 at 8, matching the measured per-sequence 2.6-3x and 4.2-4.7x.
+
+    Prefill is not scaled by it: a prompt is evaluated in chunks of up to
+    ``n_batch`` tokens in the same ``llama_decode`` as the other slots' one token
+    each (``node.llama_engine``'s step), which adds little to a step that is
+    already compute-bound, so an unmeasured level borrows the nearest level's
+    prefill rate as it is (the first request measured there corrects it).
+    """
+    level = max(1.0, level)
+    x = math.log2(level)
+    gain = BATCH_GAIN[-1][1]
+    for (b0, g0), (b1, g1) in itertools.pairwise(BATCH_GAIN):
+        x0, x1 = math.log2(b0), math.log2(b1)
+        if x <= x1:
+            gain = g0 + (g1 - g0) * (x - x0) / (x1 - x0)
+            break
+    return level / gain
+
+
+def level_key(level: float) -> int:
+    """The table key of a (time-weighted, fractional) batch level: the nearest
+    integer, halves up, at least 1."""
+    return max(1, int(level + 0.5))
 
 
 def byte_bound(req: ClientRequest) -> int:
@@ -86,12 +139,37 @@ class Ratio:
 
 @dataclass
 class Rates:
-    """What one engine kind's finished requests taught (see the module docstring)."""
+    """What one engine kind's finished requests taught (see the module docstring):
+    prefill and decode seconds per token by batch level, and the request-to-tokens
+    ratios (which do not depend on the level)."""
 
-    prefill_s_per_token: Ratio = field(default_factory=Ratio)
-    decode_s_per_token: Ratio = field(default_factory=Ratio)
+    prefill_s_per_token: dict[int, Ratio] = field(default_factory=dict)
+    decode_s_per_token: dict[int, Ratio] = field(default_factory=dict)
     tokens_per_byte: Ratio = field(default_factory=Ratio)
     completion_share: Ratio = field(default_factory=Ratio)
+
+    def prefill(self, level: int) -> float:
+        """Prefill s/token at ``level``: measured, else the nearest measured level's."""
+        return _at_level(self.prefill_s_per_token, level, scaled=False)
+
+    def decode(self, level: int) -> float:
+        """Decode s/token at ``level``: measured, else the nearest measured level's
+        scaled by ``batch_cost``; 0.0 before any decode was measured."""
+        return _at_level(self.decode_s_per_token, level, scaled=True)
+
+
+def _at_level(table: dict[int, Ratio], level: int, *, scaled: bool) -> float:
+    """``table``'s rate at ``level`` (see ``Rates.prefill`` / ``Rates.decode``)."""
+    level = max(1, level)
+    measured = [b for b, r in table.items() if r.den > 0]
+    if not measured:
+        return 0.0
+    if level in measured:
+        return table[level].value
+    # Nearest in ratio (log distance), the higher level on a tie (the slower guess).
+    nearest = min(measured, key=lambda b: (abs(math.log(b / level)), -b))
+    rate = table[nearest].value
+    return rate * batch_cost(level) / batch_cost(nearest) if scaled else rate
 
 
 class ServiceModel:
@@ -102,9 +180,10 @@ class ServiceModel:
 
     def ready(self, kind: str) -> bool:
         """Whether ``kind`` has a measured request to predict from (one with a
-        prompt of at least ``MIN_PREFILL_TOKENS``: until then the mean decides)."""
+        prompt of at least ``MIN_PREFILL_TOKENS``, at any batch level: until then
+        the mean decides)."""
         rates = self._rates.get(kind)
-        return rates is not None and rates.prefill_s_per_token.samples > 0
+        return rates is not None and any(r.samples for r in rates.prefill_s_per_token.values())
 
     def observe(
         self,
@@ -114,6 +193,8 @@ class ServiceModel:
         ttft_s: float,
         total_s: float,
         usage: object,
+        prefill_level: float = 1.0,
+        decode_level: float = 1.0,
     ) -> bool:
         """Learn from one successful request.
 
@@ -124,6 +205,9 @@ class ServiceModel:
             ttft_s: dispatch to the first PARTIAL (s): prefill plus one decode step.
             total_s: dispatch to the FINAL (s).
             usage: the FINAL's ``usage`` map: ``prompt_tokens``, ``completion_tokens``.
+            prefill_level: requests running on its worker during its prefill
+                (itself included; a time-weighted mean, ``BatchLevels``).
+            decode_level: the same during its decode.
 
         Returns:
             False if the sample says nothing about size (no usage, no token
@@ -138,11 +222,14 @@ class ServiceModel:
             return False
         assert isinstance(prompt, int) and isinstance(completion, int)
         rates = self._rates.setdefault(kind, Rates())
+        at_prefill, at_decode = level_key(prefill_level), level_key(decode_level)
         if completion >= 2:
-            rates.decode_s_per_token.add(max(0.0, total_s - ttft_s), completion - 1)
-        first_step = rates.decode_s_per_token.value
+            decode = rates.decode_s_per_token.setdefault(at_decode, Ratio())
+            decode.add(max(0.0, total_s - ttft_s), completion - 1)
+        first_step = rates.decode(at_prefill)  # the first token ends the prefill
         if prompt >= MIN_PREFILL_TOKENS:
-            rates.prefill_s_per_token.add(max(0.0, ttft_s - first_step), prompt)
+            prefill = rates.prefill_s_per_token.setdefault(at_prefill, Ratio())
+            prefill.add(max(0.0, ttft_s - first_step), prompt)
         rates.tokens_per_byte.add(prompt, byte_bound(req))
         rates.completion_share.add(completion, max(1, max_tokens))
         return True
@@ -153,36 +240,124 @@ class ServiceModel:
             return None
         return byte_bound(req) * self._rates[kind].tokens_per_byte.value
 
-    def predict_s(self, kind: str, prompt_tokens: float, max_tokens: int) -> float:
+    def predict_s(self, kind: str, prompt_tokens: float, max_tokens: int, level: int = 1) -> float:
         """Predicted dispatch-to-final time (s) of a request of ``prompt_tokens``
-        allowed ``max_tokens``: prefill rate x prompt tokens + decode rate x the
-        tokens it is expected to generate (``max_tokens`` x the observed share).
-        Call only when ``ready(kind)``."""
+        allowed ``max_tokens``, run at batch ``level``: prefill rate x prompt
+        tokens + decode rate x the tokens it is expected to generate
+        (``max_tokens`` x the observed share). Call only when ``ready(kind)``."""
         rates = self._rates[kind]
         expected = max_tokens * min(1.0, rates.completion_share.value)
-        return (
-            rates.prefill_s_per_token.value * prompt_tokens
-            + rates.decode_s_per_token.value * expected
-        )
+        return rates.prefill(level) * prompt_tokens + rates.decode(level) * expected
 
-    def first_token_s(self, kind: str, prompt_tokens: float) -> float:
-        """Predicted dispatch-to-first-token time (s): the prefill of
-        ``prompt_tokens`` and one decode step (llama.cpp samples the first token
-        at the end of the prompt's evaluation). Call only when ``ready(kind)``."""
+    def first_token_s(self, kind: str, prompt_tokens: float, level: int = 1) -> float:
+        """Predicted dispatch-to-first-token time (s) at batch ``level``: the
+        prefill of ``prompt_tokens`` and one decode step (llama.cpp samples the
+        first token at the end of the prompt's evaluation). Call only when
+        ``ready(kind)``."""
         rates = self._rates[kind]
-        return rates.prefill_s_per_token.value * prompt_tokens + rates.decode_s_per_token.value
+        return rates.prefill(level) * prompt_tokens + rates.decode(level)
 
     def snapshot(self, kind: str) -> dict[str, float] | None:
-        """The learned rates of ``kind`` in ms per token (for logs and benchmarks)."""
+        """The learned rates of ``kind`` in ms per token (for logs and benchmarks):
+        prefill and decode at batch level 1 (measured, or derived from the nearest
+        measured level as for any prediction)."""
         if not self.ready(kind):
             return None
         r = self._rates[kind]
         return {
-            "prefill_ms_per_token": round(r.prefill_s_per_token.value * 1000, 3),
-            "decode_ms_per_token": round(r.decode_s_per_token.value * 1000, 3),
+            "prefill_ms_per_token": round(r.prefill(1) * 1000, 3),
+            "decode_ms_per_token": round(r.decode(1) * 1000, 3),
             "tokens_per_byte": round(r.tokens_per_byte.value, 3),
             "completion_share": round(r.completion_share.value, 3),
         }
+
+    def decode_by_level(self, kind: str) -> dict[str, float]:
+        """The decode rate (ms per token) at every batch level measured, keyed by
+        the level as a string (msgpack maps on the wire must have string keys),
+        lowest first; empty before any."""
+        rates = self._rates.get(kind)
+        if rates is None:
+            return {}
+        return {
+            str(level): round(ratio.value * 1000, 3)
+            for level, ratio in sorted(rates.decode_s_per_token.items())
+            if ratio.den > 0
+        }
+
+
+@dataclass
+class _Clock:
+    """One worker's running requests, integrated over time (``BatchLevels``).
+
+    ``area`` is request-seconds up to ``since``; ``marks`` holds, per running
+    request, (time, area, running) at its dispatch and, once seen, at its first
+    token."""
+
+    running: int = 0
+    since: float = 0.0
+    area: float = 0.0
+    marks: dict[int, list[tuple[float, float, int]]] = field(default_factory=dict)
+
+    def area_at(self, now: float) -> float:
+        return self.area + self.running * max(0.0, now - self.since)
+
+
+class BatchLevels:
+    """Each worker's count of running requests over time, so that a finished
+    request's batch level is known: the time-weighted mean count over its prefill
+    (dispatch to first token) and over its decode (first token to FINAL).
+
+    Cheaper than it sounds (O(1) per dispatch, token and FINAL, besides the
+    worker's own running set) and better than the mean of the counts at dispatch
+    and at FINAL, which cannot tell a request that ran beside three others for
+    most of its life from one they joined just before it ended. Times are the
+    broker's clock (s), passed in.
+    """
+
+    def __init__(self) -> None:
+        self._clocks: dict[bytes, _Clock] = {}
+
+    def running(self, worker: bytes, rids: Collection[int], now: float) -> None:
+        """``worker`` runs ``rids`` from ``now`` on: call after every change of its
+        running set (dispatch, FINAL; ``()`` when it is lost). A new rid is marked
+        dispatched at ``now``; the marks of rids no longer running are dropped."""
+        if not rids:
+            self._clocks.pop(worker, None)
+            return
+        clock = self._clocks.setdefault(worker, _Clock(since=now))
+        clock.area = clock.area_at(now)
+        clock.since = now
+        clock.running = len(rids)
+        for rid in [r for r in clock.marks if r not in rids]:
+            del clock.marks[rid]
+        for rid in rids:
+            if rid not in clock.marks:
+                clock.marks[rid] = [(now, clock.area, clock.running)]
+
+    def first_token(self, worker: bytes, rid: int, now: float) -> None:
+        """``rid``'s first token arrived from ``worker`` at ``now``: its prefill ended."""
+        clock = self._clocks.get(worker)
+        marks = None if clock is None else clock.marks.get(rid)
+        if clock is not None and marks is not None and len(marks) == 1:
+            marks.append((now, clock.area_at(now), clock.running))
+
+    def levels(self, worker: bytes, rid: int, now: float) -> tuple[float, float]:
+        """(prefill level, decode level) of ``rid`` finishing on ``worker`` at ``now``
+        (before its FINAL is taken out of the running set). (1.0, 1.0) for a
+        request never marked; a phase of no duration has the count at its start."""
+        clock = self._clocks.get(worker)
+        marks = None if clock is None else clock.marks.get(rid)
+        if clock is None or not marks:
+            return 1.0, 1.0
+        end = (now, clock.area_at(now), clock.running)
+        first = marks[1] if len(marks) > 1 else end
+        return _mean_level(marks[0], first), _mean_level(first, end)
+
+
+def _mean_level(start: tuple[float, float, int], end: tuple[float, float, int]) -> float:
+    """Time-weighted mean running count between two marks (time, area, running)."""
+    span = end[0] - start[0]
+    return (end[1] - start[1]) / span if span > 0 else float(start[2])
 
 
 def _count(value: object) -> bool:

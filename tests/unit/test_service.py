@@ -7,9 +7,13 @@ import pytest
 from broker.errors import ConfigError
 from broker.protocol import ClientRequest
 from broker.records import BrokerSettings
-from broker.service import Ratio, ServiceModel, byte_bound
+from broker.service import BatchLevels, Ratio, ServiceModel, batch_cost, byte_bound, level_key
 from broker.stats import Stats
+from brokerkit import W1, W2, BrokerHarness, generate
 from node.status_view import render_status
+
+#: A worker identity for ``BatchLevels``.
+W = b"w"
 
 
 def req(prompt: str, max_tokens: int | None = None) -> ClientRequest:
@@ -137,3 +141,122 @@ def test_status_shows_each_kinds_mean_and_learned_rates() -> None:
 
 #: The least ``render_status`` reads.
 BARE_STATUS = {"queue_depth": 0, "queue_bound": 1, "in_flight": 0, "credit": 1}
+
+
+# ---------------------------------------------------------------- batch levels
+
+
+def test_batch_cost_follows_the_measured_gain() -> None:
+    """Per-sequence time per token at b sequences, alone = 1: issue 10 measured the
+    aggregate at 4 sequences 1.3-1.55x one sequence's (per sequence 2.6-3x) and at
+    8 1.7-1.9x (4.2-4.7x); none at 2."""
+    assert batch_cost(1) == 1.0
+    assert batch_cost(2) == pytest.approx(2.0)
+    assert 2.6 <= batch_cost(4) <= 3.0
+    assert 4.2 <= batch_cost(8) <= 4.7
+    assert batch_cost(32) == pytest.approx(32 / 2.25)  # no gain assumed beyond 16
+    costs = [batch_cost(b) for b in range(1, 65)]
+    assert costs == sorted(costs)  # more neighbours never make a sequence faster
+    assert level_key(2.5) == 3 and level_key(2.49) == 2 and level_key(0.0) == 1
+
+
+def test_rates_are_learned_per_batch_level() -> None:
+    model = ServiceModel()
+    # Alone: 2 ms/token of prefill, 20 ms/token of decode.
+    model.observe("llm", req("w" * 99), 8, 0.22, 0.36, usage(100, 8))
+    # Beside three others: the same request decodes at 60 ms/token and prefills at 3.
+    model.observe("llm", req("w" * 99), 8, 0.36, 0.78, usage(100, 8), 4.0, 4.0)
+    assert model.decode_by_level("llm") == {"1": 20.0, "4": 60.0}
+    assert model.predict_s("llm", 100, 8) == pytest.approx(0.2 + 8 * 0.02)
+    assert model.predict_s("llm", 100, 8, level=4) == pytest.approx(0.3 + 8 * 0.06)
+    assert model.first_token_s("llm", 100, level=4) == pytest.approx(0.3 + 0.06)
+    # The level-1 table is untouched by the level-4 sample: a one-slot pool's rates.
+    snap = model.snapshot("llm")
+    assert snap is not None
+    assert (snap["prefill_ms_per_token"], snap["decode_ms_per_token"]) == (2.0, 20.0)
+
+
+def test_an_unseen_level_is_predicted_from_the_nearest_measured_one() -> None:
+    model = ServiceModel()
+    model.observe("llm", req("w" * 99), 8, 0.22, 0.36, usage(100, 8))  # level 1
+    # Decode scales by batch_cost; prefill is taken as measured.
+    assert model.predict_s("llm", 100, 8, level=4) == pytest.approx(0.2 + 8 * 0.02 * batch_cost(4))
+    # Level 8 measured at 100 ms/token: level 4 is nearer to 8 than to 1 (in ratio,
+    # a tie goes to the higher level) and is scaled down from it; 2 is nearer to 1.
+    model.observe("llm", req("w" * 99), 8, 0.5, 1.2, usage(100, 8), 8.0, 8.0)
+    rates = model.decode_by_level("llm")
+    assert rates == {"1": 20.0, "8": 100.0}
+    # Level 8's prefill: (0.5 s - one 100 ms step) / 100 tokens, borrowed as it is.
+    prefill_at_4 = model.predict_s("llm", 100, 8, level=4) - model.predict_s("llm", 0, 8, level=4)
+    assert prefill_at_4 == pytest.approx(0.4)
+    assert model.first_token_s("llm", 0, level=4) == pytest.approx(
+        0.1 * batch_cost(4) / batch_cost(8)
+    )
+    assert model.first_token_s("llm", 0, level=2) == pytest.approx(0.02 * batch_cost(2))
+
+
+def test_a_fractional_level_is_learned_at_the_nearest_integer() -> None:
+    model = ServiceModel()
+    model.observe("llm", req("w" * 99), 8, 0.22, 0.36, usage(100, 8), 1.4, 2.6)
+    assert model.decode_by_level("llm") == {"3": 20.0}
+    # Prefill was learned at level 1, less its first decode step predicted at
+    # level 1 from level 3's rate.
+    prefill = model.first_token_s("llm", 100, level=1) - model.first_token_s("llm", 0, level=1)
+    assert prefill == pytest.approx(0.22 - 0.02 * batch_cost(1) / batch_cost(3))
+
+
+def test_batch_level_is_the_time_weighted_count_over_each_phase() -> None:
+    """Request 1 prefills alone (0-0.5 s), decodes alone to 1 s and beside request 2
+    to 3 s: its decode level is (0.5 x 1 + 2 x 2) / 2.5 = 1.8, where the mean of
+    the counts at dispatch and at FINAL would say 1.5."""
+    levels = BatchLevels()
+    levels.running(W, {1}, 0.0)
+    levels.first_token(W, 1, 0.5)
+    levels.running(W, {1, 2}, 1.0)
+    levels.first_token(W, 2, 1.0)  # a first token at dispatch: a phase of no length
+    assert levels.levels(W, 1, 3.0) == pytest.approx((1.0, 1.8))
+    levels.running(W, {2}, 3.0)
+    # Its decode: 2 s beside request 1, then 1 s alone.
+    assert levels.levels(W, 2, 4.0) == pytest.approx((2.0, 5 / 3))
+    assert levels.levels(W, 1, 4.0) == (1.0, 1.0)  # finished: forgotten
+    levels.running(W, (), 4.0)  # the worker was lost
+    assert levels.levels(W, 2, 5.0) == (1.0, 1.0)
+
+
+def test_status_shows_rates_by_level_only_once_a_level_above_one_was_measured() -> None:
+    stats = Stats()
+    stats.observe_service(0.36)
+    stats.sizes.observe("llm", req("w" * 99), 8, 0.22, 0.36, usage(100, 8))
+    assert "decode_ms_per_token_by_level" not in stats.snapshot()["llm"]
+    stats.sizes.observe("llm", req("w" * 99), 8, 0.36, 0.78, usage(100, 8), 4.0, 4.0)
+    by_level = stats.snapshot()["llm"]["decode_ms_per_token_by_level"]
+    assert by_level == {"1": 20.0, "4": 60.0}
+
+
+def test_a_multi_slot_worker_teaches_its_level_and_single_slot_workers_level_one() -> None:
+    """Levels are per worker, not per pool: two one-slot workers busy at once each
+    run at level 1, as a one-slot pool always did; four requests on one 4-slot
+    worker run at level 4."""
+    h = BrokerHarness()
+    h.ready(W1, 0.0)
+    h.ready(W2, 0.0)
+    run_together(h, ["a", "b"], 0.0)
+    assert h.broker.stats.sizes.decode_by_level("llm") == {"1": 20.0}
+    h = BrokerHarness()
+    h.ready(W1, 0.0, slots=4)
+    run_together(h, ["a", "b", "c", "d"], 0.0)
+    assert h.broker.stats.sizes.decode_by_level("llm") == {"4": 20.0}
+    h.assert_each_answered_once()
+
+
+def run_together(h: BrokerHarness, ids: list[str], now: float) -> None:
+    """Send ``ids`` at once; each gets its first token after 0.22 s and its FINAL
+    (8 tokens of a 100-token prompt) after 0.36 s."""
+    for rid in ids:
+        h.send(generate(rid, "w" * 99, max_tokens=8), now)
+    sent = [(m.identity, m.body["rid"]) for m in h.drain_workers()]
+    assert len(sent) == len(ids)
+    for identity, rid in sent:
+        h.partial(identity, rid, "tok", now + 0.22)
+    for identity, rid in sent:
+        h.final(identity, rid, now + 0.36, usage=usage(100, 8))
