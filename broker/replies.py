@@ -16,7 +16,8 @@ from broker.records import Job
 #: The ``finish_reason`` values of PROTOCOL §4.2; a worker's other values become "stop".
 FINISH_REASONS = frozenset({"stop", "length"})
 #: The ``usage`` counts of PROTOCOL §4.2; a worker's other keys are dropped.
-USAGE_KEYS = ("prompt_tokens", "completion_tokens")
+#: ``cached_tokens``: prompt tokens a llama slot's KV cache held already (prefix reuse).
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 #: Largest count a C client reading ``int64_t`` can hold.
 MAX_COUNT = 2**63 - 1
 
@@ -33,8 +34,8 @@ def finish_reason(value: object) -> str:
 
 
 def usage(value: object) -> dict[str, int]:
-    """A FINAL's ``usage``: only ``prompt_tokens``/``completion_tokens`` that are
-    integers in 0 … 2**63-1 (bools, floats, strings dropped); ``{}`` if not a map."""
+    """A FINAL's ``usage``: only ``USAGE_KEYS`` whose values are integers in
+    0 … 2**63-1 (bools, floats, strings dropped); ``{}`` if not a map."""
     if not isinstance(value, dict):
         return {}
     return {

@@ -19,9 +19,10 @@ about the model. Each rate is an exponentially weighted *ratio of sums* (time
 over tokens, like llama.cpp's "ms per token"), so long prompts, which carry
 the signal, weigh more than short ones, whose time is mostly fixed overhead.
 
-The rates are effective ones: llama-cpp-python reuses the KV cache of the
-previous prompt's common prefix on the same worker, so traffic that repeats a
-long prefix teaches a lower prefill rate per (reported) prompt token.
+A llama slot reuses the KV cache of its previous prompt's common prefix; the
+worker reports those tokens (``usage.cached_tokens``), and the prefill rate is
+learned from the tokens evaluated. Predictions count the whole prompt: a
+request that reuses a prefix is predicted slower than it is, never faster.
 
 **Batch level.** A worker with S slots decodes all its running sequences in one
 ``llama_decode`` per step, so a sequence's ms/token depends on how many run
@@ -204,7 +205,9 @@ class ServiceModel:
             max_tokens: the limit the worker was given (tokens).
             ttft_s: dispatch to the first PARTIAL (s): prefill plus one decode step.
             total_s: dispatch to the FINAL (s).
-            usage: the FINAL's ``usage`` map: ``prompt_tokens``, ``completion_tokens``.
+            usage: the FINAL's ``usage`` map: ``prompt_tokens``, ``completion_tokens``,
+                and ``cached_tokens`` (prompt tokens a slot reused: not evaluated,
+                so they teach no prefill rate).
             prefill_level: requests running on its worker during its prefill
                 (itself included; a time-weighted mean, ``BatchLevels``).
             decode_level: the same during its decode.
@@ -227,9 +230,13 @@ class ServiceModel:
             decode = rates.decode_s_per_token.setdefault(at_decode, Ratio())
             decode.add(max(0.0, total_s - ttft_s), completion - 1)
         first_step = rates.decode(at_prefill)  # the first token ends the prefill
-        if prompt >= MIN_PREFILL_TOKENS:
+        # A slot's prompt prefix reuse: only the rest was evaluated.
+        cached = usage.get("cached_tokens")
+        reused = cached if isinstance(cached, int) and _count(cached) and cached <= prompt else 0
+        evaluated = prompt - reused
+        if evaluated >= MIN_PREFILL_TOKENS:
             prefill = rates.prefill_s_per_token.setdefault(at_prefill, Ratio())
-            prefill.add(max(0.0, ttft_s - first_step), prompt)
+            prefill.add(max(0.0, ttft_s - first_step), evaluated)
         rates.tokens_per_byte.add(prompt, byte_bound(req))
         rates.completion_share.add(completion, max(1, max_tokens))
         return True

@@ -15,13 +15,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
-from broker.errors import Cancelled
+from broker.errors import Cancelled, EdgeNodeError
 from broker.protocol import ClientRequest
 
 #: Callback the engine calls once per generated piece of text (one token).
 Emit = Callable[[str], None]
+#: How one request ended: its FINAL fields (``text``, ``finish_reason``, ``usage``),
+#: or the error it ended with.
+Outcome = dict[str, Any] | EdgeNodeError
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class EngineSpec:
     chat_format: str = ""
     repack: bool = False
     kv_type: str = "f16"  # model.kv_type: the K and V cache element type
+    slots: int = 1  # workers.slots: sequences served at once
     test_token_ms: int = 20
     test_load_ms: int = 0
 
@@ -71,6 +75,37 @@ class Engine(Protocol):
 
     def run(self, job: dict[str, Any], cancelled: threading.Event, emit: Emit) -> dict[str, Any]:
         """Generate for ``job`` (a worker REQUEST body), calling ``emit`` per token."""
+        ...
+
+
+@runtime_checkable
+class BatchEngine(Protocol):
+    """An engine that runs up to ``slots`` requests together, stepped by one thread
+    (``node.llama_engine.LlamaEngine``: continuous batching in one llama context).
+
+    ``submit`` gives a request a slot (raising ``EdgeNodeError`` for a request
+    refused before it starts); ``step`` advances every running request by one
+    decode step or prompt chunk, and returns those that ended. A request whose
+    ``cancelled`` is set leaves within one step. ``busy`` counts running requests.
+    """
+
+    kind: str
+    model: str
+    n_ctx: int
+    steps: int
+    slots: int
+
+    @property
+    def busy(self) -> int:
+        """Slots running a request."""
+        ...
+
+    def submit(self, rid: int, job: dict[str, Any], cancelled: threading.Event, emit: Emit) -> None:
+        """Start ``job`` (a worker REQUEST body) in a free slot at the next step."""
+        ...
+
+    def step(self) -> list[tuple[int, Outcome]]:
+        """One batch; the requests that ended in it, by rid."""
         ...
 
 

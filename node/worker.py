@@ -1,10 +1,13 @@
 """Worker process entry point: ``python -m node.worker --spec JSON``.
 
-Two threads, one socket each (zmq sockets are not thread-safe):
+The I/O thread owns the DEALER to the broker (zmq sockets are not
+thread-safe): READY, heartbeats (which carry the progress counter), REQUEST and
+CANCEL, and it relays the engine's output, which reaches it over an inproc PULL.
+Requests run on engine threads, up to ``slots`` at once (credit = free slots):
 
-* the I/O thread owns the DEALER to the broker: READY, heartbeats (which carry
-  the progress counter), REQUEST and CANCEL, and relays the engine's output;
-* the engine thread runs one request at a time and reports over an inproc PAIR.
+* a batching engine (``node.engine.BatchEngine``: the llama engine) is stepped
+  by one thread, all its slots decoded together in one llama context;
+* any other engine (test, rules) runs one request per thread, ``slots`` threads.
 
 llama.cpp releases the GIL inside its C calls, so heartbeats keep flowing while
 the model computes. The model is loaded before the worker connects: a slow load
@@ -25,16 +28,17 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import zmq
 
 from broker import protocol as p
-from broker.errors import EdgeNodeError
+from broker.errors import EdgeNodeError, InternalError
 from broker.protocol import WorkerCommand
 from node.affinity import apply_placement
-from node.engine import Engine, EngineSpec, make_engine
+from node.engine import BatchEngine, Engine, EngineSpec, Outcome, make_engine
 from node.sandbox import join_cgroup
 
 log = logging.getLogger("edgenode.worker")
@@ -43,6 +47,7 @@ log = logging.getLogger("edgenode.worker")
 #: because a new process would fail the same way.
 EXIT_CONFIG = 78  # EX_CONFIG
 EXIT_MODEL_LOAD = 66  # EX_NOINPUT: the model file cannot be loaded
+EXIT_ENGINE_BUG = 70  # EX_SOFTWARE: a batch step failed; restarted like a crash
 DETERMINISTIC_EXITS = {
     EXIT_CONFIG: "bad worker configuration",
     EXIT_MODEL_LOAD: "model failed to load",
@@ -88,13 +93,13 @@ class WorkerLoop:
         self.engine = engine
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.interval = spec.heartbeat_interval_ms / 1000
-        self.progress = 0  # tokens produced by this process; written by the engine thread
-        self.current: tuple[int, threading.Event] | None = None
+        self.progress = 0  # tokens produced by this process; written by the engine threads
+        self.running: dict[int, threading.Event] = {}  # rid -> its cancel flag
         self._abandoned: set[int] = set()  # rids started under a previous connection
         self.broker_seen = 0.0
         self._jobs: queue.Queue[tuple[int, dict[str, Any], threading.Event] | None] = queue.Queue()
         self._pipe_addr = f"inproc://engine-{uuid.uuid4().hex}"
-        self._events = self.ctx.socket(zmq.PAIR)
+        self._events = self.ctx.socket(zmq.PULL)
         self._events.bind(self._pipe_addr)
         self._stop = False
         self._want_ready = True
@@ -110,8 +115,16 @@ class WorkerLoop:
         signal.set_wakeup_fd(self._wake_w.fileno())
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        self._thread = threading.Thread(target=self._engine_thread, name="engine", daemon=True)
-        self._thread.start()
+        if isinstance(self.engine, BatchEngine):
+            targets = [self._batch_thread]
+        else:
+            targets = [self._engine_thread] * self.spec.slots
+        self._threads = [
+            threading.Thread(target=target, name=f"engine-{i}", daemon=True)
+            for i, target in enumerate(targets)
+        ]
+        for thread in self._threads:
+            thread.start()
         self._connect()
         next_beat = time.monotonic()
         while not self._stop:
@@ -125,7 +138,7 @@ class WorkerLoop:
             # Reconnecting here threw away every stream in flight over a 5 s
             # pause of the node (break-it session).
             silent = now - self.broker_seen > self.interval * self.spec.heartbeat_liveness
-            if silent and self.current is None:
+            if silent and not self.running:
                 log.warning("broker silent for %.1fs: reconnecting", now - self.broker_seen)
                 self._reconnect()
             self._turn(max(0.0, next_beat - time.monotonic()))
@@ -166,17 +179,17 @@ class WorkerLoop:
         self._send_ready_if_idle()
 
     def _reconnect(self) -> None:
-        """New socket, new identity. READY waits until any running job has ended,
+        """New socket, new identity. READY waits until every running job has ended,
         so the new broker never sees credit this worker cannot honour."""
-        if self.current is not None:
-            self.current[1].set()  # nobody awaits its result any more
-            self._abandoned.add(self.current[0])  # and the new broker never knew it
+        for rid, cancelled in self.running.items():
+            cancelled.set()  # nobody awaits its result any more
+            self._abandoned.add(rid)  # and the new broker never knew it
         assert self.dealer is not None
         self.dealer.close(0)
         self._connect()
 
     def _send_ready_if_idle(self) -> None:
-        if not self._want_ready or self.current is not None:
+        if not self._want_ready or self.running:
             return
         self._want_ready = False
         body = {
@@ -203,7 +216,7 @@ class WorkerLoop:
             log.warning("broker not reading: dropped %s", command.name)
 
     def _heartbeat(self) -> None:
-        state = "busy" if self.current is not None else "idle"
+        state = "busy" if self.running else "idle"
         self._send(WorkerCommand.HEARTBEAT, {"state": state, "progress": self._progress()})
 
     def _progress(self) -> int:
@@ -220,8 +233,9 @@ class WorkerLoop:
         if command is WorkerCommand.REQUEST:
             self._on_request(body)
         elif command is WorkerCommand.CANCEL:
-            if self.current is not None and self.current[0] == body.get("rid"):
-                self.current[1].set()
+            cancelled = self.running.get(body.get("rid"))  # type: ignore[arg-type]
+            if cancelled is not None:
+                cancelled.set()
         elif command is WorkerCommand.DISCONNECT:
             log.info("broker said DISCONNECT (%s): re-registering", body.get("reason"))
             self._reconnect()
@@ -230,15 +244,15 @@ class WorkerLoop:
         rid = body.get("rid")
         if not isinstance(rid, int):
             return
-        if self.current is not None:
-            # The broker's credit says we are free: refuse rather than queue.
+        if len(self.running) >= self.spec.slots or rid in self.running:
+            # The broker's credit says a slot is free: refuse rather than queue.
             self._send(
                 WorkerCommand.FINAL,
                 {"rid": rid, "status": "error", "code": 503, "message": "worker has no free slot"},
             )
             return
         cancelled = threading.Event()
-        self.current = (rid, cancelled)
+        self.running[rid] = cancelled
         self._jobs.put((rid, body, cancelled))
 
     # ------------------------------------------------------------------ engine side
@@ -254,12 +268,12 @@ class WorkerLoop:
             self._abandoned.discard(payload["rid"])
         else:
             self._send(WorkerCommand.FINAL, payload)
-        self.current = None
+        self.running.pop(payload["rid"], None)
         self._send_ready_if_idle()
 
     def _engine_thread(self) -> None:
-        out = self.ctx.socket(zmq.PAIR)
-        out.connect(self._pipe_addr)
+        """One request at a time through ``engine.run`` (engines that do not batch)."""
+        out = self._pusher()
         while True:
             item = self._jobs.get()
             if item is None:
@@ -271,43 +285,104 @@ class WorkerLoop:
     def _run_one(
         self, out: zmq.Socket[bytes], rid: int, job: dict[str, Any], cancelled: threading.Event
     ) -> dict[str, Any]:
+        """Run ``job`` through ``engine.run``; its FINAL body, whatever happened."""
+        try:
+            outcome: Outcome = self.engine.run(job, cancelled, self._emitter(out, rid))
+        except EdgeNodeError as exc:
+            outcome = exc
+        except Exception as exc:  # an engine bug must cost one request, not the worker
+            outcome = _engine_bug(rid, exc)
+        return final_body(rid, outcome)
+
+    def _batch_thread(self) -> None:
+        """Every slot of a batching engine, stepped together: new requests join
+        between steps; the thread blocks only while no slot is busy."""
+        engine = self.engine
+        assert isinstance(engine, BatchEngine)
+        out = self._pusher()
+        while True:
+            items = [self._jobs.get()] if not engine.busy else []
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    items.append(self._jobs.get_nowait())
+            for item in items:
+                if item is None:
+                    out.close(0)
+                    return
+                rid, job, cancelled = item
+                try:
+                    engine.submit(rid, job, cancelled, self._emitter(out, rid))
+                except EdgeNodeError as exc:
+                    out.send_multipart([b"final", p.pack(final_body(rid, exc))])
+                except Exception as exc:  # an engine bug must cost one request, not the worker
+                    out.send_multipart([b"final", p.pack(final_body(rid, _engine_bug(rid, exc)))])
+            if not engine.busy:
+                continue
+            try:
+                ended = engine.step()
+            except Exception:
+                # The slots' state is unknown now: a fresh process is the way back,
+                # and the broker re-dispatches what had streamed nothing.
+                log.critical("engine step failed: exiting", exc_info=True)
+                os._exit(EXIT_ENGINE_BUG)
+            for rid, outcome in ended:
+                out.send_multipart([b"final", p.pack(final_body(rid, outcome))])
+
+    def _pusher(self) -> zmq.Socket[bytes]:
+        """An engine thread's own socket to the I/O thread."""
+        out = self.ctx.socket(zmq.PUSH)
+        out.connect(self._pipe_addr)
+        return out
+
+    def _emitter(self, out: zmq.Socket[bytes], rid: int) -> Callable[[str], None]:
+        """The ``emit`` of request ``rid``: one PARTIAL per piece of text."""
+
         def emit(text: str) -> None:
             self.progress += 1
             out.send_multipart([b"partial", p.pack({"rid": rid, "text": text})])
 
-        try:
-            result = self.engine.run(job, cancelled, emit)
-        except EdgeNodeError as exc:
-            status = "cancelled" if exc.code == 499 else "error"
-            message = clip(exc.message)
-            log.info("request %s ended %s: %s", rid, status, message)
-            return {
-                "rid": rid,
-                "status": status,
-                "code": int(exc.code),
-                "message": message,
-                "text": exc.partial_text,
-            }
-        except Exception as exc:  # an engine bug must cost one request, not the worker
-            message = clip(f"engine error: {type(exc).__name__}: {exc}")
-            log.error("engine failed on request %s: %s", rid, message)
-            log.debug("engine failure on request %s", rid, exc_info=True)  # unclipped
-            return {"rid": rid, "status": "error", "code": 500, "message": message}
-        return {"rid": rid, "status": "ok", **result}
+        return emit
 
     def _shutdown(self) -> None:
-        if self.current is not None:
-            self.current[1].set()
-        self._jobs.put(None)
+        for cancelled in self.running.values():
+            cancelled.set()
+        for _ in self._threads:
+            self._jobs.put(None)
         self._send(WorkerCommand.DISCONNECT, {"reason": "worker stopping"})
         assert self.dealer is not None
         self.dealer.close(0)
         self._events.close(0)
-        # The engine thread is a daemon: a generation stuck in C cannot hold up
-        # exit, so the context is only terminated once that thread is gone.
-        self._thread.join(timeout=2.0)
-        if not self._thread.is_alive():
+        # Engine threads are daemons: a generation stuck in C cannot hold up
+        # exit, so the context is only terminated once those threads are gone.
+        end = time.monotonic() + 2.0
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, end - time.monotonic()))
+        if not any(thread.is_alive() for thread in self._threads):
             self.ctx.term()
+
+
+def final_body(rid: int, outcome: Outcome) -> dict[str, Any]:
+    """The FINAL body of request ``rid`` from how it ended (PROTOCOL: worker FINAL)."""
+    if isinstance(outcome, dict):
+        return {"rid": rid, "status": "ok", **outcome}
+    status = "cancelled" if outcome.code == 499 else "error"
+    message = clip(outcome.message)
+    log.info("request %s ended %s: %s", rid, status, message)
+    return {
+        "rid": rid,
+        "status": status,
+        "code": int(outcome.code),
+        "message": message,
+        "text": outcome.partial_text,
+    }
+
+
+def _engine_bug(rid: int, exc: Exception) -> InternalError:
+    """An unexpected engine exception as this request's 500."""
+    message = clip(f"engine error: {type(exc).__name__}: {exc}")
+    log.error("engine failed on request %s: %s", rid, message)
+    log.debug("engine failure on request %s", rid, exc_info=(type(exc), exc, exc.__traceback__))
+    return InternalError(message)
 
 
 def _cgroup_dir(procs_files: tuple[str, ...]) -> str | None:

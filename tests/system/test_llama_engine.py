@@ -1,15 +1,18 @@
 """The llama.cpp engine's own parts, with the real model: the token -> text path
-(special tokens, UTF-8 split over byte tokens), llama.cpp's log, and the KV
-cache type reaching llama.cpp."""
+(special tokens, UTF-8 split over byte tokens), the sampler chain's mask,
+llama.cpp's log, and the KV cache type reaching llama.cpp."""
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import llama_cpp.llama_cpp as llama_c
 import numpy as np
 import pytest
 
@@ -38,7 +41,7 @@ def engine() -> Iterator[LlamaEngine]:
     )
     engine = LlamaEngine(spec)
     yield engine
-    engine.llm.close()
+    engine.close()
 
 
 def token_of(engine: LlamaEngine, text: str) -> int:
@@ -50,30 +53,34 @@ def test_special_tokens_have_no_text_on_the_way_out(engine: LlamaEngine) -> None
     words = engine.llm.tokenize(b"look here", add_bos=False)
     for marker in MARKERS:
         ids = [*words[:1], token_of(engine, marker), *words[1:]]
-        assert engine.llm.detokenize(ids) == b"look here"
+        assert engine.detokenize(ids) == b"look here"
 
 
-def test_a_forced_special_token_does_not_reach_the_stream(engine: LlamaEngine) -> None:
-    # The logit bias makes <start_of_image> the only choice; the stream is
-    # llama-cpp-python's, detokenized through the engine's tokenizer as in run().
-    marker = token_of(engine, "<start_of_image>")
-    chunks = [
-        chunk["choices"][0]["text"]
-        for chunk in engine.llm.create_completion(
-            "Hello", max_tokens=3, temperature=0.0, logit_bias={marker: 100.0}, stream=True
-        )
-    ]
-    assert chunks and not any("<start_of_image>" in c for c in chunks)
+def greedy_pick(engine: LlamaEngine, logits: np.ndarray, job: dict[str, Any]) -> int:
+    """The token a request's own sampler chain picks from ``logits`` (one per
+    vocabulary token): llama.cpp's samplers applied to a candidate array."""
+    chain = engine._sampler(job)
+    try:
+        n = len(logits)
+        data = (llama_c.llama_token_data * n)()
+        for token in range(n):
+            data[token].id, data[token].logit, data[token].p = token, float(logits[token]), 0.0
+        array = llama_c.llama_token_data_array(data, n, -1, False)
+        llama_c.llama_sampler_apply(chain, ctypes.byref(array))
+        return int(data[array.selected].id)
+    finally:
+        llama_c.llama_sampler_free(chain)
 
 
-def test_sampling_never_picks_a_special_token(engine: LlamaEngine) -> None:
-    scores = np.zeros(engine.llm.n_vocab(), dtype=np.single)
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_sampling_never_picks_a_special_token(engine: LlamaEngine, temperature: float) -> None:
+    logits = np.zeros(engine.llm.n_vocab(), dtype=np.single)
     markers = [token_of(engine, m) for m in MARKERS]
-    scores[markers] = 100.0  # the model's favourites
-    scores[engine.llm.token_eos()] = 50.0
-    masked = engine.mask_special(np.zeros(1, dtype=np.intc), scores.copy())
-    assert all(masked[markers] == -np.inf)
-    assert int(np.argmax(masked)) == engine.llm.token_eos()  # ending stays possible
+    logits[markers] = 100.0  # the model's favourites
+    assert greedy_pick(engine, logits, {"temperature": temperature}) not in markers
+    logits[engine.llm.token_eos()] = 50.0
+    job = {"temperature": temperature, "seed": 1}
+    assert greedy_pick(engine, logits, job) == engine.llm.token_eos()  # ending stays possible
 
 
 def byte_tokens(engine: LlamaEngine, text: str) -> list[int]:
@@ -141,7 +148,7 @@ def test_a_worker_load_logs_llama_cpp_warnings_but_not_its_info(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     spec = EngineSpec("llama", str(resolve_model("default")), n_ctx=256, n_batch=256, threads=1)
-    LlamaEngine(spec).llm.close()
+    LlamaEngine(spec).close()
     err = capfd.readouterr().err
     assert "using full-size SWA cache" in err  # ggml level WARN (3)
     assert "n_ctx_seq" not in err and "KV buffer size" not in err  # level INFO (2)
@@ -158,7 +165,7 @@ def test_kv_type_reaches_llama_cpp_which_allocates_what_the_plan_says() -> None:
             job = {"op": "generate", "prompt": "The capital of France is", "max_tokens": 4}
             result = engine.run(job | {"temperature": 0.0}, threading.Event(), lambda _: None)
         finally:
-            engine.llm.close()
+            engine.close()
         assert result["usage"]["completion_tokens"] == 4 and result["text"].strip()
         assert engine.kv_cache_bytes is not None  # from llama.cpp's "KV buffer size" lines
         reported[kv_type] = engine.kv_cache_bytes

@@ -30,7 +30,7 @@ def engine() -> Iterator[LlamaEngine]:
     )
     engine = LlamaEngine(spec)
     yield engine
-    engine.llm.close()
+    engine.close()
 
 
 def run(engine: LlamaEngine, schema: dict[str, Any], op: str = "generate") -> dict[str, Any]:

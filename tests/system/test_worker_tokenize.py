@@ -45,7 +45,7 @@ def engine() -> Iterator[LlamaEngine]:
     )
     engine = LlamaEngine(spec)
     yield engine
-    engine.llm.close()
+    engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +113,13 @@ def test_a_prompt_dense_in_user_defined_tokens_is_refused_as_fast_as_words(
 def test_a_prompt_dense_in_user_defined_tokens_tokenizes_as_fast_as_words(
     engine: LlamaEngine, unit: str
 ) -> None:
-    """What a prompt that fits costs to tokenize (``Llama.tokenize``, which a chat
-    template's prompt goes through), against the same size of random words."""
+    """What a prompt costs to tokenize the way the engine does (``Vocab.tokenize``,
+    which a chat template's prompt goes through too), against the same size of
+    random words."""
 
     def seconds(text: str) -> float:
         started = time.perf_counter()
-        engine.llm.tokenize(text.encode(), add_bos=True, special=True)
+        engine.vocab.tokenize(text.encode(), special=True)
         return time.perf_counter() - started
 
     ordinary_s = min(seconds(random_words(SIZE)) for _ in range(2))
@@ -146,7 +147,7 @@ def random_text(rng: random.Random, parts: int) -> str:
 
 def test_pieces_give_the_ids_the_whole_text_gives(engine: LlamaEngine) -> None:
     """Token ids, not counts: with and without parse_special, through the
-    vocabulary and through ``Llama.tokenize`` (with BOS) against
+    vocabulary and through the engine's prompt ids (with BOS) against
     llama-cpp-python's own whole-text tokenizing."""
     vocab = engine.vocab
     assert vocab.pair_max is not None  # Gemma 3 qualifies
@@ -157,42 +158,40 @@ def test_pieces_give_the_ids_the_whole_text_gives(engine: LlamaEngine) -> None:
             whole = engine.llm._model.tokenize(text, add_bos=False, special=special)
             assert vocab.tokenize(text, special) == whole, (special, text)
         with_bos = engine.llm._model.tokenize(text, add_bos=True, special=True)
-        assert engine.llm.tokenize(text, add_bos=True, special=True) == with_bos, text
+        assert engine.prompt_ids(text.decode(), threading.Event()) == with_bos, text
 
 
 def test_the_model_sees_the_ids_of_the_whole_prompt_after_one_bos(engine: LlamaEngine) -> None:
-    """The ids passed to llama-cpp-python are those it made of the text itself
-    (``Llama._create_completion``: BOS, then the text's ids), and evaluating
-    the same prompt again reuses the KV cache."""
+    """The ids the engine evaluates are those llama-cpp-python makes of the text
+    itself (``Llama._create_completion``: BOS, then the text's ids), and evaluating
+    the same prompt again reuses the slot's KV cache."""
     prompt = random_text(random.Random(3), 60).replace("<bos>", "")
     expected = [engine.llm.token_bos(), *engine.llm._model.tokenize(prompt.encode(), False, True)]
     assert len(prompt.encode()) > 1000 and len(expected) < N_CTX // 4
 
-    def run() -> tuple[dict[str, Any], int]:
-        steps = engine.steps
+    def run() -> dict[str, Any]:
         job = {"op": "generate", "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
-        result = engine.run(job, threading.Event(), lambda _: None)
-        return result, engine.steps - steps
+        return engine.run(job, threading.Event(), lambda _: None)
 
-    first, first_steps = run()
+    first = run()
     assert first["usage"]["prompt_tokens"] == len(expected)
-    assert engine.llm._input_ids[: len(expected)].tolist() == expected
-    again, again_steps = run()
-    assert again["usage"] == first["usage"]
-    assert again_steps < first_steps / 4  # the prompt was not evaluated again
+    assert any(cached[: len(expected)] == expected for cached in engine.cached())
+    again = run()
+    assert again["usage"]["prompt_tokens"] == len(expected)
+    # Not evaluated again but for its last token, whose logits the sampler needs.
+    assert again["usage"]["cached_tokens"] == len(expected) - 1
 
 
 def test_a_cancel_is_seen_while_a_prompt_is_tokenized(engine: LlamaEngine) -> None:
-    """Between pieces: nothing is evaluated, and the KV cache is kept (an abort
-    during evaluation resets the context)."""
+    """Between pieces: nothing is evaluated, and the KV cache is kept."""
     job = {"op": "generate", "prompt": "The capital of France is", "max_tokens": 1}
     engine.run(job, threading.Event(), lambda _: None)
-    evaluated = engine.llm.n_tokens
+    evaluated = engine.cached()
     cancelled = threading.Event()
     cancelled.set()
     with pytest.raises(Cancelled):
         engine.run(generate(random_words(SIZE)) | {"max_tokens": 4}, cancelled, lambda _: None)
-    assert engine.llm.n_tokens == evaluated > 0
+    assert engine.cached() == evaluated and any(evaluated)
 
 
 def test_a_prompt_that_fits_by_its_bound_but_not_by_its_count_gets_413(

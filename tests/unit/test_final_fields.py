@@ -73,6 +73,12 @@ def test_usage_keeps_only_the_documented_counts_that_are_counts(
     assert reply["usage"] == {"completion_tokens": 2}
 
 
+def test_usage_keeps_the_prompt_tokens_a_slot_reused(h: BrokerHarness) -> None:
+    rid = ask(h)
+    usage = {"prompt_tokens": 300, "completion_tokens": 2, "cached_tokens": 299}
+    assert final_of(h, rid, status="ok", text="x", usage=usage)["usage"] == usage
+
+
 @pytest.mark.parametrize("usage", [[1, 2], "4/2", 7, None])
 def test_usage_that_is_not_a_map_becomes_empty(h: BrokerHarness, usage: Any) -> None:
     rid = ask(h)

@@ -260,3 +260,17 @@ def run_together(h: BrokerHarness, ids: list[str], now: float) -> None:
         h.partial(identity, rid, "tok", now + 0.22)
     for identity, rid in sent:
         h.final(identity, rid, now + 0.36, usage=usage(100, 8))
+
+
+def test_prompt_tokens_a_slot_reused_teach_no_prefill_rate() -> None:
+    model = ServiceModel()
+    # 400 prompt tokens of which 360 were in the slot's KV cache: the 0.2 s
+    # before the first token evaluated 40 of them (and one 20 ms decode step).
+    reused = usage(400, 5) | {"cached_tokens": 360}
+    assert model.observe("llm", req("w" * 1599), 8, 0.22, 0.30, reused)
+    snap = model.snapshot("llm")
+    assert snap is not None and snap["prefill_ms_per_token"] == pytest.approx(5.0)
+    # Reusing all but a few tokens leaves too few evaluated to teach prefill.
+    other = ServiceModel()
+    other.observe("llm", req("w" * 1599), 8, 0.22, 0.30, usage(400, 5) | {"cached_tokens": 399})
+    assert not other.ready("llm")
