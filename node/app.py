@@ -67,7 +67,8 @@ class Node:
         model = str(resolve_model(c.model.path)) if c.workers.engine == "llama" else "test"
         rules = str(resolve_rules(c.fallback.rules)) if c.fallback.rules else None
         self.plan = check_fits(c)  # refuse what cannot fit, before anything starts
-        pool = WorkerPool(c, model, rules, self.run_dir, self.plan)  # so does a bad core plan
+        # ... and so does a bad core plan; the workers get the plan's (resolved) slots.
+        pool = WorkerPool(c, model, rules, self.run_dir, self.plan, slots=self.plan.slots)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)
         write_pidfile(self.pidfile)
@@ -113,9 +114,10 @@ class Node:
         try:
             pool.start(lambda wid, why: broker.worker_exited(wid, why, time.monotonic()))
             log.info(
-                "edgenode serving on %s (%d model workers, mode %s, pid %d)",
+                "edgenode serving on %s (%d model workers x %d slots, mode %s, pid %d)",
                 c.frontend,
                 c.workers.count,
+                self.plan.slots,
                 c.routing.mode,
                 os.getpid(),
             )
@@ -232,6 +234,9 @@ class Node:
             "sandbox": pool.sandbox.status(),
             "memory": pressure.snapshot(),
             "capacity": {
+                "workers": self.plan.workers,
+                "slots": self.plan.slots,
+                "sequences": self.plan.sequences,
                 "per_worker": self.plan.per_worker,
                 "grammar": self.plan.grammar,
                 "memory_max": self.plan.memory_max,

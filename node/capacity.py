@@ -1,7 +1,8 @@
 """Capacity model: how many sequences fit in the memory budget, before anything starts.
 
-``total = weights + N x (KV per sequence + runtime + grammar per worker)`` (bytes),
-from the GGUF metadata (read without loading the weights) and the budget:
+``total = weights + W x (S x KV per sequence + runtime + grammar)`` (bytes) for W
+workers of S slots each (W x S sequences), from the GGUF metadata (read without
+loading the weights) and the budget:
 
 * KV per sequence = ``kv_bytes_per_token x pad256(n_ctx)``; ``kv_bytes_per_token``
   = sum over layers of ``n_head_kv x (key_length x bytes_K + value_length x
@@ -28,7 +29,13 @@ from the GGUF metadata (read without loading the weights) and the budget:
   at every step. The peak of that grows with the vocabulary, hardly with the
   schema (``node.grammar`` bounds the schema): ``n_vocab x
   GRAMMAR_BYTES_PER_TOKEN``, planned for every worker, since any request may
-  carry a schema.
+  carry a schema. Planned once per worker whatever its slots: a worker samples
+  its slots one after another in one thread, so one grammar's transient peak
+  exists at a time.
+* Slots (``workers.slots``): a worker with S slots is one process, one model,
+  one llama context of S sequences with ``model.n_ctx`` cells each (non-unified
+  KV), so it pays S x KV per sequence and the runtime and grammar once.
+  ``resolve_slots`` turns the setting into an int ("auto": ``AUTO_SLOTS_PER_THREAD``).
 
 Sizes are binary (``G`` = GiB = 2**30, ``M`` = MiB; ``node.units``), as systemd's
 ``MemoryMax=`` reads them. That makes the textbook example exact: 8G - 4.2G
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
@@ -48,11 +56,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from broker.errors import ConfigError
 from node.budget import config_size, configured_budget
+from node.config import MAX_SLOTS, is_auto_slots
 from node.engine import needs_flash_attn
 from node.gguf_meta import ModelMeta, read_gguf_meta
 from node.model import resolve_model
 from node.units import format_size as _format_size
-from node.worker_memory import memory_high_bytes, memory_max_bytes
+from node.worker_memory import is_auto, memory_high_bytes, memory_max_bytes
 
 if TYPE_CHECKING:
     from node.config import NodeConfig
@@ -80,6 +89,13 @@ KV_TYPES = {
     "q8_0": GGMLQuantizationType.Q8_0,
     "q4_0": GGMLQuantizationType.Q4_0,
 }
+#: ``workers.slots = "auto"`` gives a worker at most this many slots per thread
+#: (``workers.threads``). Measured on this 2-core machine with the default model:
+#: one sequence's tokens/s falls 3-4x at 8 sequences per core, while batching
+#: gains only 1.3-1.55x aggregate tokens/s at 4 sequences in one context and
+#: 1.7-1.9x at 8 (issue 10): beyond 4 per core, requests wait much longer for
+#: little more throughput.
+AUTO_SLOTS_PER_THREAD = 4
 
 
 def format_size(n: int) -> str:
@@ -131,13 +147,16 @@ def attention_scratch(meta: ModelMeta, n_ctx: int, n_batch: int, flash_attn: boo
 
 @dataclass(frozen=True)
 class Plan:
-    """A memory plan for ``workers`` one-sequence workers (sizes in bytes).
+    """A memory plan for ``workers`` workers of ``slots`` sequences each (sizes in bytes).
 
-    ``per_worker = private weights + kv_per_seq + runtime_per_worker + grammar`` and ``left
-    = budget - reserve - shared weights``: ``left // per_worker`` sequences fit
-    before the margin. With it each worker is budgeted at its hard limit
-    ``memory_max = per_worker x (1 + margin)``, so ``fits_safe = left //
-    memory_max`` and the limits together never reach into the reserve.
+    ``per_worker = private weights + slots x kv_per_seq + runtime_per_worker +
+    grammar``: the runtime and the grammar allowance once per worker (its slots
+    are sampled one after another in one thread, so one grammar's peak at a
+    time), the KV cache once per slot. ``sequences = workers x slots``. ``left =
+    budget - reserve - shared weights``: ``left // per_worker`` workers fit before
+    the margin. With it each worker is budgeted at its hard limit ``memory_max =
+    per_worker x (1 + margin)``, so ``fits_safe = left // memory_max`` workers
+    (of ``slots`` slots each) and the limits together never reach into the reserve.
     ``memory_high = per_worker x (1 + margin / 2)`` is the soft line (v2 reclaims
     and throttles above it; on v1 the node watches usage against it). Limits
     cover private memory only: the shared weights must be charged to the node's
@@ -150,6 +169,7 @@ class Plan:
     weights: int
     kv_per_seq: int
     workers: int
+    slots: int = 1  # sequences per worker (workers.slots, resolved)
     margin: float = 0.1
     runtime_overhead: int = 0  # per worker, constant part
     weights_shared: bool = True
@@ -166,6 +186,8 @@ class Plan:
     def __post_init__(self) -> None:
         if min(self.budget, self.weights, self.kv_per_seq, self.reserve, self.workers) < 0:
             raise ConfigError("sizes and the worker count must not be negative")
+        if not 1 <= self.slots <= MAX_SLOTS:
+            raise ConfigError(f"workers.slots must be in [1, {MAX_SLOTS}]; got {self.slots}")
         if not 0 <= self.margin < 1:
             raise ConfigError(f"capacity.safety_margin must be in [0, 1); got {self.margin}")
         if self.per_worker <= 0:
@@ -187,10 +209,20 @@ class Plan:
         return self.weights if self.weights_shared else 0
 
     @property
+    def kv_per_worker(self) -> int:
+        """KV cache of one worker: ``slots x kv_per_seq`` (each slot has its own cells)."""
+        return self.slots * self.kv_per_seq
+
+    @property
     def per_worker(self) -> int:
-        """Private memory of one worker at its peak: its sequence's KV, runtime and grammar."""
+        """Private memory of one worker at its peak: its slots' KV, runtime and one grammar."""
         private = 0 if self.weights_shared else self.weights
-        return private + self.kv_per_seq + self.runtime_per_worker + self.grammar
+        return private + self.kv_per_worker + self.runtime_per_worker + self.grammar
+
+    @property
+    def sequences(self) -> int:
+        """Sequences the asked workers run at once: ``workers x slots``."""
+        return self.workers * self.slots
 
     @property
     def left(self) -> int:
@@ -199,7 +231,7 @@ class Plan:
 
     @property
     def total(self) -> int:
-        """Estimate of the model side: weights + N x (KV + runtime)."""
+        """Estimate of the model side: shared weights + workers x per_worker."""
         return self.shared_weights + self.workers * self.per_worker
 
     @property
@@ -214,12 +246,12 @@ class Plan:
 
     @property
     def fits_before_margin(self) -> int:
-        """Concurrent sequences that fit on the bare estimates."""
+        """Workers (of ``slots`` slots each) that fit on the bare estimates."""
         return max(0, self.left // self.per_worker)
 
     @property
     def fits_safe(self) -> int:
-        """Concurrent sequences that fit with every worker at its ``memory_max``."""
+        """Workers (of ``slots`` slots each) that fit with every one at its ``memory_max``."""
         return max(0, self.left // self.memory_max)
 
     @property
@@ -233,8 +265,9 @@ class Plan:
 
 
 _DERIVED = (
-    "flash_attn runtime_per_worker shared_weights per_worker left total memory_max memory_high"
+    "flash_attn runtime_per_worker shared_weights kv_per_worker per_worker sequences left total"
 )
+_DERIVED += " memory_max memory_high"
 _DERIVED += " fits_before_margin fits_safe fits"
 _DERIVED_KEYS = _DERIVED.split()
 
@@ -272,13 +305,16 @@ def config_plan(config: NodeConfig, **overrides: Any) -> tuple[Plan, ModelMeta |
     """The plan for ``config`` and the model's metadata (None for the test engine:
     no model, only its runtime overhead is planned). ``overrides`` that are not
     None replace ``Plan`` inputs (``budget``, ``reserve``, ``workers``, ``n_ctx``,
-    ``kv_type``; sizes in bytes).
+    ``kv_type``; sizes in bytes) and ``slots`` (an int or "auto"). The plan's
+    ``slots`` is the resolved count (``resolve_slots``).
 
     Raises:
         ConfigError: a bad capacity key (named), or the model cannot be read.
     """
     cap, m = config.capacity, config.model
     given = {k: v for k, v in overrides.items() if v is not None}
+    slots: int | str = given.pop("slots", config.workers.slots)
+    threads = config.workers.threads
     if "budget" not in given:
         given["budget"], given["budget_source"] = configured_budget(config)
     ask: dict[str, Any] = {
@@ -289,10 +325,67 @@ def config_plan(config: NodeConfig, **overrides: Any) -> tuple[Plan, ModelMeta |
         "weights_shared": not m.repack,
     } | given
     if config.workers.engine != "llama":
-        return Plan(weights=0, kv_per_seq=0, model="test engine", **ask), None
+
+        def test(s: int) -> Plan:
+            return Plan(weights=0, kv_per_seq=0, model="test engine", slots=s, **ask)
+
+        return plan_slots(test, slots, threads), None
     ask = {"n_ctx": m.n_ctx, "n_batch": m.n_batch, "kv_type": m.kv_type} | ask
     meta = read_gguf_meta(resolve_model(m.path))
-    return model_plan(meta, **ask), meta
+    # "auto" also keeps a worker within a fixed workers.memory_max (check_fits refuses more).
+    limit = None if is_auto(config.workers) else memory_max_bytes(config.workers)
+    return plan_slots(lambda s: model_plan(meta, slots=s, **ask), slots, threads, limit), meta
+
+
+def resolve_slots(config: NodeConfig, **overrides: Any) -> int:
+    """``workers.slots`` as an int: the integer as configured (no model read), or
+    for "auto" the largest S for which ``workers.count`` workers of S slots fit the
+    capacity plan with its margin (and, with the llama engine, one worker's
+    estimate fits a fixed ``workers.memory_max``), at most
+    ``AUTO_SLOTS_PER_THREAD x workers.threads`` (and ``MAX_SLOTS``), at least 1
+    (a plan that does not fit even then is refused by ``check_fits``).
+    ``overrides`` as for ``config_plan`` (``workers``, ``budget``, ..., ``slots``).
+
+    ``edgenode start``, ``edgenode capacity``, ``status`` and the worker pool all
+    take the slots from here, or from the plan ``config_plan``/``check_fits``
+    returns, whose ``slots`` is this same number.
+
+    Raises:
+        ConfigError: "auto" with a bad capacity key or an unreadable model.
+    """
+    slots = overrides.get("slots")
+    slots = config.workers.slots if slots is None else slots
+    if not is_auto_slots(slots):
+        return int(slots)
+    return config_plan(config, **overrides)[0].slots
+
+
+def auto_slots(plan_for: Callable[[int], Plan], most: int, limit: int | None = None) -> Plan:
+    """The plan with the most slots in [1, ``most``] that fits (``Plan.fits``, and a
+    worker's estimate within ``limit`` bytes when one is given: a fixed
+    ``workers.memory_max``), else the 1-slot plan; ``plan_for(S)`` is the plan with S
+    slots per worker. A worker's size grows with S, so the search stops at the first
+    S that fails."""
+    best = plan_for(1)
+    for s in range(2, most + 1):
+        plan = plan_for(s)
+        if not plan.fits or (limit is not None and plan.per_worker > limit):
+            break
+        best = plan
+    return best
+
+
+def plan_slots(
+    plan_for: Callable[[int], Plan], slots: int | str, threads: int, limit: int | None = None
+) -> Plan:
+    """The plan for ``slots`` per worker: ``plan_for(slots)`` for an integer; for
+    "auto" ``auto_slots`` up to ``AUTO_SLOTS_PER_THREAD x threads`` (and
+    ``MAX_SLOTS``) within ``limit`` (see there). ``config_plan`` and the CLI's sizes
+    by hand both use it."""
+    if is_auto_slots(slots):
+        most = max(1, min(MAX_SLOTS, AUTO_SLOTS_PER_THREAD * threads))
+        return auto_slots(plan_for, most, limit)
+    return plan_for(int(slots))
 
 
 def check_fits(config: NodeConfig) -> Plan:
@@ -316,7 +409,7 @@ def check_fits(config: NodeConfig) -> Plan:
             f"capacity: workers.memory_max {format_size(limit)} is below the "
             f"{format_size(plan.per_worker)} one worker needs ({breakdown(plan)}): every worker "
             f"would be OOM-killed. Set workers.memory_max to {format_size(plan.memory_max)} or "
-            'more (or "auto"), or lower model.n_ctx.'
+            f'more (or "auto"), or lower model.n_ctx{_fewer_slots(plan)}.'
         )
     high = memory_high_bytes(config.workers, plan)
     if limit is not None and high is not None and high > limit:  # only "auto" gets here
@@ -328,10 +421,22 @@ def check_fits(config: NodeConfig) -> Plan:
     return plan
 
 
+def _fewer_slots(plan: Plan) -> str:
+    return f" or workers.slots (now {plan.slots})" if plan.slots > 1 else ""
+
+
+def layout(plan: Plan) -> str:
+    """``2 worker(s) x 4 slots = 8 sequences`` (``1 slot`` when one)."""
+    slots = "1 slot" if plan.slots == 1 else f"{plan.slots} slots"
+    return f"{plan.workers} worker(s) x {slots} = {plan.sequences} sequences"
+
+
 def refusal(plan: Plan, meta: ModelMeta | None) -> str:
     """Why ``plan`` does not fit, and the knobs that would make it fit."""
+    each = "" if plan.slots == 1 else f" of {plan.slots} slots"
     return (
-        f"capacity: {plan.workers} worker(s) do not fit. Each needs {format_size(plan.per_worker)}"
+        f"capacity: {plan.workers} worker(s){each} do not fit."
+        f" Each needs {format_size(plan.per_worker)}"
         f" ({breakdown(plan)}), {format_size(plan.memory_max)} with the {plan.margin:.0%} margin;"
         f" {format_size(plan.left)} is left of the {format_size(plan.budget)} budget"
         f" ({plan.budget_source}) after the {format_size(plan.reserve)} reserve and"
@@ -341,11 +446,11 @@ def refusal(plan: Plan, meta: ModelMeta | None) -> str:
 
 
 def breakdown(plan: Plan) -> str:
-    """One worker's estimate: ``KV 36 MiB + runtime 120 MiB + grammar 64 MiB`` (+ private
-    weights; no grammar term without a model)."""
+    """One worker's estimate: ``KV 4 x 36 MiB + runtime 120 MiB + grammar 176 MiB``
+    (slots x KV per sequence; + private weights; no grammar term without a model)."""
     parts = [] if plan.weights_shared else [f"weights {format_size(plan.weights)}"]
     parts += [
-        f"KV {format_size(plan.kv_per_seq)}",
+        f"KV {plan.slots} x {format_size(plan.kv_per_seq)}",
         f"runtime {format_size(plan.runtime_per_worker)}",
     ]
     parts += [f"grammar {format_size(plan.grammar)}"] if plan.grammar else []
@@ -353,8 +458,14 @@ def breakdown(plan: Plan) -> str:
 
 
 def advice(plan: Plan, meta: ModelMeta | None) -> list[str]:
-    """Knob settings that would make ``plan.workers`` fit, most direct first."""
+    """Knob settings that would make ``plan.workers`` fit, most direct first:
+    fewer workers, fewer slots per worker, a shorter context, a smaller KV type,
+    shared weights, a larger budget."""
     tips = [f"workers.count = {plan.fits_safe} (--workers)"] if plan.fits_safe else []
+    fewer = range(plan.slots - 1, 0, -1)
+    slots = next((s for s in fewer if dataclasses.replace(plan, slots=s).fits), None)
+    if slots:
+        tips.append(f"workers.slots = {slots} (--slots; fewer sequences per worker)")
     if meta is not None:
         ctxs = range(kv_cells(plan.n_ctx) - CTX_PAD, 0, -CTX_PAD)
         ctx = next((n for n in ctxs if _replan(plan, meta, n_ctx=n).fits), None)
@@ -375,7 +486,7 @@ def advice(plan: Plan, meta: ModelMeta | None) -> list[str]:
 
 
 _ASK = "budget reserve workers margin runtime_overhead weights_shared budget_source n_ctx"
-_ASK_KEYS = [*_ASK.split(), "n_batch", "kv_type"]
+_ASK_KEYS = [*_ASK.split(), "n_batch", "kv_type", "slots"]
 
 
 def _replan(plan: Plan, meta: ModelMeta, **changes: Any) -> Plan:

@@ -29,6 +29,10 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 SYSTEM_CONFIG = Path("/etc/edgenode/edgenode.toml")
 ENGINES = ("llama", "test")
+#: The most sequences (slots) one worker may run: ``workers.slots`` in [1, MAX_SLOTS].
+MAX_SLOTS = 64
+#: ``workers.slots = "auto"``: sized by ``node.capacity.resolve_slots``.
+AUTO_SLOTS = "auto"
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,9 @@ class WorkersSection:
     count: int = 2
     engine: str = "llama"
     threads: int = 1
+    #: Sequences per model worker: an integer in [1, ``MAX_SLOTS``] or "auto"
+    #: (``node.capacity.resolve_slots`` turns it into an int at start).
+    slots: int | str = 1
     ready_timeout_ms: int = 60_000
     stop_grace_ms: int = 5000
     restart_backoff_ms: int = 500
@@ -233,6 +240,7 @@ def validate(config: NodeConfig) -> NodeConfig:
     _choice("workers.engine", w.engine, ENGINES)
     _choice("node.log_level", config.node.log_level, ("debug", "info", "warning", "error"))
     _positive("workers.threads", w.threads, 1)
+    _slots(w.slots)
     _positive("workers.log_max_bytes", w.log_max_bytes, 0)
     _positive("model.n_ctx", m.n_ctx, 64)
     _positive("model.n_batch", m.n_batch, 1)
@@ -284,6 +292,7 @@ _ALSO_ACCEPTS: dict[str, tuple[type, ...]] = {
     "workers.memory_max": (int,),
     "workers.memory_high": (int,),
     "workers.cpu_quota": (int, float),
+    "workers.slots": (str,),
 }
 
 
@@ -336,6 +345,25 @@ def _validate_isolation(w: WorkersSection) -> None:
     _core_list("workers.cpus", w.cpus)
     if not 0 <= w.nice <= 19:
         raise ConfigError(f"workers.nice must be 0..19, got {w.nice}")
+
+
+def is_auto_slots(slots: int | str) -> bool:
+    """Whether ``workers.slots`` is "auto" (any case, spaces around allowed)."""
+    return isinstance(slots, str) and slots.strip().lower() == AUTO_SLOTS
+
+
+def _slots(slots: int | str) -> None:
+    """``workers.slots``: an integer in [1, MAX_SLOTS] or "auto".
+
+    Raises:
+        ConfigError: anything else, naming the key.
+    """
+    if is_auto_slots(slots):
+        return
+    if isinstance(slots, str) or not 1 <= slots <= MAX_SLOTS:
+        raise ConfigError(
+            f'workers.slots must be an integer in [1, {MAX_SLOTS}] or "auto", got {slots!r}'
+        )
 
 
 def _core_list(key: str, cpus: tuple[int, ...]) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from broker.backend import OOM_KILLED
 from node.affinity import CpuPlan, pin_all_threads, plan_cpus
+from node.capacity import resolve_slots
 from node.config import NodeConfig, WorkersSection
 from node.engine import EngineSpec
 from node.priority import process_priority
@@ -59,6 +60,9 @@ class WorkerPool:
         run_dir: logs go to ``<run_dir>/logs``; the cgroup name derives from it.
         capacity: the capacity plan (``node.capacity.check_fits``), whose limits
             ``workers.memory_max = "auto"`` gives every model worker's cgroup.
+        slots: sequences per model worker (the plan's ``slots``); None resolves
+            ``workers.slots`` with ``node.capacity.resolve_slots``. The rule
+            worker always has one.
 
     Raises:
         ConfigError: an impossible core reservation (before anything starts).
@@ -71,9 +75,11 @@ class WorkerPool:
         rules_path: str | None,
         run_dir: Path,
         capacity: PlannedLimits | None = None,
+        slots: int | None = None,
     ) -> None:
         self.config = config
         self.capacity = capacity
+        self.slots = resolve_slots(config) if slots is None else slots
         w = config.workers
         self.plan: CpuPlan = plan_workers(w, config.node.cpus)
         self.sandbox = Sandbox(options_for(w, self.plan, cgroup_name(run_dir)))
@@ -109,6 +115,7 @@ class WorkerPool:
                 chat_format=c.model.chat_format,
                 repack=c.model.repack,
                 kv_type=c.model.kv_type,
+                slots=self.slots,
                 test_token_ms=c.workers.test_token_ms,
                 test_load_ms=c.workers.test_load_ms,
             )
@@ -117,6 +124,7 @@ class WorkerPool:
                     worker_id=f"llm-{placement.index}",
                     backend=c.backend,
                     engine=engine,
+                    slots=self.slots,
                     heartbeat_interval_ms=c.broker.heartbeat_interval_ms,
                     heartbeat_liveness=c.broker.heartbeat_liveness,
                     cpus=placement.cpus if self.plan.restricts else (),
@@ -126,13 +134,14 @@ class WorkerPool:
         return specs
 
     def _rules_spec(self, rules_path: str) -> WorkerSpec:
-        """The rule worker: tiny, on the node's cores at nice 0, ahead of the model."""
+        """The rule worker: tiny, one slot, on the node's cores at nice 0, ahead of the model."""
         c = self.config
         engine = EngineSpec(kind="rules", model_path=rules_path, n_ctx=0, n_batch=0, threads=1)
         return WorkerSpec(
             worker_id=RULES_WORKER,
             backend=c.backend,
             engine=engine,
+            slots=1,
             heartbeat_interval_ms=c.broker.heartbeat_interval_ms,
             heartbeat_liveness=c.broker.heartbeat_liveness,
             cpus=self.plan.node,
@@ -231,8 +240,8 @@ class WorkerPool:
             return None  # the cgroup is being recreated for a restart
 
     def status(self) -> list[dict[str, Any]]:
-        """Per worker: process state, cgroup, memory, OOM kills, cpus, threads, nice
-        levels (``nice``, ``autogroup_nice``: see node.priority)."""
+        """Per worker: process state, cgroup, memory, OOM kills, cpus, threads, slots,
+        nice levels (``nice``, ``autogroup_nice``: see node.priority)."""
         out = []
         for entry, spec in zip(self.supervisor.status(), self.specs, strict=True):
             wid = entry["worker_id"]
@@ -243,6 +252,7 @@ class WorkerPool:
                 "oom_kills": self.oom_kills.get(wid, 0),
                 "cpus": list(spec.cpus),
                 "threads": spec.engine.threads,
+                "slots": spec.slots,
                 "engine": spec.engine.kind,
                 **(process_priority(entry["pid"]) if entry["pid"] else NO_PRIORITY),
             }

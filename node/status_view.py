@@ -75,14 +75,28 @@ def _capacity_line(plan: dict[str, Any] | None, memory: dict[str, Any]) -> str |
     measured = memory.get("working_set")
     grammar = f", {_size(plan['grammar'])} of it for a json_schema" if plan.get("grammar") else ""
     limits = plan.get("worker_limits") or {}
+    planned = f" (plan's memory.max {_size(plan.get('memory_max'))})"
     applied = ""
     if limits:
         top = "none" if limits.get("memory_max") is None else _size(limits["memory_max"])
         applied = f'; workers get memory.max {top} (workers.memory_max = "{limits["setting"]}")'
+        if limits.get("memory_max") == plan.get("memory_max"):
+            planned = ""  # "auto": the same number twice
     return (
-        f"capacity plan: {_size(plan.get('per_worker'))} per worker{grammar} (plan's "
-        f"memory.max {_size(plan.get('memory_max'))}){applied}, {_size(plan.get('total'))} in "
-        f"all of {_size(plan.get('budget'))}; measured working set {_size(measured)}"
+        f"capacity plan: {_layout(plan)}{_size(plan.get('per_worker'))} per worker{grammar}"
+        f"{planned}{applied}, {_size(plan.get('total'))} in all of {_size(plan.get('budget'))};"
+        f" measured working set {_size(measured)}"
+    )
+
+
+def _layout(plan: dict[str, Any]) -> str:
+    """``2 workers x 4 slots = 8 sequences, `` from the plan (nothing from an older node)."""
+    workers, slots = plan.get("workers"), plan.get("slots")
+    if not isinstance(workers, int) or not isinstance(slots, int):
+        return ""
+    return (
+        f"{workers} worker{'s' * (workers != 1)} x {slots} slot{'s' * (slots != 1)}"
+        f" = {workers * slots} sequence{'s' * (workers * slots != 1)}, "
     )
 
 

@@ -2,7 +2,8 @@
 
 ``memory_max`` is a size ("768M", integer bytes), "max" (no limit) or "auto". "auto"
 means the capacity plan's per-worker ``memory.max`` (``node.capacity.Plan.memory_max``:
-the worker's estimate, KV and runtime and grammar, plus ``capacity.safety_margin``). The
+the worker's estimate, its slots' KV (``workers.slots`` x KV per sequence), runtime and
+grammar, plus ``capacity.safety_margin``). The
 node computes it at start from the same plan ``edgenode capacity`` prints, so the two
 agree. ``memory_high`` "" follows ``memory_max``: 90 % of a size, or with "auto" the
 plan's ``memory.high`` (estimate + half the margin). 90 % of the plan's ``memory.max``

@@ -405,8 +405,9 @@ def test_cli_reproduces_the_textbook_example(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "- reserve 1.5 GiB - shared weights 4.2 GiB = 2.3 GiB left" in result.output
     assert "9 sequences before the margin (2.3 GiB / 256 MiB = 9.2)" in result.output
-    assert "8 with the 10% safety margin" in result.output
-    assert "runtime 0 B" in result.output
+    assert "8 worker(s) x 1 slot = 8 sequences with the 10% safety margin" in result.output
+    assert "layout      2 worker(s) x 1 slot = 2 sequences (workers.slots = 1)" in result.output
+    assert "per worker  KV 1 x 256 MiB + runtime 0 B = 256 MiB" in result.output
 
 
 def test_cli_textbook_json(tmp_path: Path) -> None:

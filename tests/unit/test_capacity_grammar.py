@@ -69,7 +69,7 @@ def test_a_limit_that_holds_kv_and_runtime_but_not_the_grammar_is_refused(
         check_fits(config(workers={"memory_max": "300M"}))
     message = info.value.message
     assert "workers.memory_max 300 MiB is below the 332 MiB one worker needs" in message
-    assert "(KV 36 MiB + runtime 120 MiB + grammar 176 MiB)" in message
+    assert "(KV 1 x 36 MiB + runtime 120 MiB + grammar 176 MiB)" in message
 
 
 def test_the_cli_prints_the_grammar_line_and_json_fields(tmp_path: Path, gemma: ModelMeta) -> None:
@@ -81,7 +81,7 @@ def test_the_cli_prints_the_grammar_line_and_json_fields(tmp_path: Path, gemma: 
         f"grammar     262,144 vocabulary tokens x {GRAMMAR_BYTES_PER_TOKEN} B = 176 MiB per "
         "worker" in text.output
     )
-    assert "per worker  KV 36 MiB + runtime 120 MiB + grammar 176 MiB = 332 MiB" in text.output
+    assert "per worker  KV 1 x 36 MiB + runtime 120 MiB + grammar 176 MiB = 332 MiB" in text.output
     data = json.loads(CliRunner().invoke(capacity, ["--json"], obj={"config": str(path)}).output)
     assert (data["grammar"], data["n_vocab"]) == (176 * MiB, GEMMA_VOCAB)
     assert data["per_worker"] == 332 * MiB

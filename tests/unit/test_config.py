@@ -143,6 +143,38 @@ def test_out_of_range_values_are_named(data: dict[str, Any], named: str) -> None
     assert named in config_error(data)
 
 
+@pytest.mark.parametrize("slots", [1, 4, 64, "auto", "AUTO", " Auto "])
+def test_workers_slots_takes_an_integer_in_1_to_64_or_auto(slots: int | str) -> None:
+    assert cfg.validate(from_dict({"workers": {"slots": slots}})).workers.slots == slots
+    assert cfg.is_auto_slots(slots) == isinstance(slots, str)
+
+
+def test_workers_slots_defaults_to_one_sequence_per_worker() -> None:
+    assert DEFAULTS.workers.slots == 1 and not cfg.is_auto_slots(DEFAULTS.workers.slots)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("slots = 0", 'workers.slots must be an integer in [1, 64] or "auto", got 0'),
+        ("slots = 65", 'workers.slots must be an integer in [1, 64] or "auto", got 65'),
+        ("slots = -2", "got -2"),
+        ('slots = "many"', "got 'many'"),
+        ('slots = "4"', "got '4'"),  # a number in quotes is not a count
+        ("slots = true", "workers.slots must be int, got bool"),
+        ("slots = 2.5", "workers.slots must be int, got float"),
+        ("slots = [2]", "workers.slots must be int, got list"),
+    ],
+)
+def test_bad_workers_slots_are_named_without_a_traceback(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, f"[workers]\n{text}\n"))
+    assert message in info.value.message
+    assert "workers.slots" in info.value.message
+
+
 def test_zero_workers_is_allowed() -> None:
     assert cfg.validate(from_dict({"workers": {"count": 0}})).workers.count == 0
 

@@ -15,7 +15,8 @@ from broker.errors import ConfigError
 from node.capacity import Plan, check_fits, config_plan
 from node.cgroup_backend import Limits
 from node.cli_capacity import capacity
-from node.config import WorkersSection, from_dict, validate
+from node.config import WorkersSection, from_dict, load_config, validate
+from node.gguf_meta import ModelMeta
 from node.sandbox import limits_for
 from node.status_view import render_status
 from node.worker_memory import describe, is_auto, memory_high_bytes, memory_max_bytes
@@ -177,3 +178,22 @@ def test_status_shows_what_the_workers_got() -> None:
     status["capacity"]["worker_limits"] = {"setting": "max", "memory_max": None}
     line = next(x for x in render_status(status).splitlines() if x.startswith("capacity"))
     assert 'workers get memory.max none (workers.memory_max = "max")' in line
+
+
+def test_start_and_capacity_agree_on_auto_slots_and_their_limits(
+    tmp_path: Path, gemma: ModelMeta
+) -> None:
+    # workers.slots = "auto" and memory_max = "auto": start (check_fits) and
+    # `edgenode capacity` resolve the same slots, so the limits they give agree.
+    toml = (
+        '[workers]\nslots = "auto"\nthreads = 2\nmemory_max = "auto"\n'
+        '[capacity]\nmemory_budget = "2.3G"\nreserve = "1G"\nruntime_overhead = "88M"\n'
+    )
+    (tmp_path / "edgenode.toml").write_text(toml)
+    started = check_fits(load_config(str(tmp_path / "edgenode.toml")))
+    data = json.loads(run_cli(tmp_path, toml, "--json").output)
+    # 2.3G - 1G - 235.2 MiB = 1096 MiB for 2 workers of (36 MiB x S + 296 MiB) x 1.1:
+    # 5 slots (523.6 MiB each) fit, 6 (563.2 MiB) do not; the cap would allow 8.
+    assert started.slots == data["slots"] == 5
+    assert data["worker_limits"]["memory_max"] == started.memory_max == data["memory_max"]
+    assert started.per_worker == 5 * 36 * MiB + 120 * MiB + 176 * MiB

@@ -48,3 +48,65 @@ def test_the_worker_table_shows_the_nice_level_and_a_differing_autogroup() -> No
     assert rows["llm-1"][col] == "10/0"
     assert rows["rules-0"][col] == "0"
     assert rows["llm-2"][col] == "-"
+
+
+def _capacity(**plan: Any) -> dict[str, Any]:
+    return {
+        "queue_depth": 0,
+        "queue_bound": 64,
+        "in_flight": 0,
+        "credit": 8,
+        "capacity": {
+            "per_worker": 440 * 2**20,
+            "grammar": 176 * 2**20,
+            "memory_max": 507_514_880,
+            "total": 1_169_162_240,
+            "budget": 8 * 2**30,
+            "worker_limits": {"setting": "auto", "memory_max": 507_514_880, "memory_high": 1},
+            **plan,
+        },
+    }
+
+
+def _capacity_line(status: dict[str, Any]) -> str:
+    lines = [x for x in render_status(status).splitlines() if x.startswith("capacity")]
+    assert len(lines) == 1  # one line, whatever the layout
+    return lines[0]
+
+
+def test_the_capacity_line_shows_workers_times_slots() -> None:
+    line = _capacity_line(_capacity(workers=2, slots=4, sequences=8))
+    assert line.startswith("capacity plan: 2 workers x 4 slots = 8 sequences, 440 MiB per worker")
+    # With "auto" the workers get the plan's memory.max: said once, not twice.
+    assert line.count("484 MiB") == 1
+    assert 'workers get memory.max 484 MiB (workers.memory_max = "auto")' in line
+    single = _capacity_line(_capacity(workers=1, slots=1, sequences=1))
+    assert single.startswith("capacity plan: 1 worker x 1 slot = 1 sequence, 440 MiB per worker")
+
+
+def test_a_fixed_limit_shows_the_plans_memory_max_too() -> None:
+    status = _capacity(workers=2, slots=1, sequences=2)
+    status["capacity"]["worker_limits"] = {"setting": "1G", "memory_max": 2**30}
+    line = _capacity_line(status)
+    assert "(plan's memory.max 484 MiB); workers get memory.max 1 GiB" in line
+
+
+def test_a_plan_without_slots_shows_no_layout() -> None:
+    # A node from before workers.slots: the line is the old one.
+    assert _capacity_line(_capacity()).startswith("capacity plan: 440 MiB per worker")
+
+
+def test_the_credit_column_is_free_slots_of_the_workers_slots() -> None:
+    status = _capacity(workers=2, slots=4, sequences=8)
+    status["processes"] = [_proc("llm-0", 10, 10), _proc("llm-1", 10, 10), _proc("rules-0", 0, 0)]
+    status["workers"] = [
+        {"worker_id": "llm-0", "state": "busy", "credit": 1, "slots": 4},
+        {"worker_id": "llm-1", "state": "ready", "credit": 4, "slots": 4},
+        {"worker_id": "rules-0", "state": "ready", "credit": 1, "slots": 1},
+    ]
+    lines = render_status(status).splitlines()
+    header = next(line for line in lines if line.startswith("WORKER")).split()
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith(("llm", "rules"))}
+    col = header.index("CREDIT")
+    assert (rows["llm-0"][col], rows["llm-1"][col], rows["rules-0"][col]) == ("1/4", "4/4", "1/1")
+    assert rows["llm-0"][header.index("STATE")] == "busy"
