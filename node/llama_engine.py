@@ -152,6 +152,7 @@ class LlamaEngine:
         self._uses = itertools.count(1)
         self._in_batch: list[threading.Event] = []
         self.steps = 0
+        self.aborts = 0  # batches stopped inside llama_decode by a cancel
         # Keep a reference: ctypes frees the trampoline when the object dies.
         self._abort_cb = llama_cpp.ggml_abort_callback(self._should_abort)
         llama_cpp.llama_set_abort_callback(self._ctx, self._abort_cb, ctypes.c_void_p())
@@ -251,6 +252,7 @@ class LlamaEngine:
             # may have left in the KV cache, so each slot resumes where it was.
             for slot in batch_slots:
                 llama_c.llama_memory_seq_rm(self._mem, slot.seq, len(slot.cached), -1)
+            self.aborts += code == DECODE_ABORTED
             if code != DECODE_ABORTED:
                 error = InternalError(f"llama.cpp decode failed (llama_decode returned {code})")
                 ended += [self._end(s, error) for s in batch_slots if s.job is not None]

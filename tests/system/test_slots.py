@@ -1,0 +1,191 @@
+"""Slots of one llama context, with the real model: a slot's output does not
+depend on its neighbours, a cancel stops one slot and no other, and a reused
+slot never shows its previous request (issue 10's engine tests).
+
+Greedy sampling everywhere, so outputs compare exactly. llama.cpp's batched
+kernels may round differently near a tie: a slot beside others may then pick
+the other of two near-equal tokens (seen: 1 of 20 prompts here, at its 17th
+token); the test allows one such prompt in twenty.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from broker.errors import Cancelled, EdgeNodeError
+from node.engine import EngineSpec, Outcome
+from node.llama_engine import LlamaEngine
+from node.model import resolve_model
+
+pytestmark = [pytest.mark.system, pytest.mark.timeout(240)]
+
+TOKENS = 48
+PROMPTS = [
+    "Once upon a time",
+    "The robot arm moved",
+    "In the kitchen, the lights",
+    "def fibonacci(n):",
+    "Q: What is the capital of Italy?\nA:",
+    "The weather today is",
+    "List three colors:",
+    "My favourite food is",
+    "The gateway restarted because",
+    "import numpy as np\n",
+    "Dear customer, thank you for",
+    "The history of the bicycle",
+    "Temperature sensor readings:",
+    "Step 1: open the valve.",
+    "A haiku about the sea:",
+    "The main function of the heart is",
+    "To reset the device, press",
+    "SELECT name FROM users WHERE",
+    "The battery level dropped to",
+    "In 1969, the first humans",
+]
+
+
+def spec(slots: int) -> EngineSpec:
+    return EngineSpec(
+        "llama", str(resolve_model("default")), n_ctx=2048, n_batch=512, threads=1, slots=slots
+    )
+
+
+@pytest.fixture(scope="module")
+def one() -> Iterator[LlamaEngine]:
+    engine = LlamaEngine(spec(1))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def four() -> Iterator[LlamaEngine]:
+    engine = LlamaEngine(spec(4))
+    yield engine
+    engine.close()
+
+
+def greedy(prompt: str, tokens: int = TOKENS) -> dict[str, Any]:
+    return {"op": "generate", "prompt": prompt, "max_tokens": tokens, "temperature": 0.0}
+
+
+def alone(engine: LlamaEngine, prompt: str, tokens: int = TOKENS) -> str:
+    return str(engine.run(greedy(prompt, tokens), threading.Event(), lambda _: None)["text"])
+
+
+def step_until_idle(engine: LlamaEngine, ended: dict[int, Outcome]) -> None:
+    while engine.busy:
+        ended.update(engine.step())
+
+
+def test_each_slot_writes_what_it_writes_alone(one: LlamaEngine, four: LlamaEngine) -> None:
+    """Twenty prompts through four slots, a new one joining every 5 steps while a
+    slot is free: prompts are evaluated in the same batches as other slots'
+    decode steps."""
+    expected = {i: alone(one, p) for i, p in enumerate(PROMPTS)}
+    ended: dict[int, Outcome] = {}
+    streamed: dict[int, list[str]] = {i: [] for i in range(len(PROMPTS))}
+    waiting, steps = list(range(len(PROMPTS))), 0
+    while waiting or four.busy:
+        if waiting and four.busy < four.slots and steps % 5 == 0:
+            i = waiting.pop(0)
+            four.submit(i, greedy(PROMPTS[i]), threading.Event(), streamed[i].append)
+        ended.update(four.step())
+        steps += 1
+    texts = {i: outcome["text"] for i, outcome in ended.items() if isinstance(outcome, dict)}
+    assert len(texts) == len(PROMPTS)
+    assert all("".join(streamed[i]) == texts[i] for i in texts)  # the stream is the text
+    differ = [i for i in texts if texts[i] != expected[i]]
+    assert len(differ) <= 1, [(PROMPTS[i], expected[i], texts[i]) for i in differ]
+    assert all(ended[i]["usage"]["completion_tokens"] == TOKENS for i in texts)  # type: ignore[index]
+
+
+def run_with_a_cancel(
+    engine: LlamaEngine, prompts: list[str], victim: str, when: str
+) -> dict[int, Outcome]:
+    """``prompts`` in flight together; ``victim`` (its index in ``prompts``) is
+    cancelled after 10 decode steps (``when = "decoding"``), or while its long
+    prompt is being evaluated, inside ``llama_decode`` (``"prefill"``)."""
+    ended: dict[int, Outcome] = {}
+    flags = {i: threading.Event() for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        if i != prompts.index(victim) or when == "decoding":
+            engine.submit(i, greedy(prompt), flags[i], lambda _: None)
+    for _ in range(10):
+        ended.update(engine.step())
+    victim_id = prompts.index(victim)
+    if when == "decoding":
+        flags[victim_id].set()
+    else:
+        engine.submit(victim_id, greedy(victim), flags[victim_id], lambda _: None)
+        # The victim's first chunk (512 tokens) takes seconds on one thread.
+        threading.Timer(0.3, flags[victim_id].set).start()
+    step_until_idle(engine, ended)
+    return ended
+
+
+@pytest.mark.parametrize("when", ["decoding", "prefill"])
+def test_cancelling_one_slot_leaves_the_others_unchanged(
+    one: LlamaEngine, four: LlamaEngine, when: str
+) -> None:
+    # Not "Once upon a time" nor "def fibonacci(n):": near a tie (seen to flip
+    # beside other slots, or with the prompt evaluated in other batch shapes).
+    others = [PROMPTS[1], PROMPTS[2], PROMPTS[12]]
+    victim = PROMPTS[4] if when == "decoding" else " ".join(["word"] * 1500)
+    expected = [alone(one, p) for p in others]
+    aborts = four.aborts
+    ended = run_with_a_cancel(four, [*others, victim], victim, when)
+    cancelled = ended[3]
+    assert isinstance(cancelled, Cancelled)
+    if when == "decoding":
+        assert cancelled.partial_text and alone(one, victim).startswith(cancelled.partial_text)
+    else:
+        assert "prompt evaluation" in cancelled.message
+        assert four.aborts == aborts + 1  # stopped inside llama_decode, others rolled back
+    for i, text in enumerate(expected):
+        outcome = ended[i]
+        assert isinstance(outcome, dict) and outcome["text"] == text, (others[i], outcome)
+    assert four.busy == 0
+
+
+def test_a_reused_slot_never_shows_its_previous_request(one: LlamaEngine) -> None:
+    secret = "Repeat after me: PINEAPPLE PINEAPPLE PINEAPPLE PINEAPPLE PINEAPPLE"
+    question = "The capital of France is"
+    clean = alone(one, question)
+    assert "PINEAPPLE" in alone(one, secret, 16)
+    result = one.run(greedy(question), threading.Event(), lambda _: None)
+    assert result["text"] == clean and "PINEAPPLE" not in result["text"]
+    assert result["usage"]["cached_tokens"] == 1  # BOS: nothing of the secret
+
+
+def test_a_shared_prefix_is_reused_and_changes_nothing(one: LlamaEngine) -> None:
+    system = "You are the controller of a greenhouse. Answer in one short sentence. " * 6
+    first, second = system + "Q: Is it too hot?\nA:", system + "Q: Should I water?\nA:"
+    alone(one, "Unrelated text to empty the cache of its prefix.", 4)
+    fresh = one.run(greedy(second), threading.Event(), lambda _: None)
+    assert fresh["usage"]["cached_tokens"] <= 1
+    alone(one, first, 8)
+    reused = one.run(greedy(second), threading.Event(), lambda _: None)
+    shared = len(one.vocab.tokenize(system.encode(), special=True))
+    assert reused["usage"]["cached_tokens"] >= shared  # BOS + the system prompt
+    assert reused["text"] == fresh["text"]
+
+
+def test_a_full_engine_refuses_and_a_failed_prompt_keeps_the_slot_free(one: LlamaEngine) -> None:
+    flag = threading.Event()
+    one.submit(1, greedy("Hello", 4), flag, lambda _: None)
+    with pytest.raises(EdgeNodeError, match="no free slot"):
+        one.submit(2, greedy("Hello"), threading.Event(), lambda _: None)
+    flag.set()
+    assert dict(one.step())[1].code == 499  # type: ignore[union-attr]
+    with pytest.raises(EdgeNodeError, match="json_schema"):
+        one.submit(
+            3,
+            greedy("Hi") | {"json_schema": {"type": "string", "pattern": "\\d"}},
+            threading.Event(),
+            lambda _: None,
+        )
+    assert one.busy == 0
