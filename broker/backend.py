@@ -315,6 +315,7 @@ class WorkerConversation:
         self.send(worker.identity, WorkerCommand.DISCONNECT, {"reason": reason})
         if worker.kind == "llm" and failure and not worker.active:
             self.router.worker_failed(None, now, reason)
+        blamed = blames_its_request(reason, len(worker.active))
         for rid in sorted(worker.active):
             job = self.jobs.get(rid)
             if job is None:
@@ -332,7 +333,7 @@ class WorkerConversation:
                 (not job.req.stream or not job.chunks)
                 and job.attempts == 0
                 and job.deadline > now
-                and not crashed_running_it(reason)
+                and not blamed
             ):
                 # Output the client never saw can be thrown away and made again.
                 job.attempts += 1
@@ -341,16 +342,16 @@ class WorkerConversation:
                 job.first_token_at = None
                 self.gate.push(job, front=True)  # it waited longest
             elif not self.owner.fall_back(job, "worker_lost", now):
-                self._give_up(job, reason, now)
+                self._give_up(job, reason, now, blamed)
         if worker.kind == "llm" and not self.workers.of_kind("llm"):
             for queued in list(self.gate):  # nobody left to run them: the rules answer
                 self.owner.fall_back(queued, "no_model_worker", now)
         self.dispatch(now)
 
-    def _give_up(self, job: Job, reason: str, now: float) -> None:
-        if OOM_KILLED in reason:
+    def _give_up(self, job: Job, reason: str, now: float, blamed: bool) -> None:
+        if blamed and OOM_KILLED in reason:
             reason += " (not retried: the worker ran out of memory running this request)"
-        elif crashed_running_it(reason):
+        elif blamed:
             reason += " (not retried: the worker crashed running this request)"
         self.stats.count("worker_lost")
         body = p.error_reply(
@@ -383,6 +384,19 @@ OOM_KILLED = "OOM-killed in its cgroup"
 
 
 def crashed_running_it(reason: str) -> bool:
-    """Whether a worker's exit ``reason`` blames the request it was running: a
-    native crash (``CRASH_SIGNALS``) or an OOM kill in its cgroup (``OOM_KILLED``)."""
+    """Whether a worker's exit ``reason`` blames what it was running: a native
+    crash (``CRASH_SIGNALS``) or an OOM kill in its cgroup (``OOM_KILLED``)."""
     return OOM_KILLED in reason or any(f"killed by {name}" in reason for name in CRASH_SIGNALS)
+
+
+def blames_its_request(reason: str, running: int) -> bool:
+    """Whether a lost worker's request is the poison one, never to be run again.
+
+    A crash or OOM kill (``crashed_running_it``) with one request in flight blames
+    that request. With several (an S-slot worker) none can be told from the
+    others, so none is blamed: each that streamed nothing is re-dispatched once,
+    like any lost request, and a request is never re-dispatched twice. A poison
+    request therefore takes down at most two workers: the one it shared, and
+    the one it was retried on.
+    """
+    return running == 1 and crashed_running_it(reason)

@@ -69,3 +69,24 @@ def test_crash_wording_is_the_supervisors() -> None:
     assert not crashed_running_it(describe_exit(-9))
     assert not crashed_running_it("dead: missed heartbeats")
     assert not crashed_running_it(describe_exit(3))
+
+
+def test_a_crash_of_a_multi_slot_worker_retries_each_request_once(h: BrokerHarness) -> None:
+    """Several requests in flight: the poison one cannot be told apart, so each is
+    run again once; crashing its second worker too, none is run a third time."""
+    h.ready(W1, 0.0, worker_id="llm-0", slots=2)
+    h.send(generate("a", prompt="the poison"), 0.0)
+    h.send(generate("b", prompt="innocent"), 0.0)
+    assert len(bodies(h.drain_workers(), W1, REQUEST)) == 2
+    h.ready(W2, 0.05, worker_id="llm-1", slots=2)
+    h.broker.worker_exited("llm-0", "killed by SIGSEGV", 0.1)
+    again = bodies(h.drain_workers(), W2, REQUEST)
+    assert sorted(b["prompt"] for b in again) == ["innocent", "the poison"]
+    assert h.replies() == []
+    h.ready(W1, 0.2, worker_id="llm-0", slots=2)  # restarted
+    h.broker.worker_exited("llm-1", "killed by SIGSEGV", 0.3)
+    assert bodies(h.drain_workers(), W1, REQUEST) == []  # a third worker is spared
+    replies = h.replies()
+    assert [(r["code"], r["reason"]) for r in replies] == [(503, "worker_lost")] * 2
+    assert all("not retried" not in r["message"] for r in replies)  # nobody was blamed
+    h.assert_each_answered_once()
