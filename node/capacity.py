@@ -84,6 +84,12 @@ PAGE = 4096
 #: MiB for all of them). Other vocabularies are planned at the same bytes per
 #: token; that is not measured.
 GRAMMAR_BYTES_PER_TOKEN = 704
+#: Bytes per vocabulary token that each slot beyond the first adds to a worker:
+#: its row of f32 logits (4 B, llama.cpp's output buffer holds one per sequence)
+#: and its sampler's candidate array (``llama_token_data``, 12 B). 4 MiB for the
+#: default model; ``scripts/bench_memory.py`` measured 5 MiB per slot (1, 2 and 4
+#: slots, private memory). Without it the plan of a 4-slot worker was 6 % short.
+SLOT_BYTES_PER_TOKEN = 16
 KV_TYPES = {
     "f16": GGMLQuantizationType.F16,
     "q8_0": GGMLQuantizationType.Q8_0,
@@ -182,6 +188,7 @@ class Plan:
     scratch: int = 0  # per worker, grows with n_ctx
     n_vocab: int = 0
     grammar: int = 0  # per worker: the peak a json_schema request adds (grammar_allowance)
+    slot_runtime: int = 0  # per slot beyond the first: its logits row and candidates
 
     def __post_init__(self) -> None:
         if min(self.budget, self.weights, self.kv_per_seq, self.reserve, self.workers) < 0:
@@ -200,8 +207,9 @@ class Plan:
 
     @property
     def runtime_per_worker(self) -> int:
-        """Everything private to a worker except its KV (and weights copy)."""
-        return self.runtime_overhead + self.scratch
+        """Everything private to a worker except its KV (and weights copy): the
+        runtime measured with one slot, plus ``slot_runtime`` per further slot."""
+        return self.runtime_overhead + self.scratch + (self.slots - 1) * self.slot_runtime
 
     @property
     def shared_weights(self) -> int:
@@ -297,6 +305,7 @@ def model_plan(meta: ModelMeta, **ask: Any) -> Plan:
         ),
         n_vocab=meta.n_vocab,
         grammar=grammar_allowance(meta.n_vocab),
+        slot_runtime=meta.n_vocab * SLOT_BYTES_PER_TOKEN,
         **ask,
     )
 

@@ -58,18 +58,23 @@ def page_up(n: float) -> int:
 # ---------------------------------------------------------------- the arithmetic
 
 
+SLOT = 262_144 * 16  # the default model's vocabulary x SLOT_BYTES_PER_TOKEN
+
+
 def test_a_worker_pays_kv_per_slot_and_runtime_and_grammar_once(gemma: ModelMeta) -> None:
     one, _ = config_plan(config())
     four, _ = config_plan(config(workers={"slots": 4}))
     assert one.slots == 1 and four.slots == 4
     assert four.kv_per_seq == one.kv_per_seq == KV  # per slot: model.n_ctx cells each
     assert four.kv_per_worker == 4 * KV
-    assert four.runtime_per_worker == one.runtime_per_worker == RUNTIME
+    assert one.runtime_per_worker == RUNTIME
+    # Each slot beyond the first: a logits row and a candidate array, 16 B per token.
+    assert four.runtime_per_worker == RUNTIME + 3 * SLOT == RUNTIME + 12 * MiB
     assert four.grammar == one.grammar == GRAMMAR  # once per worker, not per slot
-    assert four.per_worker == 4 * KV + RUNTIME + GRAMMAR == 440 * MiB
-    assert four.per_worker - one.per_worker == 3 * KV
-    assert four.memory_max == page_up(440 * MiB * 1.1)
-    assert four.total == gemma.weights_bytes + 2 * 440 * MiB
+    assert four.per_worker == 4 * KV + RUNTIME + 3 * SLOT + GRAMMAR == 452 * MiB
+    assert four.per_worker - one.per_worker == 3 * (KV + SLOT)
+    assert four.memory_max == page_up(452 * MiB * 1.1)
+    assert four.total == gemma.weights_bytes + 2 * 452 * MiB
 
 
 def test_sequences_are_workers_times_slots_and_fits_safe_counts_workers() -> None:
@@ -90,7 +95,7 @@ def test_four_slots_in_one_worker_cost_less_than_half_of_four_workers(gemma: Mod
     assert four_workers.sequences == one_worker.sequences == 4
     workers_side = four_workers.total - four_workers.shared_weights
     slots_side = one_worker.total - one_worker.shared_weights
-    assert slots_side == 440 * MiB and workers_side == 4 * 332 * MiB
+    assert slots_side == 452 * MiB and workers_side == 4 * 332 * MiB
     assert slots_side <= workers_side / 2
 
 
@@ -123,12 +128,12 @@ def test_auto_without_kv_is_four_slots_per_thread_capped_at_64(threads: int, slo
 
 def test_auto_is_the_most_slots_that_fit_the_budget(gemma: ModelMeta) -> None:
     # 2110M - 1G reserve - 235.2 MiB weights = 850.8 MiB for 2 workers. Each worker's
-    # memory.max: 2 slots (72 + 296) x 1.1 = 404.8 MiB (x 2 = 809.6 fits); 3 slots
-    # 444.4 MiB (x 2 = 888.8 does not).
+    # memory.max: 2 slots (72 + 296 + 4) x 1.1 = 409.2 MiB (x 2 = 818.4 fits); 3 slots
+    # (108 + 296 + 8) x 1.1 = 453.2 MiB (x 2 = 906.4 does not).
     cfg = config(workers={"slots": "auto", "threads": 2}, capacity={"memory_budget": "2110M"})
     plan = check_fits(cfg)
     assert resolve_slots(cfg) == plan.slots == 2
-    assert plan.per_worker == 2 * KV + RUNTIME + GRAMMAR and plan.sequences == 4
+    assert plan.per_worker == 2 * KV + RUNTIME + SLOT + GRAMMAR and plan.sequences == 4
     assert not config_plan(cfg, slots=3)[0].fits
     # One worker instead of two leaves room for the cap, 4 per thread x 2 threads.
     assert resolve_slots(cfg, workers=1) == 8
@@ -142,9 +147,9 @@ def test_auto_keeps_one_slot_when_nothing_fits_and_start_refuses(gemma: ModelMet
 
 
 def test_auto_keeps_a_worker_within_a_fixed_memory_max(gemma: ModelMeta) -> None:
-    # 16 slots would fit 8G, but 36 MiB x S + 296 MiB <= 600 MiB only up to S = 8.
+    # 16 slots would fit 8G, but 40 MiB x (S - 1) + 332 MiB <= 600 MiB only up to S = 7.
     fixed = config(workers={"slots": "auto", "threads": 4, "memory_max": "600M"})
-    assert resolve_slots(fixed) == 8
+    assert resolve_slots(fixed) == 7
     check_fits(fixed)  # and start accepts it
     planned = config(workers={"slots": "auto", "threads": 4, "memory_max": "auto"})
     assert resolve_slots(planned) == 16
@@ -181,7 +186,7 @@ def test_a_refusal_says_slots_and_suggests_fewer(gemma: ModelMeta) -> None:
         check_fits(config(workers={"slots": 8}, capacity={"memory_budget": "2G"}))
     message = info.value.message
     assert "2 worker(s) of 8 slots do not fit" in message
-    assert "(KV 8 x 36 MiB + runtime 120 MiB + grammar 176 MiB)" in message
+    assert "(KV 8 x 36 MiB + runtime 148 MiB + grammar 176 MiB)" in message
     assert "workers.count = 1 (--workers)" in message
     assert "workers.slots = 1 (--slots; fewer sequences per worker)" in message
     assert check_fits(config(workers={"slots": 1}, capacity={"memory_budget": "2G"}))
@@ -198,7 +203,7 @@ def test_a_fixed_limit_below_a_multi_slot_worker_names_the_slots(gemma: ModelMet
     with pytest.raises(ConfigError) as info:
         check_fits(config(workers={"slots": 8, "memory_max": "500M"}))
     message = info.value.message
-    assert "workers.memory_max 500 MiB is below the 584 MiB one worker needs" in message
+    assert "workers.memory_max 500 MiB is below the 612 MiB one worker needs" in message
     assert "or lower model.n_ctx or workers.slots (now 8)" in message
 
 
@@ -206,8 +211,8 @@ def test_the_planned_cgroup_limit_follows_the_slots(gemma: ModelMeta) -> None:
     cfg = config(workers={"slots": 4, "memory_max": "auto"})
     plan = check_fits(cfg)
     limits = limits_for(cfg.workers, plan=plan)
-    assert limits.memory_max == plan.memory_max == page_up(440 * MiB * 1.1)
-    assert limits.memory_high == plan.memory_high == page_up(440 * MiB * 1.05)
+    assert limits.memory_max == plan.memory_max == page_up(452 * MiB * 1.1)
+    assert limits.memory_high == plan.memory_high == page_up(452 * MiB * 1.05)
 
 
 # ---------------------------------------------------------------- edgenode capacity --slots
@@ -227,11 +232,11 @@ def test_cli_shows_workers_times_slots(tmp_path: Path, gemma: ModelMeta) -> None
     assert result.exit_code == 0, result.output
     out = result.output
     assert "layout      2 worker(s) x 4 slots = 8 sequences (workers.slots = 4)" in out
-    assert "per worker  KV 4 x 36 MiB + runtime 120 MiB + grammar 176 MiB = 440 MiB" in out
+    assert "per worker  KV 4 x 36 MiB + runtime 132 MiB + grammar 176 MiB = 452 MiB" in out
     assert "for 2 worker(s) x 4 slots = 8 sequences" in out
-    assert "verdict     OK: 2 worker(s) asked, 14 fit (of 4 slots each)" in out
+    assert "verdict     OK: 2 worker(s) asked, 13 fit (of 4 slots each)" in out
     data = json.loads(run_cli(tmp_path, "--slots", "4", "--json", toml=MODEL_TOML).output)
-    assert (data["slots"], data["sequences"], data["per_worker"]) == (4, 8, 440 * MiB)
+    assert (data["slots"], data["sequences"], data["per_worker"]) == (4, 8, 452 * MiB)
 
 
 def test_cli_slots_auto_from_the_config(tmp_path: Path, gemma: ModelMeta) -> None:
