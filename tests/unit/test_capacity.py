@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from broker.errors import ConfigError
+from capacitykit import TEXTBOOK, GiB, MiB, config, run_cli
 from node.budget import cgroup_memory_limit
 from node.capacity import (
     Plan,
@@ -26,23 +26,9 @@ from node.capacity import (
     kv_cells,
 )
 from node.cgroupfs import Host
-from node.cli_capacity import capacity
 from node.config import from_dict
 from node.gguf_meta import ModelMeta, read_gguf_meta
 from node.units import parse_size
-
-MiB, GiB = 1 << 20, 1 << 30
-TEXTBOOK = ["--memory", "8G", "--weights", "4.2G", "--kv-per-seq", "256M", "--reserve", "1.5G"]
-
-
-def config(**sections: dict[str, Any]) -> Any:
-    """A NodeConfig with a fixed budget and runtime, so plans do not depend on the host."""
-    data: dict[str, dict[str, Any]] = {
-        "capacity": {"memory_budget": "8G", "reserve": "1G", "runtime_overhead": "88M"}
-    }
-    for name, values in sections.items():
-        data.setdefault(name, {}).update(values)
-    return from_dict(data)
 
 
 def textbook(**changes: Any) -> Plan:
@@ -392,12 +378,6 @@ def test_no_cgroup_files_means_no_limit(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- the CLI
-
-
-def run_cli(tmp_path: Path, *args: str, toml: str = "[workers]\ncount = 2\n") -> Any:
-    path = tmp_path / "edgenode.toml"
-    path.write_text(toml)
-    return CliRunner().invoke(capacity, list(args), obj={"config": str(path)})
 
 
 def test_cli_reproduces_the_textbook_example(tmp_path: Path) -> None:

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 
 from broker.errors import ConfigError
+from capacitykit import TEXTBOOK, GiB, MiB, config, run_cli
 from node.capacity import (
     AUTO_SLOTS_PER_THREAD,
     PAGE,
@@ -24,26 +24,13 @@ from node.capacity import (
     config_plan,
     resolve_slots,
 )
-from node.cli_capacity import capacity
 from node.config import MAX_SLOTS, from_dict
 from node.gguf_meta import ModelMeta
 from node.pool import RULES_WORKER, WorkerPool
 from node.sandbox import limits_for
 
-MiB, GiB = 1 << 20, 1 << 30
-TEXTBOOK = ["--memory", "8G", "--weights", "4.2G", "--kv-per-seq", "256M", "--reserve", "1.5G"]
 #: The default model's worker, one slot: KV 36 MiB + runtime 120 MiB + grammar 176 MiB.
 KV, RUNTIME, GRAMMAR = 36 * MiB, 120 * MiB, 176 * MiB
-
-
-def config(**sections: dict[str, Any]) -> Any:
-    """A NodeConfig with a fixed budget and runtime, so plans do not depend on the host."""
-    data: dict[str, dict[str, Any]] = {
-        "capacity": {"memory_budget": "8G", "reserve": "1G", "runtime_overhead": "88M"}
-    }
-    for name, values in sections.items():
-        data.setdefault(name, {}).update(values)
-    return from_dict(data)
 
 
 def echo_engine(**workers: Any) -> Any:
@@ -216,12 +203,6 @@ def test_the_planned_cgroup_limit_follows_the_slots(gemma: ModelMeta) -> None:
 
 
 # ---------------------------------------------------------------- edgenode capacity --slots
-
-
-def run_cli(tmp_path: Path, *args: str, toml: str = "[workers]\ncount = 2\n") -> Any:
-    path = tmp_path / "edgenode.toml"
-    path.write_text(toml)
-    return CliRunner().invoke(capacity, list(args), obj={"config": str(path)})
 
 
 MODEL_TOML = '[capacity]\nmemory_budget = "8G"\nruntime_overhead = "88M"\n'
