@@ -18,11 +18,12 @@ llama.cpp's own server does it (tools/server: slots, ``update_slots``):
   free slot sharing the longest prompt prefix, and only the rest is evaluated
   (``node.llama_slots.pick_slot``; llama-server's ``cache_prompt``).
 
-Cancellation reaches inside a step: llama.cpp's abort callback (checked by
-ggml-cpu after each graph node) stops ``llama_decode`` when a request in the
-batch is cancelled; the batch's KV is then removed for every slot in it, and
-the next step runs the others' tokens again. Their output does not change: no
-token was sampled from the aborted batch.
+Cancellation reaches inside a step with prompt chunks: llama.cpp's abort
+callback (checked by ggml-cpu after each graph node) stops ``llama_decode`` when
+a request in the batch is cancelled; the batch's KV is then removed for every
+slot in it, and the next step runs the others' tokens again. Their output does
+not change: no token was sampled from the aborted batch. A step of decode tokens
+only is short and runs without the callback; a cancel is seen before the next.
 
 Prompts are tokenized in pieces (``node.llama_vocab.Vocab.pieces``), in time
 linear in their length. Special tokens never reach a client's text: masked at
@@ -155,7 +156,8 @@ class LlamaEngine:
         self.aborts = 0  # batches stopped inside llama_decode by a cancel
         # Keep a reference: ctypes frees the trampoline when the object dies.
         self._abort_cb = llama_cpp.ggml_abort_callback(self._should_abort)
-        llama_cpp.llama_set_abort_callback(self._ctx, self._abort_cb, ctypes.c_void_p())
+        self._watching = True
+        self._watch(False)
 
     @property
     def plain_chat(self) -> bool:
@@ -167,6 +169,20 @@ class LlamaEngine:
         # that computation advances (the worker's progress counter).
         self.steps += 1
         return any(flag.is_set() for flag in self._in_batch)
+
+    def _watch(self, on: bool) -> None:
+        """Install the abort callback for batches with prompt chunks only.
+
+        A chunk of ``n_batch`` prompt tokens takes seconds on one core, so a
+        cancel must reach inside it; a decode step ends within tens of ms, and the
+        cancel is seen before the next one. Without the callback there, ggml's
+        first thread no longer stops for the interpreter after each of a step's
+        ~460 graph nodes while the others wait at its barrier.
+        """
+        if on != self._watching:
+            callback = self._abort_cb if on else llama_cpp.ggml_abort_callback()  # NULL
+            llama_cpp.llama_set_abort_callback(self._ctx, callback, ctypes.c_void_p())
+            self._watching = on
 
     # ------------------------------------------------------------------ requests
 
@@ -242,6 +258,7 @@ class LlamaEngine:
             return ended
         batch_slots = list(dict.fromkeys(slot for slot, _, _ in rows))
         self._in_batch = [s.job.cancelled for s in batch_slots if s.job is not None]
+        self._watch(any(len(tokens) > 1 for _, tokens, _ in rows))
         try:
             code = llama_c.llama_decode(self._ctx, self._batch)
         finally:
