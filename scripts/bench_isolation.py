@@ -12,16 +12,17 @@ a busy core looked better than an idle one. Two real nodes run side by side
 (engine llama, default model, ``sandbox = "required"``, each in its own run dir
 and cgroup):
 
-* ``reserved``: ``workers.cpus = [1]``: the workers (both, sharing core 1) may
+* ``reserved``: ``workers.cpus = [1]``: the workers (all sharing core 1) may
   not run on the probe's core, and neither may the broker and the rule worker
   (``node.cpus = []`` follows the reservation);
 * ``unreserved``: ``workers.cpus = []`` (the baseline): no reservation; the
-  plan still gives each worker a core of its own, so one worker runs on the
-  probe's core (at nice 10, its autogroup too).
+  plan gives each worker a core of its own when there are enough, else they
+  share all of them: a worker runs on the probe's core (at nice 10, its
+  autogroup too).
 
 Each of ``--rounds`` rounds probes three cases in a rotating order: both nodes
 idle; the reserved node's workers all generating flat out; the unreserved
-node's likewise (one client per worker, each streaming long generations back to
+node's likewise (one client per slot, each streaming long generations back to
 back for the whole probe window; they are cancelled after it). Interleaving
 matters on a shared machine: the host's other load, which the benchmark cannot
 stop, then falls on every case alike. The clients (this process's threads) run
@@ -43,8 +44,11 @@ against the measured memory: the worker's cgroup (usage and peak) and its
 private memory from ``/proc/<pid>/smaps`` (``scripts/bench_memory.py``'s
 reading: private bytes minus the model file's).
 
+The layout is the built-in default unless ``--workers``, ``--slots`` or
+``--threads`` say otherwise.
+
 Usage: ``python scripts/bench_isolation.py [--iterations 3000] [--rounds 3] [--duty 0.5]
-[--json]``.
+[--workers W] [--slots S] [--threads T] [--json]``.
 Needs root (cgroups and cpusets) and at least 2 cores.
 """
 
@@ -71,6 +75,7 @@ from bench_memory import smaps
 
 from broker import protocol as p
 from broker.client import Client
+from node.config import WorkersSection
 from node.model import resolve_model
 from node.units import format_size
 from nodeproc import NodeProcess
@@ -336,8 +341,8 @@ class Generator(threading.Thread):
 
 
 def llm_active(node: NodeProcess) -> int:
-    """Model workers running a request now."""
-    return sum(1 for w in node.status()["workers"] if w["kind"] == "llm" and w["active"])
+    """Requests the model workers run now (busy slots)."""
+    return sum(w["active"] for w in node.status()["workers"] if w["kind"] == "llm")
 
 
 def wait_until(predicate: Any, timeout: float) -> bool:
@@ -368,6 +373,21 @@ def fill_contexts(frontend: str, workers: int, n_ctx: int) -> None:
 # --------------------------------------------------------------------------- the run
 
 
+def layout(args: argparse.Namespace) -> dict[str, int]:
+    """The ``[workers]`` keys of the layout asked for (the built-in default's otherwise)."""
+    keys = {"count": args.workers, "slots": args.slots, "threads": args.threads}
+    return {k: v for k, v in keys.items() if v is not None}
+
+
+def sequences(args: argparse.Namespace) -> int:
+    """Sequences the layout runs at once: workers x slots."""
+    w = WorkersSection()
+    count = w.count if args.workers is None else args.workers
+    slots = w.slots if args.slots is None else args.slots
+    assert isinstance(slots, int), "give --slots with workers.slots = auto"
+    return count * slots
+
+
 class Config:
     """One node of the comparison, its generators and what was measured with it busy."""
 
@@ -378,14 +398,17 @@ class Config:
                 # "required": the table needs real cgroups and cpusets, or it would mislead.
                 "workers": {
                     "engine": "llama",
-                    "count": args.workers,
                     "cpus": cpus,
                     "sandbox": "required",
+                    **layout(args),
                 },
                 "broker": {"stall_timeout_ms": 60_000},
             }
         )
-        self.gens = [Generator(self.node.frontend, args.max_tokens, i) for i in range(args.workers)]
+        # One client per slot: every sequence of every worker generating.
+        self.gens = [
+            Generator(self.node.frontend, args.max_tokens, i) for i in range(sequences(args))
+        ]
         self.busy: list[dict[str, Any]] = []
         self.coverage: list[float] = []
         self.rates: list[float] = []
@@ -398,7 +421,7 @@ class Config:
         status = self.node.status()
         self.placement = {p["worker_id"]: p["cpus"] for p in status["processes"]}
         self.capacity = status["capacity"]
-        fill_contexts(self.node.frontend, args.workers, N_CTX)
+        fill_contexts(self.node.frontend, sequences(args), N_CTX)
         for g in self.gens:
             g.start()
 
@@ -406,7 +429,7 @@ class Config:
         """Every worker of this node generating for the whole probe window."""
         for g in self.gens:
             g.run_now.set()
-        wait_until(lambda: llm_active(self.node) == args.workers, 60)
+        wait_until(lambda: llm_active(self.node) == sequences(args), 60)
         time.sleep(1.0)  # past the prompt evaluation: decoding from here on
         b = probe(args, pids)
         self.busy.append(b)
@@ -586,7 +609,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=3000, help="sleeps per probe")
     parser.add_argument("--rounds", type=int, default=3, help="idle/busy probe pairs per config")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, help="workers.count (default: the built-in one)")
+    parser.add_argument("--slots", type=int, help="workers.slots (default: the built-in one)")
+    parser.add_argument("--threads", type=int, help="workers.threads (default: the built-in one)")
     parser.add_argument("--probe-core", type=int, default=0)
     parser.add_argument("--reserve", default="1", help="workers.cpus of the reserved config")
     parser.add_argument(
