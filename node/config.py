@@ -63,12 +63,12 @@ class ModelSection:
 class WorkersSection:
     """The worker pool: how many processes, which engine, how they start and stop."""
 
-    count: int = 2
+    count: int = 1
     engine: str = "llama"
-    threads: int = 1
+    threads: int = 2
     #: Sequences per model worker: an integer in [1, ``MAX_SLOTS``] or "auto"
     #: (``node.capacity.resolve_slots`` turns it into an int at start).
-    slots: int | str = 1
+    slots: int | str = 4
     ready_timeout_ms: int = 60_000
     stop_grace_ms: int = 5000
     restart_backoff_ms: int = 500

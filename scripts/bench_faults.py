@@ -94,7 +94,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     args = parser.parse_args()
     random.seed(1)
-    node = NodeProcess({"workers": {"engine": "llama", "count": 2}})
+    # The layout of the README's table: two one-slot workers of one thread.
+    node = NodeProcess({"workers": {"engine": "llama", "count": 2, "slots": 1, "threads": 1}})
     node.start(timeout=120)
     try:
         decode = [

@@ -173,7 +173,8 @@ def main() -> None:
     )
     parser.add_argument("--nice", type=int, default=10, help="model workers' nice (workers.nice)")
     args = parser.parse_args()
-    workers: dict[str, Any] = {"count": args.workers, "nice": args.nice}
+    # One-slot workers of one thread: the layout of the README's table.
+    workers: dict[str, Any] = {"count": args.workers, "slots": 1, "threads": 1, "nice": args.nice}
     if args.cpus:
         workers["cpus"] = [int(c) for c in args.cpus.split(",")]
 

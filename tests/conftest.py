@@ -33,7 +33,14 @@ def make_node() -> Iterator[Callable[..., NodeProcess]]:
 
     def factory(start: bool = True, **sections: dict[str, Any]) -> NodeProcess:
         merged: dict[str, dict[str, Any]] = {
-            "workers": {"engine": "test", "count": 2, "test_token_ms": 10},
+            # The layout most tests are written for: two one-slot workers.
+            "workers": {
+                "engine": "test",
+                "count": 2,
+                "slots": 1,
+                "threads": 1,
+                "test_token_ms": 10,
+            },
             "broker": dict(FAST_BROKER),
             # No rule worker unless a test asks for one: pool sizes stay the model's.
             "fallback": {"rules": ""},

@@ -14,18 +14,33 @@ MiB, GiB = 1 << 20, 1 << 30
 TEXTBOOK = ["--memory", "8G", "--weights", "4.2G", "--kv-per-seq", "256M", "--reserve", "1.5G"]
 
 
+#: The layout the capacity tests' arithmetic is written for (not the built-in default).
+LAYOUT = {"count": 2, "slots": 1, "threads": 1}
+
+
 def config(**sections: dict[str, Any]) -> Any:
-    """A NodeConfig with a fixed budget and runtime, so plans do not depend on the host."""
+    """A NodeConfig with a fixed budget, runtime and ``LAYOUT``, so plans depend
+    neither on the host nor on the built-in defaults."""
     data: dict[str, dict[str, Any]] = {
-        "capacity": {"memory_budget": "8G", "reserve": "1G", "runtime_overhead": "88M"}
+        "capacity": {"memory_budget": "8G", "reserve": "1G", "runtime_overhead": "88M"},
+        "workers": dict(LAYOUT),
     }
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)
     return from_dict(data)
 
 
-def run_cli(tmp_path: Path, *args: str, toml: str = "[workers]\ncount = 2\n") -> Any:
-    """``edgenode capacity ARGS`` with ``toml`` as its config file."""
+def run_cli(tmp_path: Path, *args: str, toml: str = "") -> Any:
+    """``edgenode capacity ARGS`` with ``toml`` as its config file, ``LAYOUT`` unless
+    its ``[workers]`` says otherwise."""
     path = tmp_path / "edgenode.toml"
-    path.write_text(toml)
+    path.write_text(with_layout(toml))
     return CliRunner().invoke(capacity, list(args), obj={"config": str(path)})
+
+
+def with_layout(toml: str) -> str:
+    """``toml`` with ``LAYOUT``'s keys added to its ``[workers]`` table (made if none)."""
+    lines = [f"{k} = {v}" for k, v in LAYOUT.items() if f"\n{k} =" not in "\n" + toml]
+    if "[workers]" in toml:
+        return toml.replace("[workers]\n", "[workers]\n" + "".join(f"{x}\n" for x in lines), 1)
+    return toml + "[workers]\n" + "".join(f"{x}\n" for x in lines)

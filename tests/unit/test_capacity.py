@@ -428,6 +428,6 @@ def test_cli_rejects_bad_sizes_and_half_manual_mode(tmp_path: Path) -> None:
 
 
 def test_check_fits_refuses_a_worker_limit_below_one_workers_need() -> None:
-    config = from_dict({"workers": {"memory_max": "100M"}})
+    config = from_dict({"workers": {"memory_max": "100M", "slots": 1}})
     with pytest.raises(ConfigError, match=r"workers.memory_max 100 MiB is below the 332 MiB"):
         check_fits(config)

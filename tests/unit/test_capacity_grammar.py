@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from gguf import GGUFWriter
-from test_capacity import config  # one plan-config helper for both files
 
 from broker.errors import ConfigError
+from capacitykit import config, with_layout
 from node.capacity import (
     GRAMMAR_BYTES_PER_TOKEN,
     PAGE,
@@ -74,7 +74,7 @@ def test_a_limit_that_holds_kv_and_runtime_but_not_the_grammar_is_refused(
 
 def test_the_cli_prints_the_grammar_line_and_json_fields(tmp_path: Path, gemma: ModelMeta) -> None:
     path = tmp_path / "edgenode.toml"
-    path.write_text('[capacity]\nmemory_budget = "8G"\nruntime_overhead = "88M"\n')
+    path.write_text(with_layout('[capacity]\nmemory_budget = "8G"\nruntime_overhead = "88M"\n'))
     text = CliRunner().invoke(capacity, [], obj={"config": str(path)})
     assert text.exit_code == 0, text.output
     assert (

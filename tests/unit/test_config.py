@@ -149,8 +149,9 @@ def test_workers_slots_takes_an_integer_in_1_to_64_or_auto(slots: int | str) -> 
     assert cfg.is_auto_slots(slots) == isinstance(slots, str)
 
 
-def test_workers_slots_defaults_to_one_sequence_per_worker() -> None:
-    assert DEFAULTS.workers.slots == 1 and not cfg.is_auto_slots(DEFAULTS.workers.slots)
+def test_the_default_layout_is_one_worker_of_four_slots_on_two_threads() -> None:
+    w = DEFAULTS.workers
+    assert (w.count, w.slots, w.threads) == (1, 4, 2) and not cfg.is_auto_slots(w.slots)
 
 
 @pytest.mark.parametrize(

@@ -186,7 +186,7 @@ def test_start_and_capacity_agree_on_auto_slots_and_their_limits(
     # workers.slots = "auto" and memory_max = "auto": start (check_fits) and
     # `edgenode capacity` resolve the same slots, so the limits they give agree.
     toml = (
-        '[workers]\nslots = "auto"\nthreads = 2\nmemory_max = "auto"\n'
+        '[workers]\ncount = 2\nslots = "auto"\nthreads = 2\nmemory_max = "auto"\n'
         '[capacity]\nmemory_budget = "2.3G"\nreserve = "1G"\nruntime_overhead = "88M"\n'
     )
     (tmp_path / "edgenode.toml").write_text(toml)
