@@ -77,12 +77,22 @@ class Slot:
         return self.job is not None and len(self.cached) < len(self.job.prompt)
 
 
+#: Fewest shared tokens worth reusing a slot for. Below it the least recently
+#: used slot is taken, so a prompt that shares only BOS (or a word) with a
+#: cached one does not evict the cache most likely to be asked for again
+#: (a shared system prompt, between two requests that share nothing).
+MIN_REUSE = 16
+
+
 def pick_slot(slots: Sequence[Slot], prompt: Sequence[int]) -> tuple[Slot, int]:
     """The free slot to run ``prompt`` in, and how many of its cached tokens to keep.
 
-    The free slot sharing the longest prefix with ``prompt`` wins; among equals
-    the least recently used. At least the prompt's last token is evaluated again,
-    since sampling needs its logits.
+    The free slot sharing the longest prefix with ``prompt`` wins if it shares at
+    least ``MIN_REUSE`` tokens (llama-server asks for half the prompt,
+    ``--slot-prompt-similarity``; a long question after a shared system prompt
+    would then never reuse it); else the least recently used one (never used
+    first). At least the prompt's last token is evaluated again, since sampling
+    needs its logits.
 
     Raises:
         ValueError: no slot is free.
@@ -91,6 +101,8 @@ def pick_slot(slots: Sequence[Slot], prompt: Sequence[int]) -> tuple[Slot, int]:
     if not free:
         raise ValueError("no free slot")
     best = max(free, key=lambda s: (common_prefix(s.cached, prompt), -s.used))
+    if common_prefix(best.cached, prompt) < MIN_REUSE:
+        best = min(free, key=lambda s: s.used)
     return best, min(common_prefix(best.cached, prompt), len(prompt) - 1)
 
 

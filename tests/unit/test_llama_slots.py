@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from node.llama_slots import Slot, SlotJob, TextOut, common_prefix, pick_slot
+from node.llama_slots import MIN_REUSE, Slot, SlotJob, TextOut, common_prefix, pick_slot
 
 
 def test_common_prefix_counts_the_shared_head() -> None:
@@ -20,21 +20,30 @@ def busy(seq: int) -> Slot:
     return slot
 
 
+SYSTEM = list(range(100, 100 + MIN_REUSE))  # a prefix worth reusing
+
+
 def test_the_free_slot_with_the_longest_shared_prefix_wins() -> None:
-    slots = [Slot(0, [1, 9], used=1), Slot(1, [1, 2, 3, 8], used=2), busy(2)]
-    slot, keep = pick_slot(slots, [1, 2, 3, 4, 5])
-    assert slot.seq == 1 and keep == 3  # the busy slot shares more but is taken
+    slots = [Slot(0, [*SYSTEM, 9], used=1), Slot(1, [*SYSTEM, 2, 3, 8], used=2), busy(2)]
+    busy_slot = slots[2]
+    busy_slot.cached = [*SYSTEM, 2, 3, 4]
+    slot, keep = pick_slot(slots, [*SYSTEM, 2, 3, 4, 5])
+    assert slot.seq == 1 and keep == MIN_REUSE + 2  # the busy slot shares more but is taken
 
 
-def test_among_equals_the_least_recently_used_slot_wins() -> None:
-    slots = [Slot(0, [5], used=7), Slot(1, [6], used=3), Slot(2, [7], used=9)]
-    slot, keep = pick_slot(slots, [1, 2])
+def test_a_short_shared_prefix_takes_the_least_recently_used_slot() -> None:
+    # Sharing BOS and a word is not worth evicting the slot that holds a system prompt.
+    slots = [Slot(0, [1, *SYSTEM], used=5), Slot(1, [7, 7], used=3), Slot(2, [], used=0)]
+    slot, keep = pick_slot(slots, [1, 2, 3])
+    assert slot.seq == 2 and keep == 0  # never used first
+    slots[2].used = 9
+    slot, keep = pick_slot(slots, [1, 2, 3])
     assert slot.seq == 1 and keep == 0
 
 
 def test_a_prompt_cached_whole_still_evaluates_its_last_token() -> None:
-    _, keep = pick_slot([Slot(0, [1, 2, 3, 4, 5])], [1, 2, 3])
-    assert keep == 2  # the sampler needs the last prompt token's logits
+    _, keep = pick_slot([Slot(0, [*SYSTEM, 4, 5])], [*SYSTEM, 4])
+    assert keep == MIN_REUSE  # the sampler needs the last prompt token's logits
 
 
 def test_no_free_slot_is_an_error() -> None:
