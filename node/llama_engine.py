@@ -159,11 +159,6 @@ class LlamaEngine:
         self._watching = True
         self._watch(False)
 
-    @property
-    def plain_chat(self) -> bool:
-        """Whether chat is rendered as a plain ``Q:/A:`` transcript (a base model)."""
-        return self._chat is None
-
     def _should_abort(self, _data: ctypes.c_void_p) -> bool:
         # ggml-cpu calls this after every graph node: it doubles as the proof
         # that computation advances (the worker's progress counter).

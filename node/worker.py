@@ -233,9 +233,9 @@ class WorkerLoop:
         if command is WorkerCommand.REQUEST:
             self._on_request(body)
         elif command is WorkerCommand.CANCEL:
-            cancelled = self.running.get(body.get("rid"))  # type: ignore[arg-type]
-            if cancelled is not None:
-                cancelled.set()
+            rid = body.get("rid")
+            if isinstance(rid, int) and rid in self.running:
+                self.running[rid].set()
         elif command is WorkerCommand.DISCONNECT:
             log.info("broker said DISCONNECT (%s): re-registering", body.get("reason"))
             self._reconnect()
