@@ -44,7 +44,12 @@ from typing import Any
 
 import llama_cpp
 import llama_cpp.llama_cpp as llama_c
-from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+from llama_cpp.llama_chat_format import (
+    ChatFormatter,
+    Jinja2ChatFormatter,
+    LlamaChatCompletionHandlerNotFoundException,
+    LlamaChatCompletionHandlerRegistry,
+)
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from broker.errors import (
@@ -147,7 +152,7 @@ class LlamaEngine:
         # ~0.6 s for Gemma 3: the tables that let prompts be tokenized in pieces.
         self.vocab = Vocab(self._vocab)
         trim_heap()  # reading them freed ~6 MiB of heap that would stay resident
-        self._chat = _chat_formatter(self.llm, spec.chat_format)
+        self._chat = _chat_formatter(self.llm, spec.chat_format)  # ValueError: unknown name
         self._slots = [Slot(seq) for seq in range(self.slots)]
         self._batch = llama_c.llama_batch_init(self.n_batch, 0, 1)
         self._uses = itertools.count(1)
@@ -511,13 +516,20 @@ def qa_prompt(messages: list[dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def _chat_formatter(llm: Any, chat_format: str) -> Jinja2ChatFormatter | None:
-    """How chat messages become a prompt: ``chat_format`` (a Jinja2 template, as
-    llama-cpp-python's ``Jinja2ChatFormatter`` renders it) or else the GGUF's own
-    ``tokenizer.chat_template``; None for a base model without one (a plain
+def _chat_formatter(llm: Any, chat_format: str) -> ChatFormatter | None:
+    """How chat messages become a prompt: the llama-cpp-python format named
+    ``chat_format`` (``_named_formatter``), else the GGUF's own
+    ``tokenizer.chat_template`` (rendered as llama-cpp-python renders it, with
+    ``Jinja2ChatFormatter``); None for a base model without one (a plain
     ``Q:/A:`` transcript: llama-cpp-python's fallback, the llama-2 format, is
-    answered with nothing by such models)."""
-    template = chat_format or llm.metadata.get("tokenizer.chat_template", "")
+    answered with nothing by such models).
+
+    Raises:
+        ValueError: ``chat_format`` names no prompt format.
+    """
+    if chat_format:
+        return _named_formatter(chat_format)
+    template = llm.metadata.get("tokenizer.chat_template", "")
     if not template:
         return None
     eos, bos = llm.token_eos(), llm.token_bos()
@@ -526,6 +538,29 @@ def _chat_formatter(llm: Any, chat_format: str) -> Jinja2ChatFormatter | None:
         eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
         bos_token=llm._model.token_get_text(bos) if bos != -1 else "",
     )
+
+
+def _named_formatter(name: str) -> ChatFormatter:
+    """llama-cpp-python's prompt format registered as ``name`` ("gemma", "chatml",
+    ...): the formatter function its chat handler wraps
+    (``chat_formatter_to_chat_completion_handler`` keeps it in its closure).
+
+    Raises:
+        ValueError: no format has that name, or its handler is not a prompt
+            format (function-calling handlers drive the model themselves).
+    """
+    try:
+        registry = LlamaChatCompletionHandlerRegistry()  # type: ignore[no-untyped-call]
+        handler = registry.get_chat_completion_handler_by_name(name)
+    except LlamaChatCompletionHandlerNotFoundException:
+        raise ValueError(f"model.chat_format {name!r} is not a llama-cpp-python format") from None
+    closure = getattr(handler, "__closure__", None) or ()
+    cells = [cell.cell_contents for cell in closure]
+    formats = [c for c in cells if getattr(c, "__name__", "").startswith("format_")]
+    if not formats:
+        raise ValueError(f"model.chat_format {name!r} is not a prompt format this engine can use")
+    formatter: ChatFormatter = formats[0]
+    return formatter
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ llama.cpp's log, and the KV cache type reaching llama.cpp."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -174,3 +175,27 @@ def test_kv_type_reaches_llama_cpp_which_allocates_what_the_plan_says() -> None:
     # ggml's q8_0 is 34 bytes per 32 elements, q4_0 18: 34/64 and 18/64 of f16.
     assert reported["q8_0"] / reported["f16"] == pytest.approx(34 / 64, abs=0.001)
     assert reported["q4_0"] / reported["f16"] == pytest.approx(18 / 64, abs=0.001)
+
+
+def test_a_named_chat_format_renders_the_prompt_and_stops_at_its_turn_end() -> None:
+    spec = EngineSpec(
+        "llama",
+        str(resolve_model("default")),
+        n_ctx=512,
+        n_batch=512,
+        threads=1,
+        chat_format="gemma",
+    )
+    engine = LlamaEngine(spec)
+    try:
+        messages = [{"role": "user", "content": "Say hello."}]
+        job = {"op": "chat", "messages": messages, "max_tokens": 24, "temperature": 0.0}
+        result = engine.run(job, threading.Event(), lambda _: None)
+        rendered = b"<start_of_turn>user\nSay hello.<end_of_turn>\n<start_of_turn>model\n"
+        expected = [engine.llm.token_bos(), *engine.llm.tokenize(rendered, False, True)]
+        assert result["usage"]["prompt_tokens"] == len(expected)
+        assert "<end_of_turn>" not in result["text"]
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="not a llama-cpp-python format"):
+        LlamaEngine(dataclasses.replace(spec, chat_format="no-such-format"))
