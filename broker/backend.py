@@ -92,6 +92,9 @@ class WorkerConversation:
         self.stats = stats
         self.owner = owner
         self.next_heartbeat = 0.0
+        #: rid -> when its CANCEL's grace first ran out while its worker still made
+        #: progress (a slow step beside other slots, a starved process): ``hung``.
+        self.late_acks: dict[int, float] = {}
         #: When ``tick`` last ran (monotonic s), to notice the broker's own pauses.
         self.last_tick: float | None = None
 
@@ -191,6 +194,7 @@ class WorkerConversation:
             worker.active.discard(rid)  # the credit returns with the ack, never earlier
         if job is not None:
             self.jobs.disarm("ack", job.rid)
+            self.late_acks.pop(job.rid, None)
             if not job.replied:
                 self._reply_final(job, worker, body, now)  # learns its batch level first
             self.owner.forget(job)
@@ -276,10 +280,26 @@ class WorkerConversation:
                 self.send(worker.identity, WorkerCommand.HEARTBEAT, {})
 
     def hung(self, job: Job, now: float) -> None:
-        """``job``'s worker did not ack a CANCEL within the grace: give up on it."""
+        """``job``'s worker did not ack a CANCEL within the grace: give up on it,
+        unless its progress counter moved during the grace.
+
+        A multi-slot worker acks a cancel after its current step, which under host
+        CPU load (a nice-10 worker starved by nice-0 work) can outlast the grace
+        while its other slots go on producing tokens: killing it cost all its slots
+        (break-it session). Such a worker gets more graces, up to
+        ``stall_timeout_ms`` in all; one whose progress stops is hung, as before.
+        """
         worker = None if job.worker is None else self.workers.get(job.worker)
-        if worker is not None:
-            self.lose_worker(worker, "hung: no ack to CANCEL within the grace", now)
+        if worker is None:
+            return
+        grace = self.settings.cancel_grace_ms / 1000
+        late_since = self.late_acks.setdefault(job.rid, now)
+        working = worker.progress_at > now - grace
+        if working and now - late_since < self.settings.stall_timeout_ms / 1000:
+            self.jobs.arm("ack", job.rid, now + grace)
+            return
+        self.late_acks.pop(job.rid, None)
+        self.lose_worker(worker, "hung: no ack to CANCEL within the grace", now)
 
     # ------------------------------------------------------------------ loss
 
@@ -321,6 +341,7 @@ class WorkerConversation:
             if job is None:
                 continue
             self.jobs.disarm("ack", rid)
+            self.late_acks.pop(rid, None)
             if worker.kind == "llm" and failure:
                 self.router.worker_failed(job, now, reason)
             else:

@@ -8,9 +8,9 @@ llama.cpp's own server does it (tools/server: slots, ``update_slots``):
   cells of its own, so one slot can never starve another of KV cache;
 * each ``step`` builds one ``llama_batch``: the token each generating slot
   sampled last, then prompt chunks of the slots still evaluating their prompt,
-  up to ``n_batch`` tokens in all. A new request joins at the next step, and a
-  long prompt is evaluated over several steps while the other slots keep
-  decoding;
+  up to ``n_batch`` tokens in all (``PROMPT_BESIDE_DECODE`` beside generating
+  slots). A new request joins at the next step, and a long prompt is evaluated
+  over several steps while the other slots keep decoding;
 * every request samples through its own ``llama_sampler`` chain (special-token
   mask, its ``json_schema`` grammar, temperature/top_p/seed); a finished,
   cancelled or failed request leaves its slot at once;
@@ -84,6 +84,10 @@ TOP_K = 40
 MIN_P = 0.05
 #: llama.h LLAMA_DEFAULT_SEED: a random seed per sampler.
 RANDOM_SEED = 0xFFFFFFFF
+#: Most prompt tokens in a step that also decodes other slots' tokens: about
+#: 0.7 s of prompt evaluation on one core here (~190 tokens/s), where a whole
+#: n_batch chunk (512) held the other slots' streams for 3-4 s (break-it session).
+PROMPT_BESIDE_DECODE = 128
 #: llama_decode's return code when the abort callback stopped it (llama.h).
 DECODE_ABORTED = 2
 
@@ -295,10 +299,13 @@ class LlamaEngine:
                 rows.append((slot, [job.next_token], n))
                 n += 1
         waiting = sorted((s for s in self._slots if s.prefilling), key=lambda s: s.used)
+        # Beside generating slots a step carries fewer prompt tokens, so their
+        # streams pause for a fraction of a second, not for a whole n_batch chunk.
+        limit = self.n_batch if n == 0 else min(self.n_batch, n + PROMPT_BESIDE_DECODE)
         for slot in waiting:
             assert slot.job is not None
             start = len(slot.cached)
-            chunk = slot.job.prompt[start : start + self.n_batch - n]
+            chunk = slot.job.prompt[start : start + limit - n]
             if not chunk:
                 break
             last = start + len(chunk) == len(slot.job.prompt)

@@ -88,7 +88,7 @@ def pick_slot(slots: Sequence[Slot], prompt: Sequence[int]) -> tuple[Slot, int]:
     """The free slot to run ``prompt`` in, and how many of its cached tokens to keep.
 
     The free slot sharing the longest prefix with ``prompt`` wins if it shares at
-    least ``MIN_REUSE`` tokens (llama-server asks for half the prompt,
+    least ``MIN_REUSE`` tokens or the whole prompt (llama-server asks for half the prompt,
     ``--slot-prompt-similarity``; a long question after a shared system prompt
     would then never reuse it); else the least recently used one (never used
     first). At least the prompt's last token is evaluated again, since sampling
@@ -101,7 +101,8 @@ def pick_slot(slots: Sequence[Slot], prompt: Sequence[int]) -> tuple[Slot, int]:
     if not free:
         raise ValueError("no free slot")
     best = max(free, key=lambda s: (common_prefix(s.cached, prompt), -s.used))
-    if common_prefix(best.cached, prompt) < MIN_REUSE:
+    shared = common_prefix(best.cached, prompt)
+    if shared < MIN_REUSE and shared < len(prompt):  # a short prompt cached whole is reused
         best = min(free, key=lambda s: s.used)
     return best, min(common_prefix(best.cached, prompt), len(prompt) - 1)
 

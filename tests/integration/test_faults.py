@@ -325,7 +325,10 @@ def test_deterministic_start_failure_is_not_restarted(make_node: NodeFactory) ->
     try:
         assert result.returncode == 1
         assert "model failed to load" in result.stderr, result.stderr
-        time.sleep(1.0)  # long enough for several backoff restarts, were there any
+        # Every worker fails on its own clock (start returns at the first failure);
+        # then a second more is long enough for several backoff restarts, were there any.
+        wait_for(lambda: all(p["state"] == "failed" for p in node.status()["processes"]), 30)
+        time.sleep(1.0)
         status = node.status()
         assert {p["state"] for p in status["processes"]} == {"failed"}
         assert all(p["restarts"] == 0 for p in status["processes"])

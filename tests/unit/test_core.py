@@ -509,6 +509,57 @@ def test_no_ack_within_the_cancel_grace_loses_the_worker(h: BrokerHarness) -> No
     h.assert_each_answered_once()
 
 
+def test_a_late_ack_from_a_worker_still_producing_tokens_is_waited_for(h: BrokerHarness) -> None:
+    """A two-slot worker acks a cancel after its step; starved by host load, that can
+    outlast the grace while its other slot streams: that worker is not hung (the
+    break-it session saw one killed twice, with all its slots)."""
+    h.ready(W1, 0.0, worker_id="llm-0", slots=2)
+    h.drain_events()
+    h.send(generate("short", timeout_ms=500), 0.0)
+    h.send(generate("long", timeout_ms=60_000), 0.0)
+    first, second = (body["rid"] for body in h.requests(W1))
+    h.tick(0.5, keepalive=(W1,))
+    assert only_reply(h)["code"] == 504
+    assert [m.command for m in h.drain_workers()] == [CANCEL]
+    now = 0.5
+    while now < 1.5:  # the grace (200 ms) runs out four times; tokens keep coming
+        now = round(now + 0.1, 1)
+        h.partial(W1, second, "tok", now)
+        h.tick(now, keepalive=(W1,))
+    assert h.drain_events() == [] and h.broker.workers.get(W1) is not None
+    h.final(W1, first, now, status="cancelled")  # the ack, late
+    assert h.credit(W1) == 1
+    h.final(W1, second, now)
+    # Progress stops: the next grace that runs out is a hung verdict after all.
+    h.send(generate("again", timeout_ms=100), now)
+    (third,) = (body["rid"] for body in h.requests(W1))
+    h.tick(now + 0.1, keepalive=(W1,))
+    h.drain_workers()
+    h.tick(now + 0.3, keepalive=(W1,))
+    h.tick(now + 0.35, keepalive=(W1,))
+    (event,) = h.drain_events()
+    assert (event.kind, event.worker_id) == ("lost", "llm-0") and "CANCEL" in event.reason
+    assert third > second
+    h.assert_each_answered_once()
+
+
+def test_a_late_ack_is_waited_for_at_most_the_stall_timeout(h: BrokerHarness) -> None:
+    stall = h.broker.settings.stall_timeout_ms / 1000
+    h.ready(W1, 0.0, worker_id="llm-0", slots=2)
+    h.drain_events()
+    h.send(generate("short", timeout_ms=500), 0.0)
+    h.send(generate("long", timeout_ms=600_000), 0.0)
+    _, second = (body["rid"] for body in h.requests(W1))
+    h.tick(0.5, keepalive=(W1,))
+    now = 0.5
+    while not h.drain_events():  # its other slot streams; this one never acks
+        now = round(now + 0.1, 1)
+        assert now < 0.7 + stall + 0.5, "never given up on"
+        h.partial(W1, second, "tok", now)
+        h.tick(now, keepalive=(W1,))
+    assert now >= 0.7 + stall  # the first grace, then up to the stall timeout more
+
+
 # --------------------------------------------------------------------------- liveness
 
 

@@ -41,6 +41,12 @@ def test_a_short_shared_prefix_takes_the_least_recently_used_slot() -> None:
     assert slot.seq == 1 and keep == 0
 
 
+def test_a_short_prompt_asked_again_reuses_its_slot() -> None:
+    slots = [Slot(0, [1, 2, 3, 9], used=5), Slot(1, [], used=0)]
+    slot, keep = pick_slot(slots, [1, 2, 3])
+    assert slot.seq == 0 and keep == 2
+
+
 def test_a_prompt_cached_whole_still_evaluates_its_last_token() -> None:
     _, keep = pick_slot([Slot(0, [*SYSTEM, 4, 5])], [*SYSTEM, 4])
     assert keep == MIN_REUSE  # the sampler needs the last prompt token's logits
