@@ -509,18 +509,25 @@ def test_no_ack_within_the_cancel_grace_loses_the_worker(h: BrokerHarness) -> No
     h.assert_each_answered_once()
 
 
-def test_a_late_ack_from_a_worker_still_producing_tokens_is_waited_for(h: BrokerHarness) -> None:
-    """A two-slot worker acks a cancel after its step; starved by host load, that can
-    outlast the grace while its other slot streams: that worker is not hung (the
-    break-it session saw one killed twice, with all its slots)."""
+def _one_of_two_slots_cancelled(h: BrokerHarness) -> tuple[int, int]:
+    """A two-slot worker runs "short" and "long"; "short" reaches its deadline at
+    0.5 s and is cancelled. Returns both rids."""
     h.ready(W1, 0.0, worker_id="llm-0", slots=2)
     h.drain_events()
     h.send(generate("short", timeout_ms=500), 0.0)
-    h.send(generate("long", timeout_ms=60_000), 0.0)
+    h.send(generate("long", timeout_ms=600_000), 0.0)
     first, second = (body["rid"] for body in h.requests(W1))
     h.tick(0.5, keepalive=(W1,))
     assert only_reply(h)["code"] == 504
     assert [m.command for m in h.drain_workers()] == [CANCEL]
+    return first, second
+
+
+def test_a_late_ack_from_a_worker_still_producing_tokens_is_waited_for(h: BrokerHarness) -> None:
+    """A two-slot worker acks a cancel after its step; starved by host load, that can
+    outlast the grace while its other slot streams: that worker is not hung (the
+    break-it session saw one killed twice, with all its slots)."""
+    first, second = _one_of_two_slots_cancelled(h)
     now = 0.5
     while now < 1.5:  # the grace (200 ms) runs out four times; tokens keep coming
         now = round(now + 0.1, 1)
@@ -545,12 +552,7 @@ def test_a_late_ack_from_a_worker_still_producing_tokens_is_waited_for(h: Broker
 
 def test_a_late_ack_is_waited_for_at_most_the_stall_timeout(h: BrokerHarness) -> None:
     stall = h.broker.settings.stall_timeout_ms / 1000
-    h.ready(W1, 0.0, worker_id="llm-0", slots=2)
-    h.drain_events()
-    h.send(generate("short", timeout_ms=500), 0.0)
-    h.send(generate("long", timeout_ms=600_000), 0.0)
-    _, second = (body["rid"] for body in h.requests(W1))
-    h.tick(0.5, keepalive=(W1,))
+    _, second = _one_of_two_slots_cancelled(h)
     now = 0.5
     while not h.drain_events():  # its other slot streams; this one never acks
         now = round(now + 0.1, 1)
