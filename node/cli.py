@@ -209,6 +209,12 @@ def status(ctx: click.Context, as_json: bool) -> None:
     help="llm asks the model, rules the rule engine; auto follows the node's migration "
     "mode, as apps' requests do by default.",
 )
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0.0),
+    default=None,
+    help="Sampling temperature; 0 = greedy (the same answer every time). Default: the node's 0.8.",
+)
 @click.pass_context
 def ask(
     ctx: click.Context,
@@ -219,12 +225,15 @@ def ask(
     raw: bool,
     as_json: bool,
     route: str,
+    temperature: float | None,
 ) -> None:
     """Ask the running node TEXT and print the answer with its usage counts."""
     config = _config(ctx)
     fields: dict[str, Any] = {"max_tokens": max_tokens, "route": route}
     if timeout_ms is not None:
         fields["timeout_ms"] = timeout_ms
+    if temperature is not None:
+        fields["temperature"] = temperature
     messages = [{"role": "user", "content": text}]
     try:
         with Client(config.frontend, wait_ms=2000) as probe:
