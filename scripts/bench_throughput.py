@@ -632,7 +632,7 @@ def run_batch(
             with contextlib.suppress(threading.BrokenBarrierError):
                 gate.abort()
 
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(level)]
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(level)]
     for t in threads:
         t.start()
     with contextlib.suppress(threading.BrokenBarrierError):
@@ -743,7 +743,7 @@ def summarize(runs: list[dict[str, Any]], levels: Sequence[int]) -> dict[str, An
                         per_round.append(r["tokens_per_s"] / other[0]["tokens_per_s"])
                 ratios[n][base][level] = statistics.median(per_round) if per_round else None
     loads = {b: [r["outside_cores"] for r in runs if r["backend"] == b] for b in backends}
-    outside = {b: {"median": statistics.median(v), "max": max(v)} for b, v in loads.items()}
+    outside = {b: {"median": statistics.median(v), "max": max(v)} for b, v in loads.items() if v}
     return {"backends": backends, "cells": cells, "ratios": ratios, "outside_cores": outside}
 
 
@@ -945,6 +945,39 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def terminated(signum: int, _frame: object) -> None:
+    """SIGTERM: stop like Ctrl-C (backends stopped, the runs so far written as partial)."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def quietest(
+    backend: Backend,
+    level: int,
+    per_client: int,
+    cpus: Sequence[int],
+    round_: int,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Measure once, and again (up to ``--retries`` times) while other processes kept
+    more than ``--max-outside-load`` cores busy; the quietest attempt's row, with the
+    others under ``discarded``."""
+    attempts: list[dict[str, Any]] = []
+    for attempt in range(1, args.retries + 2):
+        row = measure(backend, level, per_client, cpus, round_)
+        row["attempt"] = attempt
+        attempts.append(row)
+        if row["outside_cores"] <= args.max_outside_load:
+            break
+        again = "" if attempt > args.retries else ": measuring again"
+        print(
+            f"  outside load {row['outside_cores']:.2f} cores > {args.max_outside_load}{again}",
+            file=sys.stderr,
+        )
+    best = min(attempts, key=lambda a: a["outside_cores"])
+    best["discarded"] = [a for a in attempts if a is not best]
+    return best
+
+
 def main() -> None:
     args = parse_args()
     allowed = sorted(os.sched_getaffinity(0))
@@ -987,32 +1020,23 @@ def main() -> None:
 
     runs: list[dict[str, Any]] = []
     details: dict[str, dict[str, Any]] = {}
+    signal.signal(signal.SIGTERM, terminated)
+    interrupted = False
     try:
         for r in range(rounds):
             for level in levels:
                 for backend in backends:
-                    attempts: list[dict[str, Any]] = []
-                    for attempt in range(1, args.retries + 2):
-                        row = measure(backend, level, per_client[level], cpus, r)
-                        row["attempt"] = attempt
-                        attempts.append(row)
-                        if row["outside_cores"] <= args.max_outside_load:
-                            break
-                        print(
-                            f"  outside load {row['outside_cores']:.2f} cores > "
-                            f"{args.max_outside_load}"
-                            + ("" if attempt > args.retries else ": measuring again"),
-                            file=sys.stderr,
-                        )
-                    # the quietest attempt counts; the others stay in the JSON
-                    row = min(attempts, key=lambda a: a["outside_cores"])
-                    row["discarded"] = [a for a in attempts if a is not row]
-                    runs.append(row)
-                    details.setdefault(backend.name, row["details"])
+                    runs.append(quietest(backend, level, per_client[level], cpus, r, args))
+                    details.setdefault(backend.name, runs[-1]["details"])
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"interrupted after {len(runs)} measurements", file=sys.stderr)
     finally:
         for backend in backends:
             backend.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+    if not runs:
+        raise SystemExit(1)
 
     meta = {
         "command": " ".join(["python scripts/bench_throughput.py", *sys.argv[1:]]),
@@ -1041,12 +1065,18 @@ def main() -> None:
     }
     summary = summarize(runs, levels)
     text = markdown(summary, meta, levels)
+    out: Path = args.out
+    if interrupted:  # keep a finished run's report; this one is incomplete
+        out = out.with_name(out.stem + ".partial" + out.suffix)
+        text = text.replace("\n\n", f"\n\n**Interrupted after {len(runs)} measurements.**\n\n", 1)
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    raw = {"meta": meta, "summary": summary, "runs": runs}
-    args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
-    print(f"wrote {args.out} and {args.out.with_suffix('.json')}", file=sys.stderr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    raw = {"meta": meta, "summary": summary, "runs": runs, "interrupted": interrupted}
+    out.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n")
+    print(f"wrote {out} and {out.with_suffix('.json')}", file=sys.stderr)
+    if interrupted:
+        raise SystemExit(130)
 
 
 if __name__ == "__main__":
