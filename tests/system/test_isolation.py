@@ -232,7 +232,12 @@ def test_a_later_crash_is_not_blamed_on_an_earlier_oom_kill(
 def test_a_worker_lost_at_its_memory_limit_says_so(usable: None, make_node: NodeFactory) -> None:
     # A worker stuck in reclaim at its limit misses heartbeats before the OOM
     # killer comes; a SIGSTOP at 60 of 64 MiB is that stall, made reproducible.
-    node = make_node(workers={"count": 1, "memory_max": LIMIT, "sandbox": "required"})
+    # Shipped heartbeats (1 s x 3): at 60 of 64 MiB the worker reclaims its own pages,
+    # and the tests' 300 ms liveness lost it before the SIGSTOP on a loaded CI machine.
+    node = make_node(
+        workers={"count": 1, "memory_max": LIMIT, "sandbox": "required"},
+        broker={"heartbeat_interval_ms": 1000, "heartbeat_liveness": 3},
+    )
     with Client(node.frontend, wait_ms=10_000) as client:
         assert client.generate("!hog 60 held", max_tokens=1).text == "echo:"
     (worker,) = node.status()["processes"]
