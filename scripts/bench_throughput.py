@@ -946,7 +946,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def terminated(signum: int, _frame: object) -> None:
-    """SIGTERM: stop like Ctrl-C (backends stopped, the runs so far written as partial)."""
+    """SIGTERM: stop like Ctrl-C (backends stopped, the runs so far written as partial);
+    a second SIGTERM during that cleanup is ignored (SIGKILL still works)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt(f"signal {signum}")
 
 
