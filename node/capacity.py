@@ -22,7 +22,7 @@ loading the weights) and the budget:
   llama.cpp materialises f32 ``KQ`` and ``softmax(KQ)``, ``n_ctx x n_ubatch x
   n_head`` each (fits the default model's measured private memory within 6 %
   from n_ctx 256 to 8192). A quantized ``kv_type`` needs flash attention
-  (``node.engine.needs_flash_attn``), which never materialises ``KQ``: see
+  (``node.engine.flash_attn_on``), which never materialises ``KQ``: see
   ``attention_scratch``.
 * Grammar per worker = ``grammar_allowance``: a request with a ``json_schema``
   is sampled through a llama.cpp grammar, which checks every vocabulary token
@@ -57,7 +57,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from broker.errors import ConfigError
 from node.budget import config_size, configured_budget
 from node.config import MAX_SLOTS, is_auto_slots
-from node.engine import needs_flash_attn
+from node.engine import flash_attn_on
 from node.gguf_meta import ModelMeta, read_gguf_meta
 from node.model import resolve_model
 from node.units import format_size as _format_size
@@ -184,6 +184,7 @@ class Plan:
     n_ctx: int = 0  # 0 = sizes given by hand, no model read
     n_batch: int = 0
     kv_type: str = ""
+    flash_attn: bool = False  # workers run flash attention (node.engine.flash_attn_on)
     kv_per_token: int = 0
     scratch: int = 0  # per worker, grows with n_ctx
     n_vocab: int = 0
@@ -199,11 +200,6 @@ class Plan:
             raise ConfigError(f"capacity.safety_margin must be in [0, 1); got {self.margin}")
         if self.per_worker <= 0:
             raise ConfigError("the per-sequence size must be positive (--kv-per-seq)")
-
-    @property
-    def flash_attn(self) -> bool:
-        """Whether workers run with flash attention (a quantized ``kv_type``)."""
-        return bool(self.kv_type) and needs_flash_attn(self.kv_type)
 
     @property
     def runtime_per_worker(self) -> int:
@@ -272,9 +268,7 @@ class Plan:
         return dataclasses.asdict(self) | {k: getattr(self, k) for k in _DERIVED_KEYS}
 
 
-_DERIVED = (
-    "flash_attn runtime_per_worker shared_weights kv_per_worker per_worker sequences left total"
-)
+_DERIVED = "runtime_per_worker shared_weights kv_per_worker per_worker sequences left total"
 _DERIVED += " memory_max memory_high"
 _DERIVED += " fits_before_margin fits_safe fits"
 _DERIVED_KEYS = _DERIVED.split()
@@ -293,16 +287,17 @@ def grammar_allowance(n_vocab: int) -> int:
 
 def model_plan(meta: ModelMeta, **ask: Any) -> Plan:
     """The plan for ``meta``: ``ask`` holds ``Plan`` fields (budget, reserve, workers,
-    margin, ..., n_ctx, n_batch, kv_type); the model's sizes are derived."""
+    margin, ..., n_ctx, n_batch, kv_type, flash_attn: asked, forced on by a
+    quantized kv_type); the model's sizes are derived."""
     per_token = kv_bytes_per_token(meta, ask["kv_type"])
+    flash = flash_attn_on(ask["kv_type"], ask.pop("flash_attn", False))
     return Plan(
         weights=meta.weights_bytes,
         kv_per_seq=per_token * kv_cells(ask["n_ctx"]),
         model=meta.name,
         kv_per_token=per_token,
-        scratch=attention_scratch(
-            meta, ask["n_ctx"], ask["n_batch"], needs_flash_attn(ask["kv_type"])
-        ),
+        scratch=attention_scratch(meta, ask["n_ctx"], ask["n_batch"], flash),
+        flash_attn=flash,
         n_vocab=meta.n_vocab,
         grammar=grammar_allowance(meta.n_vocab),
         slot_runtime=meta.n_vocab * SLOT_BYTES_PER_TOKEN,
@@ -339,7 +334,8 @@ def config_plan(config: NodeConfig, **overrides: Any) -> tuple[Plan, ModelMeta |
             return Plan(weights=0, kv_per_seq=0, model="test engine", slots=s, **ask)
 
         return plan_slots(test, slots, threads), None
-    ask = {"n_ctx": m.n_ctx, "n_batch": m.n_batch, "kv_type": m.kv_type} | ask
+    model = {"n_ctx": m.n_ctx, "n_batch": m.n_batch, "kv_type": m.kv_type}
+    ask = model | {"flash_attn": m.flash_attn} | ask
     meta = read_gguf_meta(resolve_model(m.path))
     # "auto" also keeps a worker within a fixed workers.memory_max (check_fits refuses more).
     limit = None if is_auto(config.workers) else memory_max_bytes(config.workers)
@@ -495,7 +491,7 @@ def advice(plan: Plan, meta: ModelMeta | None) -> list[str]:
 
 
 _ASK = "budget reserve workers margin runtime_overhead weights_shared budget_source n_ctx"
-_ASK_KEYS = [*_ASK.split(), "n_batch", "kv_type", "slots"]
+_ASK_KEYS = [*_ASK.split(), "n_batch", "kv_type", "flash_attn", "slots"]
 
 
 def _replan(plan: Plan, meta: ModelMeta, **changes: Any) -> Plan:

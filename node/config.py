@@ -57,6 +57,7 @@ class ModelSection:
     chat_format: str = ""
     repack: bool = False
     kv_type: str = "f16"
+    flash_attn: bool = True
 
 
 @dataclass(frozen=True)

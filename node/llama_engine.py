@@ -60,7 +60,7 @@ from broker.errors import (
     TooLarge,
     Unavailable,
 )
-from node.engine import Emit, EngineSpec, Outcome, needs_flash_attn
+from node.engine import Emit, EngineSpec, Outcome, flash_attn_on
 from node.grammar import check_grammar, check_schema, trim_heap
 from node.llama_log import LLAMA_LOG as _LOG
 from node.llama_log import LOG_QUIET
@@ -106,8 +106,8 @@ class LlamaEngine:
         spec: model path, ``n_ctx`` (tokens per slot), ``n_batch`` (tokens per
             step, all slots together), ``threads`` (the cores this worker may
             really use: llama-cpp-python's default of ``cpu_count()//2`` ignores
-            affinity and CPU quotas), ``kv_type`` (a quantized one turns on flash
-            attention, ``node.engine.needs_flash_attn``) and ``slots``.
+            affinity and CPU quotas), ``kv_type`` and ``flash_attn`` (``node.engine.flash_attn_on``)
+            and ``slots``.
 
     ``kv_cache_bytes`` is the KV cache llama.cpp allocated, from its load log
     (None if it printed none). The worker drives ``submit`` and ``step`` from one
@@ -141,7 +141,7 @@ class LlamaEngine:
                 n_threads_batch=spec.threads,
                 type_k=kv,
                 type_v=kv,
-                flash_attn=needs_flash_attn(spec.kv_type),
+                flash_attn=flash_attn_on(spec.kv_type, spec.flash_attn),
                 verbose=False,
             )
         self.kv_cache_bytes = kv_buffer_bytes("".join(load_log))

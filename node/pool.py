@@ -115,6 +115,7 @@ class WorkerPool:
                 chat_format=c.model.chat_format,
                 repack=c.model.repack,
                 kv_type=c.model.kv_type,
+                flash_attn=c.model.flash_attn,
                 slots=self.slots,
                 test_token_ms=c.workers.test_token_ms,
                 test_load_ms=c.workers.test_load_ms,

@@ -34,7 +34,7 @@ The backends:
   the report shows what the workers got), ``routing.mode = "full"`` and no rules, so
   every answer is the model's; requests stream through ``broker.client``.
 * ``direct``: llama-cpp-python's ``Llama(model, n_ctx=2048, n_threads=T,
-  n_threads_batch=T)`` in a subprocess serving one request at a time
+  n_threads_batch=T, flash_attn=F)`` in a subprocess serving one request at a time
   (``create_completion(stream=True)``): its high-level API cannot batch, so N
   concurrent requests queue and their TTFT includes the wait, as behind
   llama-cpp-python's server lock. ``direct -nr`` is the same without weight
@@ -46,6 +46,10 @@ The backends:
   ``n_predict`` 128. ``llama-server -nr`` adds ``--no-repack`` (llama-server
   repacks by default; the node does not). ``--repack on|off|both`` picks the
   variants of both baselines (default both).
+
+``--flash-attn on|off`` (default on, the node's ``model.flash_attn`` default) sets
+flash attention alike in every backend: the node's ``model.flash_attn``,
+``Llama(flash_attn=)`` and ``llama-server -fa``, so ratios compare like with like.
 
 Every process is pinned to ``--cpus`` (default: every core this process may use):
 the baselines with ``taskset``, the node by starting it from a thread pinned there
@@ -258,7 +262,14 @@ class NodeBackend(Backend):
     """edgenode with ``workers`` x ``slots``, model only."""
 
     def __init__(
-        self, workers: int, slots: int, threads: int, cpus: Sequence[int], nice: int, repack: bool
+        self,
+        workers: int,
+        slots: int,
+        threads: int,
+        cpus: Sequence[int],
+        nice: int,
+        repack: bool,
+        flash_attn: bool,
     ) -> None:
         self.name = f"node {workers}x{slots}" + (" repack" if repack else "")
         self.cpus = cpus
@@ -270,8 +281,9 @@ class NodeBackend(Backend):
         }
         self.capacity = workers * slots
         self.sections["workers"]["slots"] = slots  # explicit: the default may change
+        self.sections["model"] = {"flash_attn": flash_attn}
         if repack:
-            self.sections["model"] = {"repack": True}
+            self.sections["model"]["repack"] = True
         self.node: NodeProcess | None = None
         self.workers: list[dict[str, Any]] = []
 
@@ -324,7 +336,7 @@ class NodeBackend(Backend):
 # ---------------------------------------------------------------------- direct llama-cpp-python
 
 
-def serve_direct(model: str, threads: int, repack: bool) -> None:
+def serve_direct(model: str, threads: int, repack: bool, flash_attn: bool) -> None:
     """The direct backend's subprocess: one ``Llama``, requests from stdin one at a time.
 
     Reads JSON lines ``{"id", "prompt", "max_tokens"}``; writes ``{"id", "text": true}``
@@ -341,6 +353,7 @@ def serve_direct(model: str, threads: int, repack: bool) -> None:
             n_ctx=N_CTX,
             n_threads=threads,
             n_threads_batch=threads,
+            flash_attn=flash_attn,
             verbose=False,
         )
     out = sys.stdout
@@ -382,9 +395,17 @@ class DirectBackend(Backend):
     """llama-cpp-python in a subprocess, one request at a time (FIFO)."""
 
     def __init__(
-        self, model: Path, threads: int, cpus: Sequence[int], nice: int, repack: bool, tmp: Path
+        self,
+        model: Path,
+        threads: int,
+        cpus: Sequence[int],
+        nice: int,
+        repack: bool,
+        flash_attn: bool,
+        tmp: Path,
     ) -> None:
         self.name = "direct" if repack else "direct -nr"
+        self.flash_attn = flash_attn
         self.model, self.threads, self.cpus, self.nice = model, threads, cpus, nice
         self.repack, self.log = repack, tmp / f"direct-{'r' if repack else 'nr'}.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -395,6 +416,7 @@ class DirectBackend(Backend):
     def start(self, level: int) -> list[int]:
         argv = [sys.executable, str(Path(__file__).resolve()), "--serve-direct", str(self.model)]
         argv += ["--threads", str(self.threads), "--repack", "on" if self.repack else "off"]
+        argv += ["--flash-attn", "on" if self.flash_attn else "off"]
         self.proc = spawn(
             argv, self.cpus, self.nice, self.log, stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
@@ -421,7 +443,12 @@ class DirectBackend(Backend):
             self.proc = None
 
     def details(self) -> dict[str, Any]:
-        return {"threads": self.threads, "n_ctx": N_CTX, "repack": self.repack}
+        return {
+            "threads": self.threads,
+            "n_ctx": N_CTX,
+            "repack": self.repack,
+            "flash_attn": self.flash_attn,
+        }
 
     @contextlib.contextmanager
     def session(self) -> Iterator[Ask]:
@@ -763,7 +790,8 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], levels: Sequence[int
         f"`{meta['command']}`",
         "",
         f"- {meta['date']}, {meta['cpu']}, cores {meta['cpus']}, {meta['threads']} threads per "
-        f"process (node workers: as below), nice {meta['nice']} for every backend.",
+        f"process (node workers: as below), nice {meta['nice']} for every backend, flash "
+        f"attention {meta.get('flash_attn', 'off')} in every backend.",
         f"- Code {', '.join(meta['code'])}"
         + (" (**it changed during the run**)" if len(meta["code"]) > 1 else "")
         + f"; model `{meta['model_name']}`, llama-cpp-python {meta['llama_cpp_python']}"
@@ -833,7 +861,8 @@ def describe(details: dict[str, Any]) -> str:
         return f"`{' '.join(argv)}`"
     t = details["threads"]
     return (
-        f"`Llama(n_ctx={details['n_ctx']}, n_threads={t}, n_threads_batch={t})`, "
+        f"`Llama(n_ctx={details['n_ctx']}, n_threads={t}, n_threads_batch={t}, "
+        f"flash_attn={details.get('flash_attn', False)})`, "
         f"repack {'on' if details['repack'] else 'off'}, one request at a time"
     )
 
@@ -933,6 +962,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--retries", type=int, default=2, help="at most this many times")
     parser.add_argument("--repack", choices=("on", "off", "both"), default="both")
     parser.add_argument("--node-repack", action="store_true", help="model.repack = true")
+    parser.add_argument(
+        "--flash-attn",
+        choices=("on", "off"),
+        default="on",
+        help="flash attention in every backend (node model.flash_attn, Llama(flash_attn=), "
+        "llama-server -fa); default on, the node's default",
+    )
     parser.add_argument("--llama-server", type=Path, help="a built llama-server binary")
     parser.add_argument("--build-llama-server", type=Path, metavar="DIR")
     parser.add_argument(
@@ -986,7 +1022,7 @@ def main() -> None:
     cpus: list[int] = args.cpus or allowed
     threads: int = args.threads or len(cpus)
     if args.serve_direct:
-        serve_direct(args.serve_direct, threads, args.repack != "off")
+        serve_direct(args.serve_direct, threads, args.repack != "off", args.flash_attn == "on")
         return
     default_levels = QUICK_LEVELS if args.quick else tuple(REQUESTS_PER_CLIENT)
     levels = [int(x) for x in args.levels.split(",")] if args.levels else list(default_levels)
@@ -1002,11 +1038,14 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-tp-"))
 
     backends: list[Backend] = []
+    flash = args.flash_attn == "on"
     if "node" in wanted:
         for w, s in args.layout or [(2, 1)]:
-            backends.append(NodeBackend(w, s, threads, cpus, args.nice, args.node_repack))
+            backends.append(NodeBackend(w, s, threads, cpus, args.nice, args.node_repack, flash))
     if "direct" in wanted:
-        backends += [DirectBackend(model, threads, cpus, args.nice, r, tmp) for r in variants]
+        backends += [
+            DirectBackend(model, threads, cpus, args.nice, r, flash, tmp) for r in variants
+        ]
     if "llama-server" in wanted:
         binary = args.llama_server
         if args.build_llama_server:
@@ -1015,7 +1054,7 @@ def main() -> None:
             raise SystemExit("give --llama-server PATH or --build-llama-server DIR")
         if not binary.is_file():
             raise SystemExit(f"{binary} does not exist (still building?)")
-        extra = args.llama_server_arg
+        extra = ["-fa", args.flash_attn, *args.llama_server_arg]
         backends += [
             ServerBackend(binary, model, threads, cpus, args.nice, r, extra, tmp) for r in variants
         ]
@@ -1048,6 +1087,7 @@ def main() -> None:
         "cpus": cpu_list(cpus),
         "threads": threads,
         "nice": args.nice,
+        "flash_attn": args.flash_attn,
         "model": str(model),
         "model_name": model.name,
         "llama_cpp_python": importlib.metadata.version("llama-cpp-python"),

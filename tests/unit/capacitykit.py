@@ -19,11 +19,14 @@ LAYOUT = {"count": 2, "slots": 1, "threads": 1}
 
 
 def config(**sections: dict[str, Any]) -> Any:
-    """A NodeConfig with a fixed budget, runtime and ``LAYOUT``, so plans depend
-    neither on the host nor on the built-in defaults."""
+    """A NodeConfig with a fixed budget, runtime, ``LAYOUT`` and plain attention
+    (the figures below were worked out with its 32 MiB scratch; flash
+    attention's is tested on its own), so plans depend neither on the host nor
+    on the built-in defaults."""
     data: dict[str, dict[str, Any]] = {
         "capacity": {"memory_budget": "8G", "reserve": "1G", "runtime_overhead": "88M"},
         "workers": dict(LAYOUT),
+        "model": {"flash_attn": False},
     }
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)
@@ -39,8 +42,14 @@ def run_cli(tmp_path: Path, *args: str, toml: str = "") -> Any:
 
 
 def with_layout(toml: str) -> str:
-    """``toml`` with ``LAYOUT``'s keys added to its ``[workers]`` table (made if none)."""
-    lines = [f"{k} = {v}" for k, v in LAYOUT.items() if f"\n{k} =" not in "\n" + toml]
-    if "[workers]" in toml:
-        return toml.replace("[workers]\n", "[workers]\n" + "".join(f"{x}\n" for x in lines), 1)
-    return toml + "[workers]\n" + "".join(f"{x}\n" for x in lines)
+    """``toml`` with ``LAYOUT``'s keys added to its ``[workers]`` table and plain
+    attention to its ``[model]`` table (each made if none), as ``config`` pins them."""
+    toml = _with_keys(toml, "workers", {k: str(v) for k, v in LAYOUT.items()})
+    return _with_keys(toml, "model", {"flash_attn": "false"})
+
+
+def _with_keys(toml: str, table: str, keys: dict[str, str]) -> str:
+    lines = [f"{k} = {v}\n" for k, v in keys.items() if f"\n{k} =" not in "\n" + toml]
+    if f"[{table}]" in toml:
+        return toml.replace(f"[{table}]\n", f"[{table}]\n" + "".join(lines), 1)
+    return toml + f"\n[{table}]\n" + "".join(lines)

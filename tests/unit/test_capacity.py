@@ -134,13 +134,23 @@ def test_flash_attention_scratch_has_no_kq(gemma: ModelMeta) -> None:
     assert attention_scratch(gemma, 4096, 512, flash_attn=True) == 16 * MiB  # vs 64 without
 
 
-def test_a_quantized_kv_type_plans_flash_attention(gemma: ModelMeta) -> None:
-    f16, _ = config_plan(config())
-    q8, _ = config_plan(config(model={"kv_type": "q8_0"}))
+def test_a_quantized_kv_type_plans_flash_attention_even_when_it_is_turned_off(
+    gemma: ModelMeta,
+) -> None:
+    f16, _ = config_plan(config(model={"flash_attn": False}))
+    q8, _ = config_plan(config(model={"kv_type": "q8_0", "flash_attn": False}))
     assert not f16.flash_attn and q8.flash_attn and q8.as_dict()["flash_attn"]
     assert q8.kv_per_seq == 9_792 * 2048
     assert q8.runtime_per_worker == 88 * MiB + 12 * MiB
     assert f16.runtime_per_worker == 88 * MiB + 32 * MiB
+
+
+def test_flash_attention_is_on_by_default_and_planned(gemma: ModelMeta) -> None:
+    assert from_dict({}).model.flash_attn
+    plan, _ = config_plan(config(model={"flash_attn": True}))
+    assert plan.flash_attn and plan.runtime_per_worker == 88 * MiB + 12 * MiB
+    again, _ = config_plan(config(), kv_type="q8_0")  # a quantized replan turns it on
+    assert again.flash_attn and again.kv_per_seq == 9_792 * 2048
 
 
 def test_default_config_plans_the_real_default_model(gemma: ModelMeta) -> None:
@@ -429,5 +439,5 @@ def test_cli_rejects_bad_sizes_and_half_manual_mode(tmp_path: Path) -> None:
 
 def test_check_fits_refuses_a_worker_limit_below_one_workers_need() -> None:
     config = from_dict({"workers": {"memory_max": "100M", "slots": 1}})
-    with pytest.raises(ConfigError, match=r"workers.memory_max 100 MiB is below the 332 MiB"):
+    with pytest.raises(ConfigError, match=r"workers.memory_max 100 MiB is below the 312 MiB"):
         check_fits(config)

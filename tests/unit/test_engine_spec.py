@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from node.config import from_dict
-from node.engine import EngineSpec, needs_flash_attn
+from node.engine import EngineSpec, flash_attn_on
 from node.pool import WorkerPool
 
 
@@ -22,6 +22,7 @@ def test_the_pool_passes_model_kv_type_to_every_model_worker(tmp_path: Path, kv_
     assert EngineSpec(**json.loads(json.dumps(asdict(pool.specs[0].engine)))).kv_type == kv_type
 
 
-def test_only_a_quantized_kv_cache_needs_flash_attention() -> None:
-    assert not needs_flash_attn("f16")
-    assert needs_flash_attn("q8_0") and needs_flash_attn("q4_0")
+def test_flash_attention_is_asked_for_or_forced_by_a_quantized_kv_cache() -> None:
+    assert flash_attn_on("f16", True) and not flash_attn_on("f16", False)
+    assert flash_attn_on("q8_0", False) and flash_attn_on("q4_0", False)
+    assert EngineSpec(kind="llama", model_path="m", n_ctx=1, n_batch=1, threads=1).flash_attn
