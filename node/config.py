@@ -57,7 +57,7 @@ class ModelSection:
     chat_format: str = ""
     repack: bool = False
     kv_type: str = "f16"
-    flash_attn: bool = True
+    flash_attn: bool = False
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ class EngineSpec:
     chat_format: str = ""
     repack: bool = False
     kv_type: str = "f16"  # model.kv_type: the K and V cache element type
-    flash_attn: bool = True  # model.flash_attn (a quantized kv_type forces it on)
+    flash_attn: bool = False  # model.flash_attn (a quantized kv_type forces it on)
     slots: int = 1  # workers.slots: sequences served at once
     test_token_ms: int = 20
     test_load_ms: int = 0
@@ -51,9 +51,13 @@ def flash_attn_on(kv_type: str, wanted: bool) -> bool:
     quantized V cache needs it: src/llama-context.cpp, ``llama_init_from_model``
     refuses it otherwise, "quantized V cache requires flash_attn to be enabled").
 
-    On by default: on this machine's AVX2 cores it decoded the default model
-    8-13 % faster (1 and 4 slots, f16 KV; docs/bench/throughput.md), as
-    llama-server's ``--flash-attn auto`` does on CPU. The capacity model plans
+    Off by default, although it decoded the default model 8-13 % faster on this
+    machine's AVX2 cores (1 and 4 slots, f16 KV): ggml's CPU kernel takes a
+    different path for one query row of one sequence (the KV split across
+    threads), for several sequences and for prompt chunks of a tile or more
+    (ggml-cpu/ops.cpp, ``ggml_compute_forward_flash_attn_ext_f16``), so a greedy
+    slot's text can change with its neighbours and with prefix reuse (near
+    ties; tests/system/test_slots.py fails with it). The capacity model plans
     its smaller attention scratch (``node.capacity.attention_scratch``).
     """
     return wanted or kv_type != "f16"

@@ -47,9 +47,10 @@ The backends:
   repacks by default; the node does not). ``--repack on|off|both`` picks the
   variants of both baselines (default both).
 
-``--flash-attn on|off`` (default on, the node's ``model.flash_attn`` default) sets
-flash attention alike in every backend: the node's ``model.flash_attn``,
-``Llama(flash_attn=)`` and ``llama-server -fa``, so ratios compare like with like.
+``--flash-attn on|off`` sets flash attention alike in every backend (the node's
+``model.flash_attn``, ``Llama(flash_attn=)``, ``llama-server -fa``), so ratios
+compare like with like; the default leaves each backend at its own default (the
+node and llama-cpp-python off, llama-server ``auto``, which is on for CPU).
 
 Every process is pinned to ``--cpus`` (default: every core this process may use):
 the baselines with ``taskset``, the node by starting it from a thread pinned there
@@ -269,7 +270,7 @@ class NodeBackend(Backend):
         cpus: Sequence[int],
         nice: int,
         repack: bool,
-        flash_attn: bool,
+        flash_attn: str,
     ) -> None:
         self.name = f"node {workers}x{slots}" + (" repack" if repack else "")
         self.cpus = cpus
@@ -281,9 +282,11 @@ class NodeBackend(Backend):
         }
         self.capacity = workers * slots
         self.sections["workers"]["slots"] = slots  # explicit: the default may change
-        self.sections["model"] = {"flash_attn": flash_attn}
-        if repack:
-            self.sections["model"]["repack"] = True
+        model: dict[str, Any] = {"repack": True} if repack else {}
+        if flash_attn != "default":
+            model["flash_attn"] = flash_attn == "on"
+        if model:
+            self.sections["model"] = model
         self.node: NodeProcess | None = None
         self.workers: list[dict[str, Any]] = []
 
@@ -336,7 +339,7 @@ class NodeBackend(Backend):
 # ---------------------------------------------------------------------- direct llama-cpp-python
 
 
-def serve_direct(model: str, threads: int, repack: bool, flash_attn: bool) -> None:
+def serve_direct(model: str, threads: int, repack: bool, flash_attn: bool | None) -> None:
     """The direct backend's subprocess: one ``Llama``, requests from stdin one at a time.
 
     Reads JSON lines ``{"id", "prompt", "max_tokens"}``; writes ``{"id", "text": true}``
@@ -353,8 +356,8 @@ def serve_direct(model: str, threads: int, repack: bool, flash_attn: bool) -> No
             n_ctx=N_CTX,
             n_threads=threads,
             n_threads_batch=threads,
-            flash_attn=flash_attn,
             verbose=False,
+            **({} if flash_attn is None else {"flash_attn": flash_attn}),
         )
     out = sys.stdout
 
@@ -401,7 +404,7 @@ class DirectBackend(Backend):
         cpus: Sequence[int],
         nice: int,
         repack: bool,
-        flash_attn: bool,
+        flash_attn: str,
         tmp: Path,
     ) -> None:
         self.name = "direct" if repack else "direct -nr"
@@ -416,7 +419,7 @@ class DirectBackend(Backend):
     def start(self, level: int) -> list[int]:
         argv = [sys.executable, str(Path(__file__).resolve()), "--serve-direct", str(self.model)]
         argv += ["--threads", str(self.threads), "--repack", "on" if self.repack else "off"]
-        argv += ["--flash-attn", "on" if self.flash_attn else "off"]
+        argv += ["--flash-attn", self.flash_attn]
         self.proc = spawn(
             argv, self.cpus, self.nice, self.log, stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
@@ -791,7 +794,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], levels: Sequence[int
         "",
         f"- {meta['date']}, {meta['cpu']}, cores {meta['cpus']}, {meta['threads']} threads per "
         f"process (node workers: as below), nice {meta['nice']} for every backend, flash "
-        f"attention {meta.get('flash_attn', 'off')} in every backend.",
+        f"attention: {FLASH_ATTN_WORDS[meta.get('flash_attn', 'default')]}.",
         f"- Code {', '.join(meta['code'])}"
         + (" (**it changed during the run**)" if len(meta["code"]) > 1 else "")
         + f"; model `{meta['model_name']}`, llama-cpp-python {meta['llama_cpp_python']}"
@@ -846,6 +849,13 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], levels: Sequence[int
     return "\n".join(out) + "\n"
 
 
+FLASH_ATTN_WORDS = {
+    "default": "each backend's default (node and llama-cpp-python off, llama-server auto = on)",
+    "on": "on in every backend",
+    "off": "off in every backend",
+}
+
+
 def describe(details: dict[str, Any]) -> str:
     """One line on how a backend ran."""
     if "workers" in details:
@@ -860,9 +870,10 @@ def describe(details: dict[str, Any]) -> str:
         argv = [Path(details["argv"][0]).name, *details["argv"][1:]]
         return f"`{' '.join(argv)}`"
     t = details["threads"]
+    fa = details.get("flash_attn", "default")
+    fa_arg = "" if fa == "default" else f", flash_attn={fa == 'on'}"
     return (
-        f"`Llama(n_ctx={details['n_ctx']}, n_threads={t}, n_threads_batch={t}, "
-        f"flash_attn={details.get('flash_attn', False)})`, "
+        f"`Llama(n_ctx={details['n_ctx']}, n_threads={t}, n_threads_batch={t}{fa_arg})`, "
         f"repack {'on' if details['repack'] else 'off'}, one request at a time"
     )
 
@@ -964,10 +975,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--node-repack", action="store_true", help="model.repack = true")
     parser.add_argument(
         "--flash-attn",
-        choices=("on", "off"),
-        default="on",
+        choices=("default", "on", "off"),
+        default="default",
         help="flash attention in every backend (node model.flash_attn, Llama(flash_attn=), "
-        "llama-server -fa); default on, the node's default",
+        "llama-server -fa); default: each backend's own default (off, off, auto = on)",
     )
     parser.add_argument("--llama-server", type=Path, help="a built llama-server binary")
     parser.add_argument("--build-llama-server", type=Path, metavar="DIR")
@@ -1022,7 +1033,8 @@ def main() -> None:
     cpus: list[int] = args.cpus or allowed
     threads: int = args.threads or len(cpus)
     if args.serve_direct:
-        serve_direct(args.serve_direct, threads, args.repack != "off", args.flash_attn == "on")
+        flash_attn = None if args.flash_attn == "default" else args.flash_attn == "on"
+        serve_direct(args.serve_direct, threads, args.repack != "off", flash_attn)
         return
     default_levels = QUICK_LEVELS if args.quick else tuple(REQUESTS_PER_CLIENT)
     levels = [int(x) for x in args.levels.split(",")] if args.levels else list(default_levels)
@@ -1038,7 +1050,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-tp-"))
 
     backends: list[Backend] = []
-    flash = args.flash_attn == "on"
+    flash: str = args.flash_attn
     if "node" in wanted:
         for w, s in args.layout or [(2, 1)]:
             backends.append(NodeBackend(w, s, threads, cpus, args.nice, args.node_repack, flash))
@@ -1054,7 +1066,8 @@ def main() -> None:
             raise SystemExit("give --llama-server PATH or --build-llama-server DIR")
         if not binary.is_file():
             raise SystemExit(f"{binary} does not exist (still building?)")
-        extra = ["-fa", args.flash_attn, *args.llama_server_arg]
+        fa = [] if flash == "default" else ["-fa", flash]
+        extra = [*fa, *args.llama_server_arg]
         backends += [
             ServerBackend(binary, model, threads, cpus, args.nice, r, extra, tmp) for r in variants
         ]

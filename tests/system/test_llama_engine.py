@@ -177,6 +177,30 @@ def test_kv_type_reaches_llama_cpp_which_allocates_what_the_plan_says() -> None:
     assert reported["q4_0"] / reported["f16"] == pytest.approx(18 / 64, abs=0.001)
 
 
+@pytest.mark.parametrize(("kv_type", "asked", "on"), [("f16", False, False), ("f16", True, True)])
+def test_model_flash_attn_reaches_llama_cpp(kv_type: str, asked: bool, on: bool) -> None:
+    spec = EngineSpec(
+        "llama",
+        str(resolve_model("default")),
+        n_ctx=512,
+        n_batch=512,
+        threads=1,
+        kv_type=kv_type,
+        flash_attn=asked,
+    )
+    engine = LlamaEngine(spec)
+    try:
+        job = {"op": "generate", "prompt": "The capital of France is", "max_tokens": 4}
+        result = engine.run(job | {"temperature": 0.0}, threading.Event(), lambda _: None)
+        wanted = (
+            llama_c.LLAMA_FLASH_ATTN_TYPE_ENABLED if on else llama_c.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        assert engine.llm.context_params.flash_attn_type == wanted
+    finally:
+        engine.close()
+    assert result["usage"]["completion_tokens"] == 4 and result["text"].strip()
+
+
 def test_a_named_chat_format_renders_the_prompt_and_stops_at_its_turn_end() -> None:
     spec = EngineSpec(
         "llama",

@@ -192,9 +192,9 @@ def test_start_and_capacity_agree_on_auto_slots_and_their_limits(
     (tmp_path / "edgenode.toml").write_text(toml)
     started = check_fits(load_config(str(tmp_path / "edgenode.toml")))
     data = json.loads(run_cli(tmp_path, toml, "--json").output)
-    # 2.3G - 1G - 235.2 MiB = 1096 MiB for 2 workers of (40 MiB x S + 272 MiB) x 1.1
-    # (flash attention's 12 MiB scratch; 4 MiB of runtime per slot beyond the
-    # first): 5 slots (519.2 MiB each) fit, 6 (563.2 MiB) do not; the cap would allow 8.
+    # 2.3G - 1G - 235.2 MiB = 1096 MiB for 2 workers of (40 MiB x S + 292 MiB) x 1.1
+    # (4 MiB of runtime per slot beyond the first): 5 slots (541.2 MiB each) fit,
+    # 6 (585.2 MiB) do not; the cap would allow 8.
     assert started.slots == data["slots"] == 5
     assert data["worker_limits"]["memory_max"] == started.memory_max == data["memory_max"]
-    assert started.per_worker == 5 * 36 * MiB + (100 + 4 * 4) * MiB + 176 * MiB
+    assert started.per_worker == 5 * 36 * MiB + (120 + 4 * 4) * MiB + 176 * MiB
