@@ -109,6 +109,10 @@ class BatchEngine(Protocol):
         ...
 
 
+#: Bytes per token of the test engine's ``!long`` answer: a megabyte in 16 tokens.
+LONG_TOKEN_BYTES = 64 * 1024
+
+
 class TestEngine:
     """Deterministic engine: answers ``"echo: <prompt>"`` one word per ``token_ms``.
 
@@ -122,7 +126,9 @@ class TestEngine:
     per token) instead of the echo, like a model held to a ``json_schema``;
     ``!prefill <ms>`` evaluates the prompt first at that many ms per prompt
     word, like llama.cpp's prompt evaluation whose time grows with the prompt
-    (interruptible by a cancel, its steps counted as progress).
+    (interruptible by a cancel, its steps counted as progress); ``!long <bytes>``
+    answers that many bytes of ``x`` in tokens of ``LONG_TOKEN_BYTES``, like a
+    long completion, for the reply-size limit (``broker.protocol.message_limits``).
     """
 
     __test__ = False  # not a pytest test class
@@ -159,6 +165,9 @@ class TestEngine:
             obj, _ = json.JSONDecoder().raw_decode(prompt.split(None, 1)[1])
             answer = json.dumps(obj, separators=(",", ":"))
             tokens = [answer[i : i + 4] for i in range(0, len(answer), 4)]
+        elif words[:1] == ["!long"] and len(words) > 1 and words[1].isdigit():
+            size, step = int(words[1]), LONG_TOKEN_BYTES
+            tokens = ["x" * min(step, size - i) for i in range(0, size, step)]
         else:
             tokens = ["echo:", *(" " + w for w in words)]
         pieces = tokens[: int(job.get("max_tokens", 16))]
