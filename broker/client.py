@@ -150,6 +150,10 @@ class Client:
         wait_ms: how long to wait for each reply of a request that has no budget; with
             a budget, ``timeout_ms + REPLY_SLACK_MS``. Past it, the call raises
             ``Unavailable`` ("no reply ... is the node running?").
+        max_body_bytes: the node's ``broker.max_body_bytes`` (bytes). A larger body
+            raises ``TooLarge`` here, before anything is sent, in the node's own words
+            (``body is N bytes, the limit is M``): above the node's socket cap
+            libzmq drops the connection without a reply (PROTOCOL §2.3).
 
     The request methods take the protocol's fields as keywords (PROTOCOL §3.1):
     ``id`` (str of 1-128 characters or int; default ``"<pid in hex>-<n>"``),
@@ -160,9 +164,15 @@ class Client:
     """
 
     def __init__(
-        self, endpoint: str, *, timeout_ms: int | None = None, wait_ms: int = 120_000
+        self,
+        endpoint: str,
+        *,
+        timeout_ms: int | None = None,
+        wait_ms: int = 120_000,
+        max_body_bytes: int = p.DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.endpoint = endpoint
+        self.max_body_bytes = max_body_bytes
         self.timeout_ms = timeout_ms
         self.wait_ms = wait_ms
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -244,6 +254,9 @@ class Client:
 
         Nothing is kept for it: its replies are dropped when some other call of
         this client reads the socket. Use the ops, or ``request``, to get them.
+
+        Raises:
+            TooLarge: the packed body is over ``max_body_bytes`` (nothing is sent).
         """
         body = dict(body)
         if body.get("id") is None:
@@ -251,7 +264,9 @@ class Client:
         if self.timeout_ms is not None:
             body.setdefault("timeout_ms", self.timeout_ms)
         wait = body["timeout_ms"] + REPLY_SLACK_MS if "timeout_ms" in body else self.wait_ms
-        self._sock.send_multipart([b"", p.CLIENT_TAG, p.pack(body)])
+        data = p.pack(body)
+        p.check_body_size(data, self.max_body_bytes)
+        self._sock.send_multipart([b"", p.CLIENT_TAG, data])
         rid: RequestId = body["id"]
         return rid, wait
 

@@ -52,7 +52,8 @@ def secure_ipc_dir(endpoint: str) -> None:
 def make_router(
     ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, max_msg: int
 ) -> zmq.Socket[bytes]:
-    """A bound ROUTER with the house socket options."""
+    """A bound ROUTER with the house socket options; ``max_msg`` is its
+    ZMQ_MAXMSGSIZE in bytes (``broker.protocol.MessageLimits.frame_bytes``)."""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.LINGER, 0)
@@ -90,7 +91,9 @@ class BrokerLoop:
         self._on_event = on_event
         self._on_tick = on_tick
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        max_msg = p.hard_message_limit(broker.settings.max_body_bytes)
+        # One cap for both sides (PROTOCOL §2.3): what a client may send fits a
+        # REQUEST, and what a worker may send back fits a reply.
+        max_msg = p.message_limits(broker.settings.max_body_bytes).frame_bytes
         self.frontend = make_router(self.ctx, frontend, max_msg)
         self.backend = make_router(self.ctx, backend, max_msg)
         self.poller = zmq.Poller()

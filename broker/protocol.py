@@ -18,6 +18,7 @@ broker, the workers and the tests.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -48,10 +49,23 @@ PROTOCOL_VERSION = 1
 CLIENT_TAG = b"EDGE/C1"
 WORKER_TAG = b"EDGE/W1"
 
-#: Largest accepted client body in bytes (413 above it). The socket's
-#: ZMQ_MAXMSGSIZE is set higher (see ``hard_message_limit``) so that an oversized
-#: body still gets a typed reply instead of a silent disconnect.
+#: Default of ``broker.max_body_bytes``, the one setting every size limit of
+#: both conversations derives from (``message_limits``).
 DEFAULT_MAX_BODY_BYTES = 256 * 1024
+#: Range of ``broker.max_body_bytes`` (bytes). Below 1 KiB a chat request with a
+#: few messages no longer fits; above 16 MiB (about 4 million tokens of text, far
+#: beyond any context an edge model has) the sockets' cap (4 x the setting) would
+#: let one peer make the node allocate 64 MiB for a single frame.
+MIN_BODY_BYTES = 1024
+MAX_BODY_BYTES = 16 * 1024 * 1024
+#: Bytes a worker's FINAL may carry beside its text: rid, status, finish_reason,
+#: usage (3 x int64), a rule's name and confidence, an error's code and message
+#: (512 characters, at most 2 KiB of UTF-8; ``node.worker.MAX_MESSAGE_CHARS``).
+#: Measured fields take ~200 bytes; the rest is room for a long rule name.
+ENVELOPE_BYTES = 16 * 1024
+#: Floor of the sockets' cap (bytes), so that a small ``max_body_bytes`` still
+#: leaves room to answer an oversized body with 413 instead of a dropped connection.
+MIN_FRAME_BYTES = 1024 * 1024
 
 #: Deepest nesting of maps and lists msgpack's C unpacker decodes, the outermost
 #: map included (its stack of 1024 containers); a deeper body is refused (400).
@@ -71,13 +85,52 @@ class WorkerCommand(bytes, Enum):
     DISCONNECT = b"DISCONNECT"
 
 
-def hard_message_limit(max_body_bytes: int) -> int:
-    """ZMQ_MAXMSGSIZE for a socket whose soft body limit is ``max_body_bytes``.
+@dataclass(frozen=True)
+class MessageLimits:
+    """Every size limit of the node's sockets, in bytes, from ``broker.max_body_bytes``.
 
-    Above the hard limit libzmq drops the connection without telling anyone,
-    so it sits well above the soft limit that gets a typed 413.
+    ``body_bytes``: the largest client body (the setting); a larger one gets 413
+    ``body is N bytes, the limit is M`` from the broker, or from the client library
+    before it is sent.
+    ``text_bytes``: the largest text one reply carries (UTF-8; also the setting): a
+    worker whose completion grows past it stops and answers 413 with the text
+    clipped to it, instead of a FINAL the broker's socket would drop.
+    ``reply_bytes``: the largest FINAL body a worker sends, ``text_bytes +
+    ENVELOPE_BYTES``.
+    ``frame_bytes``: ZMQ_MAXMSGSIZE of every socket of the node (frontend and
+    backend ROUTERs, worker DEALERs), ``max(4 x body_bytes, MIN_FRAME_BYTES)``.
+    libzmq checks it per frame against the frame's length header and drops the
+    connection above it, silently and before the application sees a byte, so it
+    sits above everything the node's own parts send: a REQUEST is at most
+    ``1.8 x body_bytes + 64`` (the broker re-encodes the body's fields; a float32
+    becomes a float64, 5 -> 9 bytes, and nothing grows more; it adds ``rid``,
+    ``max_tokens`` and ``timeout_ms``), a FINAL at most ``reply_bytes``, and a
+    body between ``body_bytes`` and ``frame_bytes`` still reaches the broker's 413.
     """
-    return max(4 * max_body_bytes, 1024 * 1024)
+
+    body_bytes: int
+    text_bytes: int
+    reply_bytes: int
+    frame_bytes: int
+
+
+def message_limits(max_body_bytes: int) -> MessageLimits:
+    """The limits of every hop for ``broker.max_body_bytes`` (bytes); see ``MessageLimits``.
+
+    Raises:
+        ConfigError: ``max_body_bytes`` outside ``MIN_BODY_BYTES`` ... ``MAX_BODY_BYTES``.
+    """
+    if not MIN_BODY_BYTES <= max_body_bytes <= MAX_BODY_BYTES:
+        raise ConfigError(
+            f"broker.max_body_bytes must be in {MIN_BODY_BYTES}..{MAX_BODY_BYTES} bytes,"
+            f" got {max_body_bytes}"
+        )
+    return MessageLimits(
+        body_bytes=max_body_bytes,
+        text_bytes=max_body_bytes,
+        reply_bytes=max_body_bytes + ENVELOPE_BYTES,
+        frame_bytes=max(4 * max_body_bytes, MIN_FRAME_BYTES),
+    )
 
 
 def pack(body: dict[str, Any]) -> bytes:
@@ -244,6 +297,37 @@ def to_worker_frames(
 ) -> list[bytes]:
     """Frames the backend ROUTER sends to the worker ``identity``."""
     return [identity, *worker_frames(command, body)]
+
+
+def clip_text(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` bytes of UTF-8, at a character boundary."""
+    data = text.encode()
+    return text if len(data) <= limit else data[:limit].decode(errors="ignore")
+
+
+def fit_final(body: dict[str, Any], limits: MessageLimits, outgrew: bool = False) -> dict[str, Any]:
+    """A worker's FINAL ``body`` if it fits ``limits``, else a 413 FINAL for its request.
+
+    It fits when its text is at most ``limits.text_bytes`` of UTF-8 and it packs into
+    at most ``limits.reply_bytes``. ``outgrew``: the worker already stopped the
+    request because its streamed text passed ``text_bytes``. The 413 carries the
+    text clipped to ``text_bytes``, so it always fits (clipped text + ~300 bytes).
+    """
+    text = body.get("text")
+    text = text if isinstance(text, str) else ""
+    fits = len(text.encode()) <= limits.text_bytes and len(pack(body)) <= limits.reply_bytes
+    if fits and not outgrew:
+        return body
+    return {
+        "rid": body.get("rid"),
+        "status": "error",
+        "code": int(ErrorCode.TOO_LARGE),
+        "message": (
+            f"the reply outgrew the most a reply may carry: {limits.text_bytes} bytes of"
+            " text (broker.max_body_bytes); lower max_tokens or raise that limit"
+        ),
+        "text": clip_text(text, limits.text_bytes),
+    }
 
 
 def parse_worker_frames(frames: list[bytes]) -> tuple[WorkerCommand, dict[str, Any]]:

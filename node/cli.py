@@ -238,7 +238,7 @@ def ask(
     try:
         with Client(config.frontend, wait_ms=2000) as probe:
             probe.ping()  # fail in seconds, not after a whole budget, if no node runs
-        with Client(config.frontend) as client:
+        with Client(config.frontend, max_body_bytes=config.broker.max_body_bytes) as client:
             if stream:
                 s = (
                     client.stream_generate(text, **fields)

@@ -18,6 +18,7 @@ from typing import Any
 from broker.breaker import BreakerSettings
 from broker.core import BrokerSettings
 from broker.errors import ConfigError
+from broker.protocol import message_limits
 from broker.routing import MODES, RoutingSettings
 from node.units import parse_cores
 from node.worker_memory import validate_memory
@@ -255,9 +256,9 @@ def validate(config: NodeConfig) -> NodeConfig:
         "heartbeat_liveness",
         "stall_timeout_ms",
         "cancel_grace_ms",
-        "max_body_bytes",
     ):
         _positive(f"broker.{name}", getattr(b, name), 1)
+    message_limits(b.max_body_bytes)  # its range; every socket's limits come from it
     if b.default_timeout_ms > b.max_timeout_ms:
         raise ConfigError("broker.default_timeout_ms must not exceed broker.max_timeout_ms")
     if not m.path:

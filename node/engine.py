@@ -117,6 +117,10 @@ class BatchEngine(Protocol):
         ...
 
 
+#: Bytes per token of the test engine's ``!long`` answer: a megabyte in 16 tokens.
+LONG_TOKEN_BYTES = 64 * 1024
+
+
 class TestEngine:
     """Deterministic engine: answers ``"echo: <prompt>"`` one word per ``token_ms``.
 
@@ -130,7 +134,9 @@ class TestEngine:
     per token) instead of the echo, like a model held to a ``json_schema``;
     ``!prefill <ms>`` evaluates the prompt first at that many ms per prompt
     word, like llama.cpp's prompt evaluation whose time grows with the prompt
-    (interruptible by a cancel, its steps counted as progress).
+    (interruptible by a cancel, its steps counted as progress); ``!long <bytes>``
+    answers that many bytes of ``x`` in tokens of ``LONG_TOKEN_BYTES``, like a
+    long completion, for the reply-size limit (``broker.protocol.message_limits``).
     """
 
     __test__ = False  # not a pytest test class
@@ -142,7 +148,7 @@ class TestEngine:
         self.n_ctx = spec.n_ctx
         self.token_s = spec.test_token_ms / 1000
         self.steps = 0
-        self._hogged: list[bytearray] = []
+        self._hogged: list[bytearray] = []  # !hog's memory, a MiB per item
 
     def run(self, job: dict[str, Any], cancelled: threading.Event, emit: Emit) -> dict[str, Any]:
         """See ``Engine.run``."""
@@ -156,17 +162,20 @@ class TestEngine:
         if words[:1] == ["!slow"] and len(words) > 1 and words[1].isdigit():
             delay = int(words[1]) / 1000
         if words[:1] == ["!hog"] and len(words) > 1 and words[1].isdigit():
-            # bytearray pages are zero-filled lazily: write one byte per page.
-            block = bytearray(int(words[1]) << 20)
-            for i in range(0, len(block), 4096):
-                block[i] = 1
-            self._hogged.append(block)
+            # bytearray(n) memsets its n bytes (every page touched, charged) in one
+            # C call that holds the GIL: 237 MiB took 0.75 s at nice 0 on the loaded
+            # dev VM, and a nice-10 worker missed 3 s of heartbeats in it. A MiB per
+            # call lets the I/O thread in between.
+            self._hogged.extend(bytearray(1 << 20) for _ in range(int(words[1])))
         if words[:1] == ["!prefill"] and len(words) > 1 and words[1].isdigit():
             self._prefill(len(words) * int(words[1]) / 1000, cancelled)
         if words[:1] == ["!json"]:
             obj, _ = json.JSONDecoder().raw_decode(prompt.split(None, 1)[1])
             answer = json.dumps(obj, separators=(",", ":"))
             tokens = [answer[i : i + 4] for i in range(0, len(answer), 4)]
+        elif words[:1] == ["!long"] and len(words) > 1 and words[1].isdigit():
+            size, step = int(words[1]), LONG_TOKEN_BYTES
+            tokens = ["x" * min(step, size - i) for i in range(0, size, step)]
         else:
             tokens = ["echo:", *(" " + w for w in words)]
         pieces = tokens[: int(job.get("max_tokens", 16))]

@@ -130,6 +130,7 @@ class WorkerPool:
                     heartbeat_liveness=c.broker.heartbeat_liveness,
                     cpus=placement.cpus if self.plan.restricts else (),
                     nice=placement.nice,
+                    max_body_bytes=c.broker.max_body_bytes,
                 )
             )
         return specs
@@ -146,6 +147,7 @@ class WorkerPool:
             heartbeat_interval_ms=c.broker.heartbeat_interval_ms,
             heartbeat_liveness=c.broker.heartbeat_liveness,
             cpus=self.plan.node,
+            max_body_bytes=c.broker.max_body_bytes,
         )
 
     # ------------------------------------------------------------------ lifecycle

@@ -70,6 +70,9 @@ class WorkerSpec:
     #: Cores to pin to (empty = leave affinity alone) and the nice level.
     cpus: tuple[int, ...] = ()
     nice: int = 0
+    #: ``broker.max_body_bytes``: the socket cap and the reply limits come from it
+    #: (``broker.protocol.message_limits``), the same as the broker's.
+    max_body_bytes: int = p.DEFAULT_MAX_BODY_BYTES
 
     def to_json(self) -> str:
         """Serialize for ``--spec``."""
@@ -93,6 +96,11 @@ class WorkerLoop:
         self.engine = engine
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.interval = spec.heartbeat_interval_ms / 1000
+        self.limits = p.message_limits(spec.max_body_bytes)
+        # Bytes of text sent in PARTIALs per rid, and the rids stopped for passing
+        # limits.text_bytes; only the I/O thread touches them.
+        self._streamed: dict[int, int] = {}
+        self._outgrew: set[int] = set()
         self.progress = 0  # tokens produced by this process; written by the engine threads
         self.running: dict[int, threading.Event] = {}  # rid -> its cancel flag
         self._abandoned: set[int] = set()  # rids started under a previous connection
@@ -172,7 +180,7 @@ class WorkerLoop:
         self.dealer.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)  # fresh per incarnation
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.setsockopt(zmq.SNDHWM, 1000)
-        self.dealer.setsockopt(zmq.MAXMSGSIZE, p.hard_message_limit(p.DEFAULT_MAX_BODY_BYTES))
+        self.dealer.setsockopt(zmq.MAXMSGSIZE, self.limits.frame_bytes)
         self.dealer.connect(self.spec.backend)
         self.broker_seen = time.monotonic()
         self._want_ready = True
@@ -259,17 +267,37 @@ class WorkerLoop:
 
     def _on_engine_event(self, frames: list[bytes]) -> None:
         kind, payload = frames[0], p.unpack_map(frames[1])
-        abandoned = payload["rid"] in self._abandoned
+        rid = payload["rid"]
+        abandoned = rid in self._abandoned
         if kind == b"partial":
             if not abandoned:
-                self._send(WorkerCommand.PARTIAL, {**payload, "progress": self._progress()})
+                self._relay_partial(rid, payload)
             return
+        self._streamed.pop(rid, None)
+        outgrew = rid in self._outgrew
+        self._outgrew.discard(rid)
         if abandoned:
-            self._abandoned.discard(payload["rid"])
+            self._abandoned.discard(rid)
         else:
-            self._send(WorkerCommand.FINAL, payload)
-        self.running.pop(payload["rid"], None)
+            # A FINAL over the broker's socket cap would cost the connection and
+            # every request on it: a reply too long is this request's 413.
+            self._send(WorkerCommand.FINAL, p.fit_final(payload, self.limits, outgrew))
+        self.running.pop(rid, None)
         self._send_ready_if_idle()
+
+    def _relay_partial(self, rid: int, payload: dict[str, Any]) -> None:
+        """Send a PARTIAL while the request's text fits a reply; at the first piece
+        past ``limits.text_bytes``, stop the request (its FINAL becomes a 413)."""
+        if rid in self._outgrew:
+            return
+        sent = self._streamed.get(rid, 0) + len(str(payload.get("text", "")).encode())
+        if sent > self.limits.text_bytes:
+            self._outgrew.add(rid)
+            if rid in self.running:
+                self.running[rid].set()
+            return
+        self._streamed[rid] = sent
+        self._send(WorkerCommand.PARTIAL, {**payload, "progress": self._progress()})
 
     def _engine_thread(self) -> None:
         """One request at a time through ``engine.run`` (engines that do not batch)."""
