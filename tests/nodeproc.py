@@ -185,9 +185,8 @@ def leftover_processes(run_dir: Path) -> list[int]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         try:
-            if str(run_dir) in " ".join(proc.info["cmdline"] or []):
-                found.append(proc.pid)
-            elif proc.environ().get("EDGENODE_RUN_DIR") == str(run_dir):
+            mentions = str(run_dir) in " ".join(proc.info["cmdline"] or [])
+            if mentions or proc.environ().get("EDGENODE_RUN_DIR") == str(run_dir):
                 found.append(proc.pid)
         except psutil.Error:
             continue

@@ -30,7 +30,6 @@ time.sleep(600)
 """
 
 
-
 def gone(pid: int) -> bool:
     """Exited (a zombie counts: whoever inherited it may never reap it)."""
     try:
