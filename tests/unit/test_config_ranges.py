@@ -14,9 +14,9 @@ import pytest
 from click.testing import CliRunner
 
 from broker.errors import ConfigError
+from node import cli as node_cli
 from node import config as cfg
 from node.capacity import KV_TYPES
-from node import cli as node_cli
 from node.cli import cli
 from node.config import NodeConfig, from_dict, load_config, to_dict
 
@@ -144,7 +144,7 @@ def test_validate_declares_a_check_for_every_key() -> None:
 
 
 def test_kv_type_names_follow_the_capacity_model() -> None:
-    assert cfg.KV_TYPE_NAMES == tuple(KV_TYPES)
+    assert tuple(KV_TYPES) == cfg.KV_TYPE_NAMES
 
 
 @pytest.mark.parametrize(
