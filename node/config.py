@@ -273,7 +273,6 @@ _BOUNDS: dict[str, tuple[float, float | None]] = {
     "broker.stall_timeout_ms": (1, None),
     "broker.cancel_grace_ms": (1, None),
     "broker.max_in_flight_per_client": (1, None),
-    "capacity.safety_margin": (0.0, 1.0),
     "routing.ttft_budget_ms": (0, None),  # 0 = no budget
     "fallback.low_confidence": (0.0, 1.0),
     "fallback.log_max_bytes": (0, None),
@@ -307,6 +306,7 @@ CHECKED_APART = frozenset(
         "capacity.memory_budget",
         "capacity.reserve",
         "capacity.runtime_overhead",
+        "capacity.safety_margin",
         "pressure.high_pct",
         "pressure.critical_pct",
         "pressure.clear_pct",
@@ -350,6 +350,10 @@ def validate(config: NodeConfig) -> NodeConfig:
             "pressure.clear_pct, pressure.high_pct and pressure.critical_pct need "
             f"0 < clear <= high <= critical <= 100, got {p.clear_pct}, {p.high_pct}, "
             f"{p.critical_pct}"
+        )
+    if not 0 <= config.capacity.safety_margin < 1:  # as node.capacity.Plan demands
+        raise ConfigError(
+            f"capacity.safety_margin must be in [0, 1), got {config.capacity.safety_margin}"
         )
     for key in ("capacity.memory_budget", "capacity.reserve", "capacity.runtime_overhead"):
         _size(key, _value(config, key), empty_ok=key == "capacity.memory_budget")

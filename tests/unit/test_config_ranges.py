@@ -86,6 +86,7 @@ BAD: list[tuple[str, Any]] = [
     ("capacity.reserve", "-1G"),
     ("capacity.reserve", ""),
     ("capacity.safety_margin", -0.1),
+    ("capacity.safety_margin", 1.0),
     ("capacity.safety_margin", 1.5),
     ("capacity.safety_margin", math.nan),
     ("capacity.runtime_overhead", "88 apples"),
