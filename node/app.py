@@ -93,6 +93,10 @@ class Node:
         c = self.config
         for key, endpoint in (("node.frontend", c.frontend), ("node.backend", c.backend)):
             check_free(key, endpoint)  # nothing is made before this
+        # From here a SIGTERM (``edgenode stop`` of a starting node) must take the
+        # clean path: the default action would end the process with its cgroups left.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
         try:
             pool.open()  # cgroups before any zmq thread exists
             return self._serve(pool, model)

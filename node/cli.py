@@ -224,7 +224,12 @@ def stop(ctx: click.Context, timeout_s: float) -> None:
     is never trusted for that.
     """
     config = _config(ctx)
-    holder = signal_holder(config.run_dir, signal.SIGTERM)
+    try:
+        holder = signal_holder(config.run_dir, signal.SIGTERM)
+    except (PermissionError, psutil.AccessDenied) as exc:
+        raise click.ClickException(
+            f"not permitted to stop the edgenode of {config.run_dir} (another user's?): {exc}"
+        ) from exc
     if holder is None:
         click.echo("edgenode is not running")
         return

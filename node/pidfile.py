@@ -132,6 +132,9 @@ def signal_holder(run_dir: Path, signum: signal.Signals) -> psutil.Process | Non
     holder and then checked against the lock again: if the pid changed hands in
     between, nothing is sent. Without pidfds, psutil checks the process's start
     time right before signalling.
+
+    Raises:
+        PermissionError, psutil.AccessDenied: the holder is another user's process.
     """
     holder = lock_holder(run_dir)
     if holder is None:

@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -179,3 +180,38 @@ def test_a_start_that_fails_on_its_address_leaves_no_cgroup_socket_or_pidfile(
     assert node_cgroup_dirs(node.run_dir) == []
     assert run_files(node.run_dir) == []
     wait_for(lambda: holder.status()["all_ready"])
+
+
+#: A node that gets SIGTERM (as from ``edgenode stop``) right after it made its
+#: cgroups, before it serves: argv[1] is its config.
+STOPPED_WHILE_STARTING = """
+import os, signal, sys
+from node import pool
+from node.app import Node
+from node.config import load_config
+
+opened = pool.WorkerPool.open
+
+def open_then_stop(self):
+    opened(self)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+pool.WorkerPool.open = open_then_stop
+sys.exit(Node(load_config(sys.argv[1])).run())
+"""
+
+
+def test_a_stop_while_the_node_starts_still_removes_what_it_made(make_node: NodeFactory) -> None:
+    sandbox = "required" if cgroups_usable() else "off"
+    node = make_node(start=False, workers={**ONE_WORKER, "sandbox": sandbox})
+    result = subprocess.run(
+        [sys.executable, "-c", STOPPED_WHILE_STARTING, str(node.config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "EDGENODE_RUN_DIR": str(node.run_dir)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert node_cgroup_dirs(node.run_dir) == []
+    assert run_files(node.run_dir) == []
