@@ -133,6 +133,8 @@ def _start_background(config: NodeConfig, wait_s: float) -> None:
         # A start that fails leaves nothing running: its node stops (workers,
         # cgroups, sockets and pidfile go with it).
         raise click.ClickException(f"{exc.message}\n{_stop_started(proc, config)}") from exc
+    except KeyboardInterrupt:  # Ctrl-C while waiting: the start is given up, so is its node
+        raise click.ClickException(f"start interrupted\n{_stop_started(proc, config)}") from None
     click.echo(f"edgenode running: {n} worker(s) ready on {config.frontend} (pid {proc.pid})")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -213,5 +214,30 @@ def test_a_stop_while_the_node_starts_still_removes_what_it_made(make_node: Node
         env={**os.environ, "EDGENODE_RUN_DIR": str(node.run_dir)},
     )
     assert result.returncode == 0, result.stderr
+    assert node_cgroup_dirs(node.run_dir) == []
+    assert run_files(node.run_dir) == []
+
+
+def test_a_start_interrupted_with_ctrl_c_stops_the_node_it_launched(
+    make_node: NodeFactory,
+) -> None:
+    node = make_node(start=False, workers={**ONE_WORKER, "test_load_ms": 60_000})
+    start = subprocess.Popen(
+        node._argv("start", "--wait-s", "120"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        wait_for(lambda: node_processes(node.run_dir), timeout=30)
+        start.send_signal(signal.SIGINT)
+        _out, err = start.communicate(timeout=60)
+    finally:
+        start.kill()
+        start.wait()
+    assert start.returncode == 1, err
+    assert "start interrupted" in err and "was stopped" in err, err
+    assert node_processes(node.run_dir) == []
     assert node_cgroup_dirs(node.run_dir) == []
     assert run_files(node.run_dir) == []
