@@ -10,23 +10,29 @@ SIGTERM -> drain -> answer the rest -> stop workers (still answering clients)
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import zmq
+
 from broker.core import Broker, WorkerEvent
+from broker.errors import ConfigError
 from broker.loop import BrokerLoop
 from broker.token_count import TokenCounter
 from node.capacity import check_fits
 from node.config import NodeConfig
+from node.endpoints import check_free
 from node.engine import EngineSpec, make_token_counter
 from node.migration_log import MigrationLog, migration_log_path
 from node.model import resolve_model, resolve_rules
-from node.pidfile import remove_pidfile, write_pidfile
+from node.pidfile import RunLock, remove_pidfile, write_pidfile
 from node.pool import WorkerPool
 from node.pressure import PressureMonitor
 from node.units import parse_size
@@ -51,7 +57,10 @@ class Node:
 
     Raises (from ``run``):
         ConfigError: the model or rules cannot be resolved, the core plan is
-            impossible, or the run directory is unusable.
+            impossible, the run directory is unusable or held by another node
+            (one node per run directory: ``node.pidfile.RunLock``), or an
+            endpoint is in use (the message names its holder). A start that
+            fails removes the workers, cgroups, socket files and pidfile it made.
         SandboxError: ``sandbox = "required"`` and cgroups cannot be used.
     """
 
@@ -71,12 +80,31 @@ class Node:
         pool = WorkerPool(c, model, rules, self.run_dir, self.plan, slots=self.plan.slots)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)
-        write_pidfile(self.pidfile)
+        with RunLock(self.run_dir):  # one node per run directory, for this node's whole life
+            write_pidfile(self.pidfile)
+            try:
+                return self._run_locked(pool, model)
+            finally:
+                remove_pidfile(self.pidfile)
+
+    def _run_locked(self, pool: WorkerPool, model: str) -> int:
+        """Check the endpoints, open the cgroups, serve. Whatever fails on the way,
+        the workers, cgroups and socket files made so far are removed."""
+        c = self.config
+        for key, endpoint in (("node.frontend", c.frontend), ("node.backend", c.backend)):
+            check_free(key, endpoint)  # nothing is made before this
+        # From here a SIGTERM (``edgenode stop`` of a starting node) must take the
+        # clean path: the default action would end the process with its cgroups left.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
         try:
             pool.open()  # cgroups before any zmq thread exists
             return self._serve(pool, model)
         finally:
-            remove_pidfile(self.pidfile)
+            pool.stop(c.workers.stop_grace_ms / 1000)  # after a clean stop: a no-op
+            # Free or stale when checked, under this node's lock: they are this node's.
+            for name in ("frontend.sock", "workers/backend.sock"):
+                (self.run_dir / name).unlink(missing_ok=True)
 
     def _serve(self, pool: WorkerPool, model: str) -> int:
         c = self.config
@@ -103,13 +131,7 @@ class Node:
                 migration.write(record)
             broker.router.records.clear()
 
-        loop = BrokerLoop(
-            broker,
-            c.frontend,
-            c.backend,
-            on_event=lambda ev: _on_worker_event(pool, ev),
-            on_tick=on_tick,
-        )
+        loop = self._bind(broker, pool, on_tick)
         wake_r, wake_w = self._install_signals(loop)
         try:
             pool.start(lambda wid, why: broker.worker_exited(wid, why, time.monotonic()))
@@ -128,6 +150,36 @@ class Node:
         finally:
             self._close(loop, pool, migration, (wake_r, wake_w))
         return 0
+
+    def _bind(
+        self, broker: Broker, pool: WorkerPool, on_tick: Callable[[float], None]
+    ) -> BrokerLoop:
+        """The broker loop on the configured endpoints.
+
+        Raises:
+            ConfigError: an endpoint cannot be bound (taken since ``check_free``,
+                a host name that does not resolve); the message names it and,
+                when in use, its holder.
+        """
+        c = self.config
+        try:
+            return BrokerLoop(
+                broker,
+                c.frontend,
+                c.backend,
+                on_event=lambda ev: _on_worker_event(pool, ev),
+                on_tick=on_tick,
+            )
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                for key, endpoint in (("node.frontend", c.frontend), ("node.backend", c.backend)):
+                    try:
+                        check_free(key, endpoint)
+                    except ConfigError as busy:
+                        raise busy from exc
+            raise ConfigError(
+                f"cannot bind node.frontend {c.frontend} / node.backend {c.backend}: {exc}"
+            ) from exc
 
     def _close(
         self,
@@ -148,8 +200,6 @@ class Node:
         signal.set_wakeup_fd(-1)
         for sock in wake:
             sock.close()
-        for name in ("frontend.sock", "workers/backend.sock"):
-            (self.run_dir / name).unlink(missing_ok=True)
         log.info("edgenode stopped")
 
     def _migration_log(self, pool: WorkerPool) -> MigrationLog:

@@ -28,12 +28,15 @@ from node.cli_report import report
 from node.cli_rules import rules
 from node.config import NodeConfig, load_config
 from node.model import resolve_model
-from node.pidfile import read_live_pid
+from node.pidfile import lock_holder, signal_holder
 from node.pool import plan_workers
 from node.status_view import render_status
 
 #: ``edgenode status`` exit code when no node runs (LSB init-script convention).
 EXIT_NOT_RUNNING = 3
+#: Added to a stopping node's own grace (2 x workers.stop_grace_ms) before a failed
+#: start kills it (s): closing sockets and removing cgroups takes well under this.
+STOP_MARGIN_S = 10.0
 
 
 def _config(ctx: click.Context) -> NodeConfig:
@@ -77,15 +80,21 @@ def cli(ctx: click.Context, config_path: str | None, run_dir: str | None) -> Non
     "--wait-s",
     default=180.0,
     show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
     help="Background start: how long to wait for every worker to be READY.",
 )
 @click.pass_context
 def start(ctx: click.Context, foreground: bool, wait_s: float) -> None:
-    """Start the node (background by default, with a pidfile and logs in the run dir)."""
+    """Start the node (background by default, with a pidfile and logs in the run dir).
+
+    One node per run directory: the node holds a lock on it for its whole life.
+    A background start succeeds only when the node it launched answers with
+    every worker ready; otherwise it stops that node and exits 1 with the reason.
+    """
     config = _config(ctx)
-    pid = read_live_pid(config.run_dir / "edgenode.pid")
-    if pid is not None:
-        raise click.ClickException(f"edgenode already running (pid {pid}, {config.run_dir})")
+    holder = lock_holder(config.run_dir)
+    if holder is not None:
+        raise click.ClickException(f"edgenode already running (pid {holder.pid}, {config.run_dir})")
     try:  # fail here, clearly, before anything starts
         if config.workers.engine == "llama":
             resolve_model(config.model.path)
@@ -117,58 +126,130 @@ def _start_background(config: NodeConfig, wait_s: float) -> None:
             stderr=out,
             start_new_session=True,
         )
-    deadline = time.monotonic() + wait_s
     click.echo(f"starting edgenode (pid {proc.pid}, log {logfile}) ...")
+    try:
+        n = _wait_started(proc, config, wait_s, logfile)
+    except click.ClickException as exc:
+        # A start that fails leaves nothing running: its node stops (workers,
+        # cgroups, sockets and pidfile go with it).
+        raise click.ClickException(f"{exc.message}\n{_stop_started(proc, config)}") from exc
+    except KeyboardInterrupt:  # Ctrl-C while waiting: the start is given up, so is its node
+        raise click.ClickException(f"start interrupted\n{_stop_started(proc, config)}") from None
+    click.echo(f"edgenode running: {n} worker(s) ready on {config.frontend} (pid {proc.pid})")
+
+
+def _wait_started(
+    proc: subprocess.Popen[bytes], config: NodeConfig, wait_s: float, logfile: Path
+) -> int:
+    """Wait until the node ``proc`` itself answers with every worker ready; returns
+    the number of workers. An answer from any other process (a node that already
+    held the endpoint) does not count: its ``pid`` is not ``proc``'s.
+
+    Raises:
+        click.ClickException: the node exited (with its own error), a worker
+            failed, or not ready within ``wait_s``.
+    """
+    deadline = time.monotonic() + wait_s
+    answered_by: int | None = None
     with Client(config.frontend, wait_ms=1000) as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                tail = logfile.read_text(errors="replace").splitlines()[-15:]
-                raise click.ClickException("node exited during start:\n" + "\n".join(tail))
+                raise click.ClickException(f"node exited during start: {_exit_reason(logfile)}")
             try:
                 status = client.status()
             except EdgeNodeError:
+                time.sleep(0.2)
+                continue
+            if status.get("pid") != proc.pid:
+                answered_by = status.get("pid")
                 time.sleep(0.2)
                 continue
             failed = [p for p in status.get("processes", []) if p["state"] == "failed"]
             if failed:
                 reasons = "; ".join(f"{p['worker_id']}: {p['last_exit']}" for p in failed)
                 raise click.ClickException(
-                    f"worker failed to start ({reasons}); see {logfile.parent} "
-                    "(the node keeps running: fix the config, then edgenode stop/start)"
+                    f"worker failed to start ({reasons}); see {logfile.parent}"
                 )
             if status.get("all_ready"):
-                n = len(status["workers"])
-                click.echo(f"edgenode running: {n} worker(s) ready on {config.frontend}")
-                return
+                return len(status["workers"])
             time.sleep(0.2)
-    raise click.ClickException(f"workers not ready after {wait_s:.0f}s; see {logfile}")
+    other = (
+        f"; {config.frontend} is answered by pid {answered_by}, not by the node this start "
+        f"launched (pid {proc.pid})"
+        if answered_by is not None
+        else ""
+    )
+    raise click.ClickException(f"workers not ready after {wait_s:g}s{other}; see {logfile}")
+
+
+def _exit_reason(logfile: Path) -> str:
+    """The node's own error line (click's "Error: ..."), else the log's tail."""
+    tail = logfile.read_text(errors="replace").splitlines()[-15:]
+    errors = [line.removeprefix("Error: ") for line in tail if line.startswith("Error: ")]
+    return errors[-1] if errors else "\n" + "\n".join(tail)
+
+
+def _stop_started(proc: subprocess.Popen[bytes], config: NodeConfig) -> str:
+    """Stop the node this start launched (its own child: the pid cannot have been
+    reused while unreaped); returns what happened, for the error message."""
+    if proc.poll() is not None:
+        return f"(the node, pid {proc.pid}, has exited)"
+    proc.terminate()
+    # The node's own stop: drain within stop_grace_ms, then the workers get as
+    # long again; the margin covers the cgroups' removal.
+    grace_s = 2 * config.workers.stop_grace_ms / 1000 + STOP_MARGIN_S
+    try:
+        proc.wait(grace_s)
+        return f"the node it started (pid {proc.pid}) was stopped"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return (
+            f"the node it started (pid {proc.pid}) did not stop within {grace_s:g}s and was "
+            "killed; the next start reaps its cgroups"
+        )
 
 
 @cli.command()
-@click.option("--timeout-s", default=30.0, show_default=True, help="Wait this long for exit.")
+@click.option(
+    "--timeout-s",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Wait this long for exit.",
+)
 @click.pass_context
 def stop(ctx: click.Context, timeout_s: float) -> None:
-    """Stop a running node (drain, then stop workers). Exit 0 also if none runs."""
+    """Stop the running node (drain, then stop workers). Exit 0 also if none runs.
+
+    Only the process holding the run directory's lock is signalled; the pidfile
+    is never trusted for that.
+    """
     config = _config(ctx)
-    pidfile = config.run_dir / "edgenode.pid"
-    pid = read_live_pid(pidfile)
-    if pid is None:
+    try:
+        holder = signal_holder(config.run_dir, signal.SIGTERM)
+    except (PermissionError, psutil.AccessDenied) as exc:
+        raise click.ClickException(
+            f"not permitted to stop the edgenode of {config.run_dir} (another user's?): {exc}"
+        ) from exc
+    if holder is None:
         click.echo("edgenode is not running")
         return
-    os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if read_live_pid(pidfile) != pid and not _alive(pid):
-            click.echo(f"edgenode stopped (pid {pid})")
-            return
+    while _alive(holder):
+        if time.monotonic() > deadline:
+            raise click.ClickException(
+                f"edgenode (pid {holder.pid}) did not stop within {timeout_s:g}s"
+            )
         time.sleep(0.1)
-    raise click.ClickException(f"edgenode (pid {pid}) did not stop within {timeout_s:.0f}s")
+    click.echo(f"edgenode stopped (pid {holder.pid})")
 
 
-def _alive(pid: int) -> bool:
-    # A zombie has exited: its parent (often init) just has not reaped it yet.
+def _alive(proc: psutil.Process) -> bool:
+    # is_running() also checks the start time (a reused pid is not ours); a
+    # zombie has exited, its parent just has not reaped it yet.
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 

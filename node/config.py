@@ -20,7 +20,8 @@ from broker.core import BrokerSettings
 from broker.errors import ConfigError
 from broker.protocol import message_limits
 from broker.routing import MODES, RoutingSettings
-from node.units import parse_cores
+from node.endpoints import parse_endpoint
+from node.units import parse_cores, parse_size
 from node.worker_memory import validate_memory
 
 if sys.version_info >= (3, 11):
@@ -30,6 +31,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 SYSTEM_CONFIG = Path("/etc/edgenode/edgenode.toml")
 ENGINES = ("llama", "test")
+SANDBOX_MODES = ("auto", "required", "off")
 #: The most sequences (slots) one worker may run: ``workers.slots`` in [1, MAX_SLOTS].
 MAX_SLOTS = 64
 #: ``workers.slots = "auto"``: sized by ``node.capacity.resolve_slots``.
@@ -231,48 +233,162 @@ def to_dict(config: NodeConfig) -> dict[str, Any]:
     return {name: plain(getattr(config, name)) for name in _SECTIONS}
 
 
+#: The largest value a C ``int`` takes: llama.cpp's context parameters (n_ctx,
+#: n_batch, n_threads) are 32-bit; a larger TOML integer would wrap around.
+INT32_MAX = 2**31 - 1
+#: ``workers.ready_timeout_ms`` floor (ms): a fresh interpreter alone takes a few
+#: hundred ms to start, so below a second no worker (even the test engine's) can
+#: register, and every spawn is killed and respawned in a loop.
+MIN_READY_TIMEOUT_MS = 1000
+#: ``workers.cpu_quota`` ceiling in cores: x86-64's largest CONFIG_NR_CPUS
+#: (MAXSMP). Above it a quota means nothing; infinity would overflow the µs.
+MAX_CPU_QUOTA = 8192
+#: ``model.kv_type`` names (``node.capacity.KV_TYPES`` maps them to GGML types;
+#: a unit test keeps the two in step).
+KV_TYPE_NAMES = ("f16", "q8_0", "q4_0")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+#: Range ``(lowest, highest or None)`` of every numeric key: counts from their
+#: minimum, durations > 0 where zero is harmful (0 allowed where it means
+#: "none"/"at once", as documented in etc/edgenode.toml), fractions in [0, 1].
+_BOUNDS: dict[str, tuple[float, float | None]] = {
+    "node.start_timeout_ms": (1, None),
+    "model.n_ctx": (64, INT32_MAX),
+    "model.n_batch": (1, INT32_MAX),
+    "workers.count": (0, None),
+    "workers.threads": (1, INT32_MAX),
+    "workers.ready_timeout_ms": (MIN_READY_TIMEOUT_MS, None),
+    "workers.stop_grace_ms": (0, None),
+    "workers.restart_backoff_ms": (1, None),  # 0 doubles to 0: a hot respawn loop
+    "workers.restart_backoff_max_ms": (1, None),
+    "workers.test_token_ms": (0, None),
+    "workers.test_load_ms": (0, None),
+    "workers.log_max_bytes": (0, None),
+    "workers.nice": (0, 19),
+    "broker.max_queue": (0, None),  # 0 = 8 per pool slot
+    "broker.default_timeout_ms": (1, None),
+    "broker.max_timeout_ms": (1, None),
+    "broker.default_max_tokens": (1, None),
+    "broker.heartbeat_interval_ms": (1, None),
+    "broker.heartbeat_liveness": (1, None),
+    "broker.stall_timeout_ms": (1, None),
+    "broker.cancel_grace_ms": (1, None),
+    "broker.max_in_flight_per_client": (1, None),
+    "routing.ttft_budget_ms": (0, None),  # 0 = no budget
+    "fallback.low_confidence": (0.0, 1.0),
+    "fallback.log_max_bytes": (0, None),
+    "fallback.log_backups": (0, None),
+    "pressure.poll_ms": (1, None),
+}
+#: Keys whose value is one of a fixed set.
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "node.log_level": LOG_LEVELS,
+    "model.kv_type": KV_TYPE_NAMES,
+    "workers.engine": ENGINES,
+    "workers.sandbox": SANDBOX_MODES,
+    "routing.mode": MODES,
+}
+#: Keys with a check of their own in ``validate`` (or, for ``[breaker]`` and
+#: ``broker.service_estimate``, in the section's ``__post_init__``).
+CHECKED_APART = frozenset(
+    {
+        "node.run_dir",
+        "node.frontend",
+        "node.backend",
+        "node.cpus",
+        "model.path",
+        "workers.slots",
+        "workers.cgroup_root",
+        "workers.memory_max",
+        "workers.memory_high",
+        "workers.cpu_quota",
+        "workers.cpus",
+        "broker.service_estimate",
+        "broker.max_body_bytes",  # broker.protocol.message_limits
+        "capacity.memory_budget",
+        "capacity.reserve",
+        "capacity.runtime_overhead",
+        "capacity.safety_margin",
+        "pressure.high_pct",
+        "pressure.critical_pct",
+        "pressure.clear_pct",
+        "pressure.budget",
+        *(f"breaker.{f.name}" for f in dataclasses.fields(BreakerSettings)),
+    }
+)
+#: Keys with no range: their type is all there is to check (``repack``), or they
+#: name something only the start can check (a chat format llama-cpp-python knows,
+#: a rules file: refused then with a clear error).
+FREE_KEYS = frozenset({"model.repack", "model.flash_attn", "model.chat_format", "fallback.rules"})
+
+
 def validate(config: NodeConfig) -> NodeConfig:
-    """Check ranges and choices once, at start.
+    """Check every key's range or choice once, at load (see ``_BOUNDS``, ``_CHOICES``,
+    ``CHECKED_APART``).
 
     Raises:
-        ConfigError: the first invalid value found, with its key.
+        ConfigError: the first invalid value found; the message names its key.
     """
-    w, m, b = config.workers, config.model, config.broker
-    _positive("workers.count", w.count, 0)
-    _choice("workers.engine", w.engine, ENGINES)
-    _choice("node.log_level", config.node.log_level, ("debug", "info", "warning", "error"))
-    _positive("workers.threads", w.threads, 1)
+    for key, (low, high) in _BOUNDS.items():
+        _in_range(key, _value(config, key), low, high)
+    for key, choices in _CHOICES.items():
+        _choice(key, _value(config, key), choices)
+    w, b, p = config.workers, config.broker, config.pressure
     _slots(w.slots)
-    _positive("workers.log_max_bytes", w.log_max_bytes, 0)
-    _positive("model.n_ctx", m.n_ctx, 64)
-    _positive("model.n_batch", m.n_batch, 1)
-    _positive("broker.max_queue", b.max_queue, 0)  # 0 = 8 per pool slot
-    for name in (
-        "max_in_flight_per_client",
-        "default_timeout_ms",
-        "max_timeout_ms",
-        "default_max_tokens",
-        "heartbeat_interval_ms",
-        "heartbeat_liveness",
-        "stall_timeout_ms",
-        "cancel_grace_ms",
-    ):
-        _positive(f"broker.{name}", getattr(b, name), 1)
     message_limits(b.max_body_bytes)  # its range; every socket's limits come from it
     if b.default_timeout_ms > b.max_timeout_ms:
         raise ConfigError("broker.default_timeout_ms must not exceed broker.max_timeout_ms")
-    if not m.path:
+    if w.restart_backoff_max_ms < w.restart_backoff_ms:
+        raise ConfigError(
+            "workers.restart_backoff_max_ms must be >= workers.restart_backoff_ms, "
+            f"got {w.restart_backoff_max_ms} < {w.restart_backoff_ms}"
+        )
+    if not config.model.path:
         raise ConfigError("model.path must be 'default' or a path to a GGUF file")
     _validate_isolation(w)
     _core_list("node.cpus", config.node.cpus)
-    _choice("routing.mode", config.routing.mode, MODES)
-    _positive("routing.ttft_budget_ms", config.routing.ttft_budget_ms, 0)
-    p = config.pressure
+    _validate_endpoints(config)
     if not 0 < p.clear_pct <= p.high_pct <= p.critical_pct <= 100:
-        raise ConfigError("pressure needs 0 < clear_pct <= high_pct <= critical_pct <= 100")
-    if not 0.0 <= config.fallback.low_confidence <= 1.0:
-        raise ConfigError("fallback.low_confidence must be in [0, 1]")
+        raise ConfigError(
+            "pressure.clear_pct, pressure.high_pct and pressure.critical_pct need "
+            f"0 < clear <= high <= critical <= 100, got {p.clear_pct}, {p.high_pct}, "
+            f"{p.critical_pct}"
+        )
+    if not 0 <= config.capacity.safety_margin < 1:  # as node.capacity.Plan demands
+        raise ConfigError(
+            f"capacity.safety_margin must be in [0, 1), got {config.capacity.safety_margin}"
+        )
+    for key in ("capacity.memory_budget", "capacity.reserve", "capacity.runtime_overhead"):
+        _size(key, _value(config, key), empty_ok=key == "capacity.memory_budget")
+    _size("pressure.budget", p.budget, empty_ok=True)
     return config
+
+
+def _value(config: NodeConfig, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(config, section), name)
+
+
+def _validate_endpoints(config: NodeConfig) -> None:
+    """Endpoints parse (``node.endpoints``): tcp ports 1..65535, ipc paths that fit
+    a socket address; a default endpoint's path comes from the run directory, so
+    a run directory too long for it is named as such; the two must differ."""
+    n = config.node
+    parse_endpoint("node.frontend" if n.frontend else "node.run_dir", config.frontend)
+    parse_endpoint("node.backend" if n.backend else "node.run_dir", config.backend)
+    if config.frontend == config.backend:
+        raise ConfigError(
+            f"node.frontend and node.backend must differ, both are {config.frontend!r}"
+        )
+
+
+def _size(key: str, value: str, empty_ok: bool) -> None:
+    if empty_ok and value == "":
+        return
+    try:
+        parse_size(value)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}") from exc
 
 
 _SECTIONS: dict[str, type] = {
@@ -327,13 +443,9 @@ def _int_tuple(key: str, value: list[Any]) -> tuple[int, ...]:
     return tuple(value)
 
 
-SANDBOX_MODES = ("auto", "required", "off")
-
-
 def _validate_isolation(w: WorkersSection) -> None:
     """The sandbox and affinity keys (issue 4); cores are checked against the
     host's allowed set later, by ``node.affinity.plan_cpus`` at start."""
-    _choice("workers.sandbox", w.sandbox, SANDBOX_MODES)
     if w.cgroup_root and (not w.cgroup_root.startswith("/") or ".." in w.cgroup_root.split("/")):
         raise ConfigError(
             f'workers.cgroup_root must be "" or a cgroup path like "/edgenode.slice", '
@@ -341,12 +453,14 @@ def _validate_isolation(w: WorkersSection) -> None:
         )
     validate_memory(w)  # a size or "max"; "auto" is checked against the plan at start
     try:
-        parse_cores(w.cpu_quota)
+        cores = parse_cores(w.cpu_quota)
     except ValueError as exc:
         raise ConfigError(f"workers.cpu_quota: {exc}") from exc
+    if cores is not None and not cores <= MAX_CPU_QUOTA:
+        raise ConfigError(
+            f'workers.cpu_quota must be at most {MAX_CPU_QUOTA} cores or "max", got {w.cpu_quota!r}'
+        )
     _core_list("workers.cpus", w.cpus)
-    if not 0 <= w.nice <= 19:
-        raise ConfigError(f"workers.nice must be 0..19, got {w.nice}")
 
 
 def is_auto_slots(slots: int | str) -> bool:
@@ -373,9 +487,12 @@ def _core_list(key: str, cpus: tuple[int, ...]) -> None:
         raise ConfigError(f"{key} must list distinct core numbers >= 0, got {list(cpus)}")
 
 
-def _positive(key: str, value: int, minimum: int) -> None:
-    if value < minimum:
-        raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+def _in_range(key: str, value: float, low: float, high: float | None) -> None:
+    """``low <= value <= high``; written so that NaN (TOML ``nan``) fails too."""
+    if high is None and not value >= low:
+        raise ConfigError(f"{key} must be >= {low}, got {value}")
+    if high is not None and not low <= value <= high:
+        raise ConfigError(f"{key} must be in [{low}, {high}], got {value}")
 
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:

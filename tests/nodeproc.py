@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -62,7 +63,8 @@ class NodeProcess:
             lines.append(f"[{name}]")
             lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
         self.config.write_text("\n".join(lines) + "\n")
-        self.frontend = f"ipc://{self.run_dir}/frontend.sock"
+        configured = sections.get("node", {}).get("frontend")
+        self.frontend = configured or f"ipc://{self.run_dir}/frontend.sock"
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = self.run_dir / "node-stdout.log"
 
@@ -154,10 +156,14 @@ class NodeProcess:
         """Kill anything left (a failed test must not leak processes) and remove the run dir."""
         if self.proc is not None and self.proc.poll() is None:
             self.stop()
-        for proc in psutil.process_iter(["cmdline"]):
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            if str(self.run_dir) in cmdline:
-                proc.kill()
+        for pid in node_processes(self.run_dir):  # started by `edgenode start`: stop cleanly
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                proc.terminate()
+                proc.wait(30)
+        for pid in leftover_processes(self.run_dir):
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
@@ -173,15 +179,44 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, every: float =
 
 
 def leftover_processes(run_dir: Path) -> list[int]:
-    """Pids of any process whose command line mentions ``run_dir``."""
+    """Pids of any process whose command line mentions ``run_dir``, or that runs
+    with ``EDGENODE_RUN_DIR=run_dir`` (a node started by ``edgenode start`` in the
+    background has the run directory only in its environment)."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         try:
-            if str(run_dir) in " ".join(proc.info["cmdline"] or []):
+            mentions = str(run_dir) in " ".join(proc.info["cmdline"] or [])
+            if mentions or proc.environ().get("EDGENODE_RUN_DIR") == str(run_dir):
                 found.append(proc.pid)
         except psutil.Error:
             continue
     return found
+
+
+def node_processes(run_dir: Path) -> list[int]:
+    """Pids of the node processes (``edgenode start --foreground``) serving ``run_dir``."""
+    found = []
+    for pid in leftover_processes(run_dir):
+        try:
+            proc = psutil.Process(pid)
+            cmdline = proc.cmdline()
+            if "node.cli" in cmdline and "--foreground" in cmdline and proc.status() != "zombie":
+                found.append(pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+def node_cgroup_dirs(run_dir: Path) -> list[Path]:
+    """The node's cgroup trees that exist now, in every hierarchy of this host."""
+    from node.sandbox import Host, cgroup_name, read_layout
+
+    layout = read_layout(Host())
+    name = cgroup_name(run_dir)
+    dirs = {m.dir_of(layout.own_v1.get(c, "/")) / name for c, m in layout.v1.items()}
+    if layout.v2 is not None:
+        dirs.add(layout.v2.dir_of(layout.own_v2 or "/") / name)
+    return sorted(d for d in dirs if d.is_dir())
 
 
 class Collector:

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from node.sandbox import Host, cgroup_name, read_layout
-from nodeproc import REPO, NodeProcess, leftover_processes, wait_for
+from nodeproc import REPO, NodeProcess, leftover_processes, node_cgroup_dirs, wait_for
 
 #: The harness under test: start a node, say what it made, then wait to be killed.
 HARNESS = """
@@ -29,16 +28,6 @@ pids = [node.proc.pid] + [p["pid"] for p in status["processes"] if p["pid"]]
 print(json.dumps({"run_dir": str(node.run_dir), "pids": pids}), flush=True)
 time.sleep(600)
 """
-
-
-def node_cgroup_dirs(run_dir: Path) -> list[Path]:
-    """The node's cgroup trees that exist now, in every hierarchy of this host."""
-    layout = read_layout(Host())
-    name = cgroup_name(run_dir)
-    dirs = {m.dir_of(layout.own_v1.get(c, "/")) / name for c, m in layout.v1.items()}
-    if layout.v2 is not None:
-        dirs.add(layout.v2.dir_of(layout.own_v2 or "/") / name)
-    return sorted(d for d in dirs if d.is_dir())
 
 
 def gone(pid: int) -> bool:

@@ -1,0 +1,150 @@
+"""The node's ZeroMQ endpoints: their syntax, and whether another process holds one.
+
+A node checks its endpoints before it binds. A TCP port in use would make the
+bind fail; an ipc path in use is worse: libzmq unlinks a socket file it finds
+and binds anew, silently taking the path from the process that serves it. The
+check names the holder (``psutil.net_connections``: the process listening on
+the port, or bound to the socket path), so the operator knows whom to stop.
+A narrow window remains between the check and the bind; the bind's own error
+is reported the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+from typing import Literal
+
+import psutil
+
+from broker.errors import ConfigError
+
+#: Longest ipc path: ``sun_path`` holds 108 bytes with the terminating NUL (unix(7)).
+MAX_IPC_PATH = 107
+#: TCP ports an endpoint may name (a fixed port: clients must know where to connect).
+PORTS = range(1, 65536)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A parsed ``ipc://PATH`` or ``tcp://HOST:PORT`` endpoint."""
+
+    transport: Literal["ipc", "tcp"]
+    path: str = ""
+    host: str = ""
+    port: int = 0
+
+
+def parse_endpoint(key: str, text: str) -> Endpoint:
+    """Parse ``ipc://PATH`` (at most ``MAX_IPC_PATH`` bytes) or ``tcp://HOST:PORT``
+    (port 1..65535; HOST an address, a name, ``*`` or ``[v6 address]``).
+
+    Raises:
+        ConfigError: anything else, naming ``key``.
+    """
+    transport, sep, rest = text.partition("://")
+    if sep and transport == "ipc" and rest:
+        if len(os.fsencode(rest)) > MAX_IPC_PATH:
+            raise ConfigError(
+                f"{key}: ipc path {rest!r} is {len(os.fsencode(rest))} bytes, "
+                f"longer than the {MAX_IPC_PATH} a unix socket address holds"
+            )
+        return Endpoint("ipc", path=rest)
+    if sep and transport == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if colon and host and port.isdigit() and int(port) in PORTS:
+            return Endpoint("tcp", host=host.strip("[]"), port=int(port))
+        raise ConfigError(f"{key}: {text!r} needs tcp://HOST:PORT with a port in 1..65535")
+    raise ConfigError(f'{key} must be "", ipc://PATH or tcp://HOST:PORT, got {text!r}')
+
+
+def check_free(key: str, text: str) -> None:
+    """Refuse an endpoint another process holds now.
+
+    Raises:
+        ConfigError: in use; the message names the endpoint, ``key`` and the holder.
+    """
+    endpoint = parse_endpoint(key, text)
+    busy = _ipc_busy(endpoint.path) if endpoint.transport == "ipc" else _tcp_busy(endpoint)
+    if busy:
+        raise ConfigError(in_use_message(key, text))
+
+
+def in_use_message(key: str, text: str) -> str:
+    """ "<key> <endpoint> is already in use by pid N (name)"."""
+    return f"{key} {text} is already in use by {holder_of(parse_endpoint(key, text))}"
+
+
+def holder_of(endpoint: Endpoint) -> str:
+    """Who listens on the endpoint: "pid N (cmd)", or "another process" when the
+    kernel does not say (another user's process, without root)."""
+    try:
+        conns = psutil.net_connections(kind="unix" if endpoint.transport == "ipc" else "tcp")
+    except (psutil.Error, OSError):
+        conns = []
+    for conn in conns:
+        if conn.pid is None or not _matches(endpoint, conn.laddr, conn.status):
+            continue
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(conn.pid)
+            return f"pid {conn.pid} ({_short(' '.join(proc.cmdline()) or proc.name())})"
+        return f"pid {conn.pid}"
+    return "another process"
+
+
+#: Addresses that listen on every interface: they clash with any host on their port.
+_WILDCARDS = ("", "*", "0.0.0.0", "::")
+
+
+def _short(cmdline: str, limit: int = 80) -> str:
+    """One line of at most ``limit`` characters, for messages."""
+    line = " ".join(cmdline.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _matches(endpoint: Endpoint, laddr: object, status: str) -> bool:
+    """Whether a connection's local address (a path for unix sockets, else
+    ``(ip, port)``) is the endpoint's."""
+    if endpoint.transport == "ipc":
+        return laddr == endpoint.path
+    if status != psutil.CONN_LISTEN or not isinstance(laddr, tuple) or len(laddr) != 2:
+        return False
+    ip, port = str(laddr[0]), laddr[1]
+    if port != endpoint.port:
+        return False
+    return ip in _WILDCARDS or endpoint.host in _WILDCARDS or ip == endpoint.host
+
+
+def _ipc_busy(path: str) -> bool:
+    """Whether a process accepts connections on the socket file ``path`` (a file
+    left by a process that died refuses them: stale, libzmq may replace it)."""
+    if not os.path.exists(path):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
+
+
+def _tcp_busy(endpoint: Endpoint) -> bool:
+    """Whether binding the port fails with EADDRINUSE (with SO_REUSEADDR, as libzmq
+    binds, so only a listener counts, not connections in TIME_WAIT)."""
+    host = "" if endpoint.host == "*" else endpoint.host
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host or "0.0.0.0").version == 6 else 0
+    except ValueError:
+        return False  # an interface or host name: libzmq resolves it, its bind error tells
+    with socket.socket(family or socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, endpoint.port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False

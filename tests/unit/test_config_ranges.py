@@ -1,0 +1,195 @@
+"""Every config key is range-checked at load, and the error names the key.
+
+``BAD`` holds at least one harmful value for every key that has a range or a
+set of choices; a test keeps it covering every key of the config.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from broker.errors import ConfigError
+from node import cli as node_cli
+from node import config as cfg
+from node.capacity import KV_TYPES
+from node.cli import cli
+from node.config import NodeConfig, from_dict, load_config, to_dict
+
+#: (key, a value that must be refused). Several per key where the range has two
+#: ends or zero is the harmful case.
+BAD: list[tuple[str, Any]] = [
+    ("node.run_dir", "/tmp/" + "d" * 120),  # its default ipc paths would not fit
+    ("node.frontend", "tcp://127.0.0.1:0"),
+    ("node.frontend", "tcp://127.0.0.1:65536"),
+    ("node.frontend", "tcp://127.0.0.1"),
+    ("node.frontend", "udp://127.0.0.1:5555"),
+    ("node.frontend", "ipc://" + "/p" * 60),
+    ("node.backend", "tcp://127.0.0.1:-1"),
+    ("node.backend", "ipc://"),
+    ("node.log_level", "loud"),
+    ("node.start_timeout_ms", 0),
+    ("node.start_timeout_ms", -1),
+    ("node.cpus", [-1]),
+    ("model.path", ""),
+    ("model.n_ctx", 32),
+    ("model.n_ctx", 2**31),
+    ("model.n_batch", 0),
+    ("model.n_batch", 2**40),
+    ("model.repack", 1),
+    ("model.kv_type", "f32"),
+    ("workers.count", -1),
+    ("workers.engine", "onnx"),
+    ("workers.threads", 0),
+    ("workers.threads", 2**31),
+    ("workers.slots", 0),
+    ("workers.ready_timeout_ms", 0),
+    ("workers.ready_timeout_ms", -1),
+    ("workers.ready_timeout_ms", 999),
+    ("workers.stop_grace_ms", -1),
+    ("workers.restart_backoff_ms", 0),
+    ("workers.restart_backoff_ms", -500),
+    ("workers.restart_backoff_max_ms", 0),
+    ("workers.restart_backoff_max_ms", 100),  # below restart_backoff_ms (500)
+    ("workers.test_token_ms", -1),
+    ("workers.test_load_ms", -1),
+    ("workers.log_max_bytes", -1),
+    ("workers.sandbox", "maybe"),
+    ("workers.cgroup_root", "relative/path"),
+    ("workers.memory_max", "lots"),
+    ("workers.memory_max", -1),
+    ("workers.memory_high", "2G"),  # above memory_max (1G)
+    ("workers.cpu_quota", 0),
+    ("workers.cpu_quota", -1.5),
+    ("workers.cpu_quota", math.inf),
+    ("workers.cpu_quota", math.nan),
+    ("workers.cpus", [1, 1]),
+    ("workers.nice", -1),
+    ("workers.nice", 20),
+    ("broker.max_body_bytes", 0),
+    ("broker.max_queue", -1),
+    ("broker.default_timeout_ms", 0),
+    ("broker.default_timeout_ms", 700_000),  # above max_timeout_ms
+    ("broker.max_timeout_ms", -1),
+    ("broker.default_max_tokens", 0),
+    ("broker.heartbeat_interval_ms", 0),
+    ("broker.heartbeat_liveness", 0),
+    ("broker.stall_timeout_ms", 0),
+    ("broker.cancel_grace_ms", -1),
+    ("broker.max_in_flight_per_client", 0),
+    ("broker.service_estimate", "guess"),
+    ("capacity.memory_budget", "much"),
+    ("capacity.reserve", "-1G"),
+    ("capacity.reserve", ""),
+    ("capacity.safety_margin", -0.1),
+    ("capacity.safety_margin", 1.0),
+    ("capacity.safety_margin", 1.5),
+    ("capacity.safety_margin", math.nan),
+    ("capacity.runtime_overhead", "88 apples"),
+    ("routing.mode", "yolo"),
+    ("routing.ttft_budget_ms", -1),
+    ("breaker.window_ms", 0),
+    ("breaker.minimum_calls", 0),
+    ("breaker.failure_rate_pct", 0.0),
+    ("breaker.failure_rate_pct", 101.0),
+    ("breaker.slow_call_rate_pct", math.nan),
+    ("breaker.slow_call_ms", 0),
+    ("breaker.open_wait_ms", -1),
+    ("breaker.half_open_probes", 0),
+    ("breaker.half_open_successes", 3),  # above half_open_probes (2)
+    ("breaker.half_open_max_wait_ms", -1),
+    ("fallback.low_confidence", 1.5),
+    ("fallback.low_confidence", -0.5),
+    ("fallback.log_max_bytes", -1),
+    ("fallback.log_backups", -1),
+    ("pressure.high_pct", 50.0),  # below clear_pct (75)
+    ("pressure.critical_pct", 101.0),
+    ("pressure.clear_pct", 0.0),
+    ("pressure.clear_pct", math.nan),
+    ("pressure.poll_ms", 0),
+    ("pressure.poll_ms", -250),
+    ("pressure.budget", "3 gigs"),
+]
+
+
+def _no_node(*_args: Any) -> None:
+    raise AssertionError("a node was started")
+
+
+def _data(key: str, value: Any) -> dict[str, Any]:
+    section, name = key.split(".")
+    return {section: {name: value}}
+
+
+@pytest.mark.parametrize(("key", "value"), BAD, ids=[f"{k}={v!r}"[:60] for k, v in BAD])
+def test_a_value_out_of_range_is_refused_naming_its_key(key: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as info:
+        cfg.validate(from_dict(_data(key, value)))
+    assert key in info.value.message, info.value.message
+
+
+def test_every_key_with_a_range_has_a_bad_value_above() -> None:
+    keys = {f"{s}.{k}" for s, values in to_dict(NodeConfig()).items() for k in values}
+    tested = {k for k, _ in BAD}
+    assert keys - cfg.FREE_KEYS <= tested and tested <= keys, (keys - tested, tested - keys)
+
+
+def test_validate_declares_a_check_for_every_key() -> None:
+    keys = {f"{s}.{k}" for s, values in to_dict(NodeConfig()).items() for k in values}
+    declared = set(cfg._BOUNDS) | set(cfg._CHOICES) | cfg.CHECKED_APART | cfg.FREE_KEYS
+    assert declared == keys
+
+
+def test_kv_type_names_follow_the_capacity_model() -> None:
+    assert tuple(KV_TYPES) == cfg.KV_TYPE_NAMES
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[node]\nfrontend = "tcp://127.0.0.1:5555"\nbackend = "tcp://127.0.0.1:5556"\n',
+        '[node]\nfrontend = "tcp://*:65535"\n',
+        '[node]\nfrontend = "tcp://[::1]:5555"\n',
+        "[workers]\nready_timeout_ms = 1000\nrestart_backoff_ms = 1\nrestart_backoff_max_ms = 1\n",
+        "[capacity]\nsafety_margin = 0.0\n[fallback]\nlow_confidence = 1.0\n",
+        "[workers]\ncount = 0\nstop_grace_ms = 0\ntest_token_ms = 0\n",
+    ],
+)
+def test_values_at_the_ends_of_their_ranges_load(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "edgenode.toml"
+    path.write_text(text)
+    load_config(str(path))
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("[workers]\nready_timeout_ms = 0\n", "workers.ready_timeout_ms"),
+        ("[workers]\nrestart_backoff_ms = -5\n", "workers.restart_backoff_ms"),
+        ('[node]\nfrontend = "tcp://127.0.0.1:99999"\n', "node.frontend"),
+        ("[pressure]\npoll_ms = -1\n", "pressure.poll_ms"),
+        ("[capacity]\nsafety_margin = nan\n", "capacity.safety_margin"),
+        ("[workers]\ncpu_quota = inf\n", "workers.cpu_quota"),
+    ],
+)
+@pytest.mark.parametrize("command", ["start", "status", "stop"])
+def test_the_cli_reports_a_bad_value_by_key_without_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, key: str, command: str
+) -> None:
+    path = tmp_path / "edgenode.toml"
+    path.write_text(text)
+    # The CLI exports both for the node it starts; restore them after the test.
+    monkeypatch.setenv("EDGENODE_CONFIG", str(path))
+    monkeypatch.setenv("EDGENODE_RUN_DIR", str(tmp_path))
+    # Should a value ever pass, no node may start from a unit test.
+    monkeypatch.setattr(node_cli, "_start_background", _no_node)
+    monkeypatch.setattr(node_cli, "Node", _no_node)
+    result = CliRunner().invoke(cli, ["-c", str(path), "--run-dir", str(tmp_path), command])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit)
+    assert f"Error: {key}" in result.output
+    assert "Traceback" not in result.output
