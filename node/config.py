@@ -118,10 +118,16 @@ class FallbackSection:
 
 @dataclass(frozen=True)
 class PressureSection:
-    """``[pressure]``: watermarks in percent of the budget, poll period in ms.
+    """``[pressure]``: memory watermarks in percent of the budget, poll period in ms,
+    and the host's CPU pressure line.
 
-    ``budget`` = "" uses the node cgroup's own limit when it has one (systemd's
-    MemoryMax), else the sum of the workers' limits; or a size like "3G".
+    ``budget`` = "" uses the tightest memory limit on the node's cgroup path
+    (``node.budget``: systemd's MemoryMax, a parent's limit), else the sum of
+    the workers' limits; or a size like "3G" (never above that cgroup limit).
+    ``cpu_warn_pct`` / ``cpu_clear_pct``: PSI ``some avg10`` (percent of the
+    last ~10 s in which a runnable task waited for a CPU, ``node.pressure``) at
+    which CPU pressure becomes ``high`` and below which it is ``ok`` again;
+    ``cpu_warn_pct`` = 0 ignores CPU pressure.
     """
 
     high_pct: float = 85.0
@@ -129,6 +135,8 @@ class PressureSection:
     clear_pct: float = 75.0
     poll_ms: int = 250
     budget: str = ""
+    cpu_warn_pct: float = 50.0
+    cpu_clear_pct: float = 25.0
 
 
 @dataclass(frozen=True)
@@ -265,9 +273,7 @@ def validate(config: NodeConfig) -> NodeConfig:
     _core_list("node.cpus", config.node.cpus)
     _choice("routing.mode", config.routing.mode, MODES)
     _positive("routing.ttft_budget_ms", config.routing.ttft_budget_ms, 0)
-    p = config.pressure
-    if not 0 < p.clear_pct <= p.high_pct <= p.critical_pct <= 100:
-        raise ConfigError("pressure needs 0 < clear_pct <= high_pct <= critical_pct <= 100")
+    _validate_pressure(config.pressure)
     if not 0.0 <= config.fallback.low_confidence <= 1.0:
         raise ConfigError("fallback.low_confidence must be in [0, 1]")
     return config
@@ -345,6 +351,27 @@ def _validate_isolation(w: WorkersSection) -> None:
     _core_list("workers.cpus", w.cpus)
     if not 0 <= w.nice <= 19:
         raise ConfigError(f"workers.nice must be 0..19, got {w.nice}")
+
+
+def _validate_pressure(p: PressureSection) -> None:
+    """``[pressure]``: the memory watermarks in order, the CPU line above its clear line.
+
+    Raises:
+        ConfigError: a value out of range, naming the key.
+    """
+    if not 0 < p.clear_pct <= p.high_pct <= p.critical_pct <= 100:
+        raise ConfigError("pressure needs 0 < clear_pct <= high_pct <= critical_pct <= 100")
+    if p.cpu_warn_pct == 0:
+        return  # CPU pressure ignored: cpu_clear_pct is not used
+    if not 0 < p.cpu_warn_pct <= 100:
+        raise ConfigError(
+            f"pressure.cpu_warn_pct must be 0 (off) or in (0, 100], got {p.cpu_warn_pct}"
+        )
+    if not 0 < p.cpu_clear_pct < p.cpu_warn_pct:
+        raise ConfigError(
+            "pressure.cpu_clear_pct must be in (0, pressure.cpu_warn_pct) "
+            f"= (0, {p.cpu_warn_pct}), got {p.cpu_clear_pct}"
+        )
 
 
 def is_auto_slots(slots: int | str) -> bool:
