@@ -278,7 +278,7 @@ def _layout() -> Layout | None:
 def _cpu_monitor(config: NodeConfig, pool: WorkerPool) -> CpuPressureMonitor:
     """CPU PSI of the node's cgroup on v2, else of the host (``node.pressure``)."""
     v2 = Path(pool.sandbox.base) if pool.sandbox.backend.kind == "v2" else None
-    path, why = cpu_psi_file(v2)
+    path, why = cpu_psi_file(v2, configured=config.pressure.cpu_psi)
     if path is None and config.pressure.cpu_warn_pct:
         log.warning("CPU pressure is not measured: %s", why)
     return CpuPressureMonitor(config.pressure, path, why)

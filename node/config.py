@@ -127,7 +127,9 @@ class PressureSection:
     ``cpu_warn_pct`` / ``cpu_clear_pct``: PSI ``some avg10`` (percent of the
     last ~10 s in which a runnable task waited for a CPU, ``node.pressure``) at
     which CPU pressure becomes ``high`` and below which it is ``ok`` again;
-    ``cpu_warn_pct`` = 0 ignores CPU pressure.
+    ``cpu_warn_pct`` = 0 ignores CPU pressure. ``cpu_psi``: "" reads the node
+    cgroup's ``cpu.pressure`` on cgroup v2, else /proc/pressure/cpu; or the path
+    of another PSI file, e.g. the host's main workload's cgroup's ``cpu.pressure``.
     """
 
     high_pct: float = 85.0
@@ -137,6 +139,7 @@ class PressureSection:
     budget: str = ""
     cpu_warn_pct: float = 50.0
     cpu_clear_pct: float = 25.0
+    cpu_psi: str = ""
 
 
 @dataclass(frozen=True)
@@ -361,6 +364,10 @@ def _validate_pressure(p: PressureSection) -> None:
     """
     if not 0 < p.clear_pct <= p.high_pct <= p.critical_pct <= 100:
         raise ConfigError("pressure needs 0 < clear_pct <= high_pct <= critical_pct <= 100")
+    if p.cpu_psi and not p.cpu_psi.startswith("/"):
+        raise ConfigError(
+            f'pressure.cpu_psi must be "" or an absolute path to a PSI file, got {p.cpu_psi!r}'
+        )
     if p.cpu_warn_pct == 0:
         return  # CPU pressure ignored: cpu_clear_pct is not used
     if not 0 < p.cpu_warn_pct <= 100:

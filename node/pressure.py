@@ -17,7 +17,9 @@ only below ``clear_pct`` (hysteresis, so admission does not flap).
 ``some avg10`` is the share of the last ~10 s (an exponential average the
 kernel updates every 2 s) in which at least one runnable task waited for a
 CPU. Read from the node cgroup's ``cpu.pressure`` on cgroup v2 (the node's own
-tasks), else the host's ``/proc/pressure/cpu``; where neither can be read (a
+tasks), else the host's ``/proc/pressure/cpu``, or from the file
+``pressure.cpu_psi`` names (e.g. the host's main workload's cgroup: "is the
+workload the node must protect short of CPU?"); where none can be read (a
 kernel without CONFIG_PSI, or booted with ``psi=0``) CPU pressure is not
 measured, stays ``ok`` and ``status`` says why. ``ok`` -> ``high`` at
 ``cpu_warn_pct``, back to ``ok`` below ``cpu_clear_pct``. The model's own
@@ -181,13 +183,18 @@ def parse_psi(text: str) -> dict[str, PsiLine]:
     return lines
 
 
-def cpu_psi_file(v2_cgroup: Path | None, proc: Path = Path("/proc")) -> tuple[Path | None, str]:
-    """Where CPU pressure is read: the node cgroup's ``cpu.pressure`` when the node
-    has a cgroup v2 of its own (``v2_cgroup``), else the host's
-    ``/proc/pressure/cpu``. Returns (the first of them that reads as PSI, "") or
-    (None, why neither does)."""
-    candidates = [] if v2_cgroup is None else [v2_cgroup / "cpu.pressure"]
-    candidates.append(proc / PROC_PRESSURE / "cpu")
+def cpu_psi_file(
+    v2_cgroup: Path | None, proc: Path = Path("/proc"), configured: str = ""
+) -> tuple[Path | None, str]:
+    """Where CPU pressure is read: ``configured`` (``pressure.cpu_psi``) when set,
+    and only it; else the node cgroup's ``cpu.pressure`` when the node has a
+    cgroup v2 of its own (``v2_cgroup``), else the host's ``/proc/pressure/cpu``.
+    Returns (the first of them that reads as PSI, "") or (None, why none does)."""
+    if configured:
+        candidates = [Path(configured)]
+    else:
+        candidates = [] if v2_cgroup is None else [v2_cgroup / "cpu.pressure"]
+        candidates.append(proc / PROC_PRESSURE / "cpu")
     why: list[str] = []
     for path in candidates:
         try:

@@ -58,6 +58,16 @@ def test_the_node_cgroups_v2_file_is_read_first_then_the_hosts(tmp_path: Path) -
     assert cpu_psi_file(None, proc) == (proc / "pressure" / "cpu", "")
 
 
+def test_a_configured_psi_file_is_the_only_one_read(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    write_psi(proc / "pressure" / "cpu", 3.0)
+    workload = write_psi(tmp_path / "robot.service" / "cpu.pressure", 70.0)
+    assert cpu_psi_file(None, proc, str(workload)) == (workload, "")
+    workload.unlink()
+    path, why = cpu_psi_file(None, proc, str(workload))  # no silent fallback to the host's
+    assert path is None and str(workload) in why
+
+
 def test_without_any_psi_file_cpu_pressure_is_not_measured_and_status_says_why(
     tmp_path: Path,
 ) -> None:
@@ -141,6 +151,7 @@ def _gate_line(extra: dict[str, object]) -> str:
         ({"cpu_warn_pct": -5.0}, "pressure.cpu_warn_pct must be 0 (off) or in (0, 100]"),
         ({"cpu_warn_pct": 40.0, "cpu_clear_pct": 40.0}, "pressure.cpu_clear_pct must be in"),
         ({"cpu_warn_pct": 40.0, "cpu_clear_pct": 0.0}, "pressure.cpu_clear_pct must be in"),
+        ({"cpu_psi": "proc/pressure/cpu"}, 'pressure.cpu_psi must be "" or an absolute path'),
     ],
 )
 def test_the_cpu_thresholds_are_range_checked(values: dict[str, float], message: str) -> None:
