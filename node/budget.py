@@ -179,18 +179,19 @@ def _ancestry(mount: Mount, start: Path) -> Iterator[Path]:
 
 
 def _v1_limits(mount: Mount, start: Path) -> Iterator[tuple[int | None, str]]:
-    first = True
+    """The limit files on the path, then the kernel's own figure (last, so that on
+    a tie the file that sets the limit is the one named)."""
+    stat: Path | None = None
     for directory in _ancestry(mount, start):
-        if first:  # the kernel's min over the whole hierarchy, hidden ancestors included
-            stat = directory / "memory.stat"
-            keyed = _keyed(stat)
-            for key in _V1_STAT_KEYS:
-                yield _limit(str(keyed[key]) if key in keyed else None), f"{stat} {key}"
-            first = False
+        stat = stat or directory / "memory.stat"  # the deepest existing cgroup's
         for name in _V1_FILES:
             yield _read_limit(directory / name), str(directory / name)
         if _read(directory.parent / "memory.use_hierarchy") == "0":
-            return  # the parent does not account its children: its limit is not theirs
+            break  # the parent does not account its children: its limit is not theirs
+    if stat is not None:  # the min over the whole hierarchy, hidden ancestors included
+        keyed = _keyed(stat)
+        for key in _V1_STAT_KEYS:
+            yield _limit(str(keyed[key]) if key in keyed else None), f"{stat} {key}"
 
 
 def _v2_limits(mount: Mount, start: Path) -> Iterator[tuple[int | None, str]]:
