@@ -1,7 +1,7 @@
 """The admission gate: what may wait, in which order, and what is shed at once.
 
 Checks run in this order, cheapest and most certain first (DESIGN.md §4):
-size -> memory pressure -> bounded queue (with priority eviction) -> per-client
+size -> memory / CPU pressure -> bounded queue (with priority eviction) -> per-client
 cap -> deadline feasibility. A refused request gets a typed ``Shed`` (HTTP 413,
 429 or 503 semantics) with ``retry_after_ms`` where retrying can succeed —
 unlike llama.cpp's server, which queues without bound, or Ollama/TGI, which
@@ -22,7 +22,10 @@ when a request could *start*, as before.
 Pressure levels come from outside (the node reads its cgroup); the gate only
 reacts: ``high`` sheds sheddable work, halves the queue and the credit the
 broker uses; ``critical`` admits only critical work and asks the broker to
-cancel sheddable requests in flight. ``ok`` restores everything.
+cancel sheddable requests in flight. ``ok`` restores everything. The host's CPU
+pressure (``cpu``, PSI read by the node: ``node.pressure``) has one level above
+``ok``: ``high`` sheds sheddable model work as memory's ``high`` does; it leaves
+the queue and the credit alone (they bound memory, not CPU time).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from broker.errors import ErrorCode
 from broker.jobs import JobTable
@@ -46,6 +49,8 @@ if TYPE_CHECKING:
 
 PRIORITIES = ("critical", "normal", "sheddable")  # dispatch and eviction order
 PRESSURE_LEVELS = ("ok", "high", "critical")
+#: The host's CPU pressure as the node reports it (``node.pressure.CpuPressureMonitor``).
+CpuLevel = Literal["ok", "high"]
 
 #: The pool as admission plays it forward: per worker, when each of its usable
 #: slots is free (s from now; a heap).
@@ -94,6 +99,7 @@ class AdmissionGate:
         self.count_tokens = count_tokens
         self.workers = workers if workers is not None else WorkerRegistry()
         self.pressure = "ok"
+        self.cpu: CpuLevel = "ok"
         self._queues: dict[str, OrderedDict[int, Job]] = {p: OrderedDict() for p in PRIORITIES}
         self._per_client: dict[bytes, int] = {}
         # What the size check established about the request it last saw, for its
@@ -433,14 +439,21 @@ class AdmissionGate:
         refused = (self.pressure == "high" and req.priority == "sheddable") or (
             self.pressure == "critical" and req.priority != "critical"
         )
-        if not refused:
-            return None
-        return Shed(
-            ErrorCode.UNAVAILABLE,
-            "memory_pressure",
-            f"memory pressure is {self.pressure}: {req.priority} work is shed",
-            self.retry_after(slots, now),
-        )
+        if refused:
+            return Shed(
+                ErrorCode.UNAVAILABLE,
+                "memory_pressure",
+                f"memory pressure is {self.pressure}: {req.priority} work is shed",
+                self.retry_after(slots, now),
+            )
+        if self.cpu == "high" and req.priority == "sheddable":
+            return Shed(
+                ErrorCode.UNAVAILABLE,
+                "cpu_pressure",
+                "the host's CPU is under pressure: sheddable work is shed",
+                self.retry_after(slots, now),
+            )
+        return None
 
     def _eviction_victim(self, priority: str, kind: str) -> Job | None:
         """The newest queued ``kind`` job of a lower class than ``priority``, if any."""
@@ -464,6 +477,12 @@ class AdmissionGate:
         classes = {"ok": (), "high": ("sheddable",), "critical": ("normal", "sheddable")}
         queued = (j for p in classes[self.pressure] for j in self._queues[p].values())
         return [j for j in queued if j.kind == "llm"]  # the rules need no memory to speak of
+
+    def shed_for_cpu(self) -> list[Job]:
+        """Queued sheddable model jobs while the host's CPU is under pressure (to answer 503)."""
+        if self.cpu == "ok":
+            return []
+        return [j for j in self._queues["sheddable"].values() if j.kind == "llm"]
 
 
 def _next_slot(pool: Pool) -> tuple[float, int, list[float]] | None:

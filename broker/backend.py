@@ -22,7 +22,7 @@ from broker.admission import AdmissionGate
 from broker.errors import ErrorCode, ProtocolError
 from broker.jobs import JobTable
 from broker.protocol import WorkerCommand
-from broker.records import BrokerSettings, Job, WorkerEvent
+from broker.records import BrokerSettings, DegradeReason, Job, WorkerEvent
 from broker.replies import final_reply
 from broker.routing import Router
 from broker.stats import Stats
@@ -50,7 +50,7 @@ class Owner(Protocol):
         """Drop ``job`` from the ledger and the queue."""
         ...
 
-    def fall_back(self, job: Job, reason: str, now: float) -> bool:
+    def fall_back(self, job: Job, reason: DegradeReason, now: float) -> bool:
         """Hand ``job`` to the rules if degrade mode allows; False if it does not."""
         ...
 

@@ -24,14 +24,14 @@ from dataclasses import replace
 from typing import Any
 
 from broker import protocol as p
-from broker.admission import PRESSURE_LEVELS, AdmissionGate, Shed
+from broker.admission import PRESSURE_LEVELS, AdmissionGate, CpuLevel, Shed
 from broker.backend import WorkerConversation
 from broker.breaker import BreakerSettings
 from broker.errors import EdgeNodeError, ErrorCode
 from broker.handover import Handover
 from broker.jobs import JobTable
 from broker.protocol import ClientRequest, WorkerCommand
-from broker.records import BrokerSettings, Job, WorkerEvent
+from broker.records import BrokerSettings, DegradeReason, Job, WorkerEvent
 from broker.routing import PoolView, Route, Router, RoutingSettings
 from broker.stats import Stats
 from broker.token_count import TokenCounter
@@ -198,6 +198,7 @@ class Broker:
             rules_workers=len(self.workers.of_kind("rules")),
             llm_wait_s=self.gate.expected_wait_s(req.priority, slots, free, now),
             pressure=self.gate.pressure,
+            cpu_pressure=self.gate.cpu,
         )
 
     def _copy_to_model(self, primary: Job, mode: str, now: float) -> None:
@@ -215,7 +216,7 @@ class Broker:
         self.gate.push(copy)
         self.router.open_pair(primary, mode)
 
-    def fall_back(self, job: Job, reason: str, now: float) -> bool:
+    def fall_back(self, job: Job, reason: DegradeReason, now: float) -> bool:
         """Hand ``job`` to the rules if degrade mode allows it now; False if not."""
         return self.handover.fall_back(job, reason, now)
 
@@ -252,6 +253,20 @@ class Broker:
                 sheddable = job.req.priority == "sheddable" and job.kind == "llm"
                 if job.worker and not job.replied and sheddable:
                     self._shed_job(job, message, "memory_pressure", now)
+        self.backend.dispatch(now)
+
+    def set_cpu_pressure(self, level: CpuLevel, now: float) -> None:
+        """React to the host's CPU pressure (``ok`` or ``high``, from the node's PSI reading).
+
+        ``high``: queued sheddable model work is answered 503 ``cpu_pressure`` and
+        new sheddable model work is refused (``AdmissionGate``); in degrade mode
+        ``auto`` requests go to the rules (``Router``). ``ok`` restores both.
+        """
+        if level == self.gate.cpu:
+            return
+        self.gate.cpu = level
+        for job in self.gate.shed_for_cpu():
+            self._shed_job(job, "shed under CPU pressure", "cpu_pressure", now)
         self.backend.dispatch(now)
 
     def _cancel_by_client(self, identity: bytes, req: ClientRequest, now: float) -> None:
@@ -365,6 +380,7 @@ class Broker:
             "credit": self.workers.total_credit(),
             "credit_limit": self.gate.concurrency(self.workers.slots("llm")),
             "pressure": self.gate.pressure,
+            "cpu_pressure": self.gate.cpu,
             "routing": self.router.snapshot(now),
             "draining": self.draining,
             "workers": workers,

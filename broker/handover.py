@@ -22,7 +22,7 @@ from typing import Any
 
 from broker.admission import AdmissionGate
 from broker.jobs import JobTable
-from broker.records import Job
+from broker.records import DegradeReason, Job
 from broker.routing import Router, usable_rules_answer
 from broker.stats import Stats
 from broker.workers import WorkerRegistry
@@ -68,7 +68,7 @@ class Handover:
             and bool(self.workers.of_kind("rules"))
         )
 
-    def fall_back(self, job: Job, reason: str, now: float) -> bool:
+    def fall_back(self, job: Job, reason: DegradeReason, now: float) -> bool:
         """Hand ``job`` to the rules if degrade mode allows it now (see
         ``_reroute``); False, with nothing done, if it does not."""
         if not self.can_fall_back(job):
@@ -76,7 +76,7 @@ class Handover:
         self._reroute(job, reason, now)
         return True
 
-    def _reroute(self, job: Job, reason: str, now: float) -> None:
+    def _reroute(self, job: Job, reason: DegradeReason, now: float) -> None:
         """Hand an unanswered model request over to the rules (degrade mode).
 
         A new job takes the client's id; the old one is cancelled on its worker

@@ -7,11 +7,26 @@ that changes lives in ``broker.core.Broker``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from broker import protocol as p
 from broker.breaker import Permit
 from broker.errors import ConfigError
 from broker.protocol import ClientRequest
+
+#: Why degrade mode's rules answer instead of the model: the reply's
+#: ``degrade_reason`` and the ``fallback_<reason>`` counters (docs/PROTOCOL.md §7.3).
+#: The model's failures (``worker_lost``, ``no_model_worker``, ``circuit_open``),
+#: the host's pressure (``memory_pressure``, ``cpu_pressure``) and its lateness
+#: (``latency_budget``).
+DegradeReason = Literal[
+    "no_model_worker",
+    "memory_pressure",
+    "cpu_pressure",
+    "circuit_open",
+    "latency_budget",
+    "worker_lost",
+]
 
 #: ``BrokerSettings.service_estimate`` values.
 SERVICE_ESTIMATES = ("size", "mean")
@@ -58,7 +73,7 @@ class Job:
     """One accepted client request while the broker owns it.
 
     ``kind`` is the engine it is routed to (``llm`` or ``rules``); ``degraded``
-    says why the rules answer instead of the model ("" if they do not);
+    says why the rules answer instead of the model (None if they do not);
     ``permit`` is the circuit breaker's permit of a model call; ``copy_of`` marks
     an internal model copy of request ``copy_of`` (shadow/dual): it has no
     client and its result is only compared and logged. ``hedge_of`` marks the
@@ -81,7 +96,7 @@ class Job:
     replied: bool = False
     attempts: int = 0
     kind: str = "llm"
-    degraded: str = ""
+    degraded: DegradeReason | None = None
     permit: Permit | None = None
     copy_of: int | None = None
     hedge_of: int | None = None

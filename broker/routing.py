@@ -6,7 +6,8 @@ Devices adopt a model beside their legacy rule engine in stages (DESIGN.md §4):
   credit right now, so it can never delay an answer;
 * ``dual``: the rules answer; the model always runs a copy; both are compared;
 * ``degrade``: the model answers, and the rules take over when the breaker is
-  open, no model worker is registered or memory is under pressure. When the
+  open, no model worker is registered, or memory or the host's CPU is under
+  pressure (the node's readings: ``broker.admission``). When the
   model misses the latency budget to its first token (or is sure to, because
   it would have to queue), the rules are asked *as well* — a hedge: a rule
   that matches answers and the model's job is cancelled; a rule miss is
@@ -23,11 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from broker.admission import Shed
+from broker.admission import CpuLevel, Shed
 from broker.breaker import BreakerSettings, CircuitBreaker, Permit
 from broker.errors import ErrorCode
 from broker.protocol import ClientRequest
-from broker.records import Job
+from broker.records import DegradeReason, Job
 from broker.stats import RETRY_AFTER_MIN_MS
 
 MODES = ("shadow", "dual", "degrade", "full")
@@ -53,11 +54,12 @@ class PoolView:
     rules_workers: int
     llm_wait_s: float
     pressure: str
+    cpu_pressure: CpuLevel = "ok"
 
 
 @dataclass(frozen=True)
 class Route:
-    """A decision: the engine ``kind``, why it is a fallback (``degraded``, ""
+    """A decision: the engine ``kind``, why it is a fallback (``degraded``, None
     if not), the breaker permit of a model call, whether the model also
     gets a ``copy`` (``shadow`` or ``dual``), and why a copy was not made
     (``copy_skipped``: ``no_credit``, ``no_model_worker``; "" if none was due).
@@ -65,7 +67,7 @@ class Route:
     model's wait already exceeds it, so ask the rules at once as well."""
 
     kind: str
-    degraded: str = ""
+    degraded: DegradeReason | None = None
     permit: Permit | None = None
     copy: str = ""
     watch_ttft: bool = False
@@ -125,12 +127,14 @@ class Router:
             )
         return Route("llm", permit=permit)
 
-    def _fallback_reason(self, pool: PoolView) -> str:
+    def _fallback_reason(self, pool: PoolView) -> DegradeReason | None:
         if pool.llm_workers == 0:
             return "no_model_worker"
         if pool.pressure != "ok":
             return "memory_pressure"
-        return ""
+        if pool.cpu_pressure != "ok":
+            return "cpu_pressure"
+        return None
 
     # ------------------------------------------------------------------ outcomes
 

@@ -26,7 +26,10 @@ from broker.core import Broker, WorkerEvent
 from broker.errors import ConfigError
 from broker.loop import BrokerLoop
 from broker.token_count import TokenCounter
+from node.budget import tightest_limit
 from node.capacity import check_fits
+from node.cgroup_layout import Layout, read_layout
+from node.cgroupfs import Host
 from node.config import NodeConfig
 from node.endpoints import check_free
 from node.engine import EngineSpec, make_token_counter
@@ -34,7 +37,7 @@ from node.migration_log import MigrationLog, migration_log_path
 from node.model import resolve_model, resolve_rules
 from node.pidfile import RunLock, remove_pidfile, write_pidfile
 from node.pool import WorkerPool
-from node.pressure import PressureMonitor
+from node.pressure import CpuPressureMonitor, PressureMonitor, cpu_psi_file
 from node.units import parse_size
 from node.worker_memory import describe, memory_max_bytes
 
@@ -109,10 +112,17 @@ class Node:
     def _serve(self, pool: WorkerPool, model: str) -> int:
         c = self.config
         migration = self._migration_log(pool)
-        pressure = PressureMonitor(c.pressure, pool, self._default_budget())
+        layout = _layout()  # after pool.open(): the node is in its own cgroup now
+        pressure = PressureMonitor(
+            c.pressure,
+            pool,
+            self._default_budget(),
+            limit=lambda: None if layout is None else tightest_limit(layout=layout),
+        )
+        cpu = _cpu_monitor(c, pool)
         broker = Broker(
             c.broker,
-            status_hook=lambda: self._status_extra(pool, model, pressure),
+            status_hook=lambda: self._status_extra(pool, model, pressure, cpu),
             count_tokens=_token_counter(pool.specs[0].engine) if pool.specs else None,
             routing=c.routing,
             breaker=c.breaker,
@@ -127,6 +137,13 @@ class Node:
                 level = None
             if level is not None:
                 broker.set_pressure(level, now)
+            try:
+                cpu_level = cpu.poll(now)
+            except Exception:  # as above: never take the broker down
+                log.exception("CPU pressure reading failed")
+                cpu_level = None
+            if cpu_level is not None:
+                broker.set_cpu_pressure(cpu_level, now)
             for record in broker.router.records:
                 migration.write(record)
             broker.router.records.clear()
@@ -271,7 +288,7 @@ class Node:
         self._stop_requested = True
 
     def _status_extra(
-        self, pool: WorkerPool, model: str, pressure: PressureMonitor
+        self, pool: WorkerPool, model: str, pressure: PressureMonitor, cpu: CpuPressureMonitor
     ) -> dict[str, Any]:
         return {
             "pid": os.getpid(),
@@ -283,6 +300,7 @@ class Node:
             "all_ready": pool.supervisor.all_ready(),
             "sandbox": pool.sandbox.status(),
             "memory": pressure.snapshot(),
+            "cpu": cpu.snapshot(),
             "capacity": {
                 "workers": self.plan.workers,
                 "slots": self.plan.slots,
@@ -293,9 +311,27 @@ class Node:
                 "memory_high": self.plan.memory_high,
                 "total": self.plan.total,
                 "budget": self.plan.budget,
+                "budget_source": self.plan.budget_source,
                 "worker_limits": describe(self.config.workers, self.plan),
             },
         }
+
+
+def _layout() -> Layout | None:
+    """This process's cgroups and the host's mounts, read once (None without /proc)."""
+    try:
+        return read_layout(Host())
+    except OSError:
+        return None
+
+
+def _cpu_monitor(config: NodeConfig, pool: WorkerPool) -> CpuPressureMonitor:
+    """CPU PSI of the node's cgroup on v2, else of the host (``node.pressure``)."""
+    v2 = Path(pool.sandbox.base) if pool.sandbox.backend.kind == "v2" else None
+    path, why = cpu_psi_file(v2, configured=config.pressure.cpu_psi)
+    if path is None and config.pressure.cpu_warn_pct:
+        log.warning("CPU pressure is not measured: %s", why)
+    return CpuPressureMonitor(config.pressure, path, why)
 
 
 def _on_worker_event(pool: WorkerPool, event: WorkerEvent) -> None:

@@ -71,11 +71,16 @@ def parse_layout(mountinfo: str, proc_cgroup: str, root: Path = Path("/")) -> La
     return Layout(kind, v1, v2, own_v1, own_v2)
 
 
-def read_layout(host: Host) -> Layout:
-    """``parse_layout`` of the host's /proc/self files."""
+def read_layout(host: Host, pid: int | None = None) -> Layout:
+    """``parse_layout`` of the host's /proc/self files; with ``pid``, that process's
+    cgroups (/proc/<pid>/cgroup) under this process's mounts.
+
+    Raises:
+        OSError: a /proc file cannot be read (no such process, no procfs).
+    """
     return parse_layout(
         (host.proc / "self" / "mountinfo").read_text(),
-        (host.proc / "self" / "cgroup").read_text(),
+        (host.proc / ("self" if pid is None else str(pid)) / "cgroup").read_text(),
         host.root,
     )
 

@@ -122,10 +122,18 @@ class FallbackSection:
 
 @dataclass(frozen=True)
 class PressureSection:
-    """``[pressure]``: watermarks in percent of the budget, poll period in ms.
+    """``[pressure]``: memory watermarks in percent of the budget, poll period in ms,
+    and the host's CPU pressure line.
 
-    ``budget`` = "" uses the node cgroup's own limit when it has one (systemd's
-    MemoryMax), else the sum of the workers' limits; or a size like "3G".
+    ``budget`` = "" uses the tightest memory limit on the node's cgroup path
+    (``node.budget``: systemd's MemoryMax, a parent's limit), else the sum of
+    the workers' limits; or a size like "3G" (never above that cgroup limit).
+    ``cpu_warn_pct`` / ``cpu_clear_pct``: PSI ``some avg10`` (percent of the
+    last ~10 s in which a runnable task waited for a CPU, ``node.pressure``) at
+    which CPU pressure becomes ``high`` and below which it is ``ok`` again;
+    ``cpu_warn_pct`` = 0 ignores CPU pressure. ``cpu_psi``: "" reads the node
+    cgroup's ``cpu.pressure`` on cgroup v2, else /proc/pressure/cpu; or the path
+    of another PSI file, e.g. the host's main workload's cgroup's ``cpu.pressure``.
     """
 
     high_pct: float = 85.0
@@ -133,6 +141,9 @@ class PressureSection:
     clear_pct: float = 75.0
     poll_ms: int = 250
     budget: str = ""
+    cpu_warn_pct: float = 50.0
+    cpu_clear_pct: float = 25.0
+    cpu_psi: str = ""
 
 
 @dataclass(frozen=True)
@@ -313,6 +324,9 @@ CHECKED_APART = frozenset(
         "pressure.critical_pct",
         "pressure.clear_pct",
         "pressure.budget",
+        "pressure.cpu_warn_pct",
+        "pressure.cpu_clear_pct",
+        "pressure.cpu_psi",
         *(f"breaker.{f.name}" for f in dataclasses.fields(BreakerSettings)),
     }
 )
@@ -348,12 +362,7 @@ def validate(config: NodeConfig) -> NodeConfig:
     _validate_isolation(w)
     _core_list("node.cpus", config.node.cpus)
     _validate_endpoints(config)
-    if not 0 < p.clear_pct <= p.high_pct <= p.critical_pct <= 100:
-        raise ConfigError(
-            "pressure.clear_pct, pressure.high_pct and pressure.critical_pct need "
-            f"0 < clear <= high <= critical <= 100, got {p.clear_pct}, {p.high_pct}, "
-            f"{p.critical_pct}"
-        )
+    _validate_pressure(p)
     if not 0 <= config.capacity.safety_margin < 1:  # as node.capacity.Plan demands
         raise ConfigError(
             f"capacity.safety_margin must be in [0, 1), got {config.capacity.safety_margin}"
@@ -461,6 +470,35 @@ def _validate_isolation(w: WorkersSection) -> None:
             f'workers.cpu_quota must be at most {MAX_CPU_QUOTA} cores or "max", got {w.cpu_quota!r}'
         )
     _core_list("workers.cpus", w.cpus)
+
+
+def _validate_pressure(p: PressureSection) -> None:
+    """``[pressure]``: the memory watermarks in order, the CPU line above its clear line.
+
+    Raises:
+        ConfigError: a value out of range, naming the key.
+    """
+    if not 0 < p.clear_pct <= p.high_pct <= p.critical_pct <= 100:
+        raise ConfigError(
+            "pressure.clear_pct, pressure.high_pct and pressure.critical_pct need "
+            f"0 < clear <= high <= critical <= 100, got {p.clear_pct}, {p.high_pct}, "
+            f"{p.critical_pct}"
+        )
+    if p.cpu_psi and not p.cpu_psi.startswith("/"):
+        raise ConfigError(
+            f'pressure.cpu_psi must be "" or an absolute path to a PSI file, got {p.cpu_psi!r}'
+        )
+    if p.cpu_warn_pct == 0:
+        return  # CPU pressure ignored: cpu_clear_pct is not used
+    if not 0 < p.cpu_warn_pct <= 100:
+        raise ConfigError(
+            f"pressure.cpu_warn_pct must be 0 (off) or in (0, 100], got {p.cpu_warn_pct}"
+        )
+    if not 0 < p.cpu_clear_pct < p.cpu_warn_pct:
+        raise ConfigError(
+            "pressure.cpu_clear_pct must be in (0, pressure.cpu_warn_pct) "
+            f"= (0, {p.cpu_warn_pct}), got {p.cpu_clear_pct}"
+        )
 
 
 def is_auto_slots(slots: int | str) -> bool:

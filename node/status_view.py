@@ -38,14 +38,32 @@ def _gate_line(node: dict[str, Any]) -> str:
     memory = node.get("memory", {})
     pressure = node.get("pressure", "ok")
     if memory.get("budget"):
+        source = f"; {memory['budget_source']}" if memory.get("budget_source") else ""
         pressure += (
             f" (working set {_size(memory.get('working_set'))} of "
-            f"{_size(memory['budget'])}, {memory.get('used_pct')}%)"
+            f"{_size(memory['budget'])}, {memory.get('used_pct')}%{source})"
         )
     return (
         f"gate: queue {node['queue_depth']}/{node['queue_bound']}  in-flight "
         f"{node['in_flight']}  free credit {node['credit']} (model credit usable now "
-        f"{node.get('credit_limit', '-')})  memory pressure {pressure}"
+        f"{node.get('credit_limit', '-')})  memory pressure {pressure}  "
+        f"cpu pressure {_cpu(node)}"
+    )
+
+
+def _cpu(node: dict[str, Any]) -> str:
+    """The host's CPU pressure level and the PSI reading behind it, or why it is not read."""
+    cpu = node.get("cpu") or {}
+    level = node.get("cpu_pressure", cpu.get("level", "-"))
+    if not cpu:
+        return str(level)  # an older node
+    if cpu.get("source") is None:
+        return f"{level} (not measured: {cpu.get('reason') or 'no PSI file'})"
+    avg10 = cpu.get("some_avg10")
+    reading = "-" if avg10 is None else f"{avg10:g}%"
+    return (
+        f"{level} (some avg10 {reading} of {cpu['source']}; high at {cpu.get('warn_pct'):g}%, "
+        f"ok below {cpu.get('clear_pct'):g}%)"
     )
 
 

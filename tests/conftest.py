@@ -44,6 +44,10 @@ def make_node() -> Iterator[Callable[..., NodeProcess]]:
             "broker": dict(FAST_BROKER),
             # No rule worker unless a test asks for one: pool sizes stay the model's.
             "fallback": {"rules": ""},
+            # The host's CPU pressure off unless a test asks for it: tests running
+            # side by side on a loaded CI machine would otherwise send degrade
+            # mode's requests to the rules (tests/system/test_cpu_pressure.py turns it on).
+            "pressure": {"cpu_warn_pct": 0.0},
         }
         for name, values in sections.items():
             merged.setdefault(name, {}).update(values)

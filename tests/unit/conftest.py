@@ -16,6 +16,15 @@ def h() -> BrokerHarness:
     return BrokerHarness()
 
 
+@pytest.fixture(autouse=True)
+def _no_host_memory_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Budgets stay what a test configures whatever cgroup runs the tests: ``node.budget``
+    cuts them to the node's cgroup limit, read from the real host (a CI container's
+    limit, a node running in the default run directory). Tests of that path use fake
+    trees (test_budget_path.py) and patch ``node_limit`` themselves."""
+    monkeypatch.setattr("node.budget.node_limit", lambda config, host=None: None)
+
+
 @pytest.fixture(scope="session")
 def gemma() -> ModelMeta:
     """The default model's metadata (Gemma 3 270M Q4_K_M), read without its weights."""
