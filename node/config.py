@@ -255,6 +255,7 @@ def validate(config: NodeConfig) -> NodeConfig:
         "stall_timeout_ms",
         "cancel_grace_ms",
         "max_body_bytes",
+        "client_backlog",
     ):
         _positive(f"broker.{name}", getattr(b, name), 1)
     if b.default_timeout_ms > b.max_timeout_ms:
