@@ -211,9 +211,13 @@ class BrokerLoop:
         except zmq.Again:
             fate = Fate.FULL  # its pipe is at the high-water mark: it is not reading
         except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            fate = Fate.GONE
+            if exc.errno == zmq.EHOSTUNREACH:
+                fate = Fate.GONE  # no pipe to that routing id: the client left
+            else:
+                # Not seen in practice; the loop must not die of it. Treated as a
+                # full pipe: a final waits (bounded), a partial is dropped.
+                log.warning("send to client %s failed: %s", out.client.hex(), exc)
+                fate = Fate.FULL
         verdict = delivery.settle(out, fate)
         if verdict is not None:
             self._client_gone(out.client, verdict)
