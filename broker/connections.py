@@ -18,7 +18,9 @@ is then known. A routing id read from a descriptor that is closed once the
 events are applied belongs to a connection that has closed: it is gone. If
 the descriptor was closed and opened again within one such batch, the id is
 bound to the newest connection: at worst its departure is noticed late (by a
-failed send), never a live client taken for gone.
+failed send), never a live client taken for gone. The same holds for a client
+that reconnects under its own routing id (``ZMQ_ROUTING_ID``): seen on an open
+connection, it is not gone, and the replies for it go to the new connection.
 
 No I/O and no clock: the loop feeds the events in order.
 """
@@ -39,6 +41,8 @@ class Connections:
         self._ids: dict[Connection, set[bytes]] = {}
         #: Routing ids read since the last ``settle``, with their descriptor.
         self._pending: dict[bytes, int] = {}
+        #: Routing ids whose connection closed since the last ``settle``.
+        self._closed: set[bytes] = set()
 
     def __len__(self) -> int:
         """Routing ids bound to open connections."""
@@ -46,28 +50,30 @@ class Connections:
 
     def seen(self, identity: bytes, fd: int) -> None:
         """A message from ``identity`` arrived on descriptor ``fd``."""
-        where = self._where.get(identity)
-        if where is None or where[0] != fd:
-            self._pending[identity] = fd
+        # Always noted, even from the descriptor it is bound to: that number may
+        # already be a new connection's (a client reconnecting under its own
+        # routing id), whose ACCEPTED is not applied yet.
+        self._pending[identity] = fd
 
     def accepted(self, fd: int) -> None:
         """A new connection was accepted on descriptor ``fd``."""
         self._generation[fd] = self._generation.get(fd, 0) + 1
         self._open.add(fd)
 
-    def disconnected(self, fd: int) -> list[bytes]:
-        """The connection on ``fd`` closed; returns the routing ids it carried."""
+    def disconnected(self, fd: int) -> None:
+        """The connection on ``fd`` closed: its routing ids are gone unless
+        ``settle`` finds them on an open connection."""
         self._open.discard(fd)
-        gone = self._ids.pop((fd, self._generation.get(fd, 0)), set())
-        for identity in gone:
+        for identity in self._ids.pop((fd, self._generation.get(fd, 0)), set()):
             del self._where[identity]
-        return sorted(gone)
+            self._closed.add(identity)
 
     def settle(self) -> list[bytes]:
-        """Bind the ids ``seen`` since the last call to their connections, after
-        the events that arrived with them were applied. Returns the ids whose
-        connection has already closed (gone before they were bound)."""
-        gone = []
+        """Apply what was ``seen`` since the last call, after the events that
+        arrived with it. Returns the routing ids that are gone: their connection
+        closed and no message of theirs came on one that is open (a client that
+        reconnected under its own routing id is not gone)."""
+        gone = self._closed
         for identity, fd in self._pending.items():
             self.forget(identity)
             # A descriptor never seen accepted (an event lost) counts as open:
@@ -76,10 +82,12 @@ class Connections:
                 where = (fd, self._generation.get(fd, 0))
                 self._where[identity] = where
                 self._ids.setdefault(where, set()).add(identity)
+                gone.discard(identity)
             else:
-                gone.append(identity)
+                gone.add(identity)
         self._pending.clear()
-        return gone
+        self._closed = set()
+        return sorted(gone)
 
     def forget(self, identity: bytes) -> None:
         """Stop tracking ``identity`` (it was found gone some other way)."""

@@ -264,7 +264,6 @@ class BrokerLoop:
 
     def _read_monitor(self) -> None:
         """Apply the frontend's connection events; end the work of closed ones."""
-        gone: list[bytes] = []
         while True:
             try:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
@@ -274,9 +273,8 @@ class BrokerLoop:
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self.connections.accepted(fd)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
-                gone += self.connections.disconnected(fd)
-        gone += self.connections.settle()
-        for client in gone:
+                self.connections.disconnected(fd)
+        for client in self.connections.settle():
             self._client_gone(client, GoneCause.DISCONNECTED)
 
     def _drain(
