@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from broker import protocol as p
 from broker.admission import AdmissionGate
+from broker.delivery import ReplyKind
 from broker.errors import ErrorCode, ProtocolError
 from broker.jobs import JobTable
 from broker.protocol import WorkerCommand
@@ -54,8 +55,8 @@ class Owner(Protocol):
         """Hand ``job`` to the rules if degrade mode allows; False if it does not."""
         ...
 
-    def send_client(self, identity: bytes, body: dict[str, Any]) -> None:
-        """Queue ``body`` for the client ``identity`` (a streamed chunk)."""
+    def send_client(self, identity: bytes, body: dict[str, Any], kind: ReplyKind) -> None:
+        """Queue ``body`` for the client ``identity`` (a streamed chunk: ``PARTIAL``)."""
         ...
 
     def send_worker(self, identity: bytes, command: WorkerCommand, body: dict[str, Any]) -> None:
@@ -184,7 +185,8 @@ class WorkerConversation:
             self.stats.levels.first_token(worker.identity, job.rid, now)
         # A hedge's text is held back: it is the client's only if the rules win.
         if job.req.stream and job.hedge_of is None:
-            self.owner.send_client(job.client, p.partial_reply(job.req.id, text, len(job.chunks)))
+            partial = p.partial_reply(job.req.id, text, len(job.chunks))
+            self.owner.send_client(job.client, partial, ReplyKind.PARTIAL)
         job.chunks.append(text)
 
     def _on_final(self, worker: WorkerState, body: dict[str, Any], now: float) -> None:

@@ -84,7 +84,9 @@ class Reply:
 
     ``id`` is the request's id; ``raw`` the whole reply body (PROTOCOL §4.2),
     including the fields without an attribute (``worker``, ``degrade_reason``,
-    the rule engine's ``confidence`` and ``rule``).
+    the rule engine's ``confidence`` and ``rule``). ``dropped_partials``: how
+    many of a stream's partials the node dropped because this client was not
+    reading them fast enough (PROTOCOL §10); ``text`` is whole regardless.
     """
 
     id: RequestId
@@ -97,6 +99,7 @@ class Reply:
     ttft_ms: int
     total_ms: int
     raw: dict[str, Any] = field(repr=False)
+    dropped_partials: int = 0
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> Reply:
@@ -112,7 +115,14 @@ class Reply:
             ttft_ms=body.get("ttft_ms", 0),
             total_ms=body.get("total_ms", 0),
             raw=body,
+            dropped_partials=dropped_partials(body),
         )
+
+
+def dropped_partials(body: dict[str, Any]) -> int:
+    """A reply's ``dropped_partials`` (PROTOCOL §10): 0 when absent or not a count."""
+    count = body.get("dropped_partials", 0)
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 0
 
 
 class Stream:
@@ -123,22 +133,32 @@ class Stream:
     exception from the iteration (``Cancelled`` after ``Client.cancel(stream.id)``).
     Iteration can stop and resume (``next(it)`` a few times, a ``ping``, more).
 
+    A client that does not read a stream as fast as it comes loses pieces: the
+    node drops partials it cannot queue for it (never the final reply). Then
+    ``dropped_partials`` counts them, and the pieces yielded do not add up to
+    the text: ``result.text`` is always the whole output.
+
     Attributes:
         id: the request's id: the ``id=`` given, else the one the client made up.
         result: the final ``Reply``; None until the stream ends with ``ok``.
+        dropped_partials: partials of this stream the node dropped so far (0 if none).
     """
 
-    def __init__(self, pieces: Iterator[str | Reply], rid: RequestId) -> None:
+    def __init__(self, pieces: Iterator[tuple[str, int] | Reply], rid: RequestId) -> None:
         self._pieces = pieces
         self.id = rid
         self.result: Reply | None = None
+        self.dropped_partials = 0
 
     def __iter__(self) -> Iterator[str]:
         for item in self._pieces:
             if isinstance(item, Reply):
                 self.result = item
+                self.dropped_partials = max(self.dropped_partials, item.dropped_partials)
                 return
-            yield item
+            text, dropped = item
+            self.dropped_partials = max(self.dropped_partials, dropped)
+            yield text
 
 
 class Client:
@@ -310,10 +330,11 @@ class Client:
                 return item
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _replies(self, sent: Sent) -> Iterator[str | Reply]:
+    def _replies(self, sent: Sent) -> Iterator[tuple[str, int] | Reply]:
+        """Each partial's (text, ``dropped_partials``), then the final ``Reply``."""
         for reply in self._raw_replies(sent):
             if reply["status"] == "partial":
-                yield reply.get("text", "")
+                yield reply.get("text", ""), dropped_partials(reply)
             else:
                 yield Reply.from_body(reply)
 

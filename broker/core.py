@@ -27,6 +27,7 @@ from broker import protocol as p
 from broker.admission import PRESSURE_LEVELS, AdmissionGate, CpuLevel, Shed
 from broker.backend import WorkerConversation
 from broker.breaker import BreakerSettings
+from broker.delivery import Delivery, GoneCause, Outgoing, ReplyKind
 from broker.errors import EdgeNodeError, ErrorCode
 from broker.handover import Handover
 from broker.jobs import JobTable
@@ -68,11 +69,13 @@ class Broker:
         self.jobs = JobTable()
         self.gate = AdmissionGate(settings, self.stats, self.jobs, count_tokens, self.workers)
         self.router = Router(routing, breaker)
-        self.to_clients: list[list[bytes]] = []
+        #: Replies for the I/O loop, which sends them through ``delivery``.
+        self.to_clients: list[Outgoing] = []
         self.to_workers: list[list[bytes]] = []
         self.events: list[WorkerEvent] = []
         self._status_hook = status_hook
         self.draining = False
+        self.delivery = Delivery(settings.client_backlog, self.stats.counters)
         self.backend = WorkerConversation(
             settings,
             workers=self.workers,
@@ -281,6 +284,26 @@ class Broker:
         self._finish_early(job, ErrorCode.CANCELLED, "cancelled by client", now)
         self.send_client(identity, p.ok_reply(req.id, cancelled=req.target))
 
+    def client_gone(self, identity: bytes, cause: GoneCause, now: float) -> int:
+        """The client ``identity`` is gone (``cause``): nothing more is sent to it.
+
+        Its waiting finals are discarded (``Delivery.forget``). Each of its
+        requests without a final reply ends with none, counted ``client_gone``
+        (never ``ok``): a queued one leaves the queue, a running one is
+        cancelled on its worker, whose credit returns with the ack. A rules
+        hedge ends with the request it hedges. Returns how many requests ended.
+        """
+        self.delivery.forget(identity)
+        ended = 0
+        for job in self.jobs:
+            if job.client != identity or job.replied or job.hedge_of is not None:
+                continue
+            self.stats.count("client_gone")
+            message = f"client gone ({cause.value})"
+            self._finish_early(job, ErrorCode.CANCELLED, message, now, deliver=False)
+            ended += 1
+        return ended
+
     # ------------------------------------------------------------------ workers
 
     def handle_worker(self, frames: list[bytes], now: float) -> None:
@@ -319,20 +342,27 @@ class Broker:
         return max(0.0, min(due) - now)
 
     def _finish_early(
-        self, job: Job, code: ErrorCode, message: str, now: float, **extra: Any
+        self,
+        job: Job,
+        code: ErrorCode,
+        message: str,
+        now: float,
+        deliver: bool = True,
+        **extra: Any,
     ) -> None:
-        """Answer ``job`` now with ``code``; a running job is cancelled on its worker."""
-        self.answer(
-            job, p.error_reply(job.req.id, code, message, text="".join(job.chunks), **extra), now
-        )
+        """Answer ``job`` now with ``code``; a running job is cancelled on its worker.
+        ``deliver=False``: its client is gone, so the answer is not sent."""
+        body = p.error_reply(job.req.id, code, message, text="".join(job.chunks), **extra)
+        self.answer(job, body, now, deliver)
         if job.worker is None:
             self.forget(job)
             return
         self.backend.cancel(job, now)
 
-    def answer(self, job: Job, body: dict[str, Any], now: float) -> None:
+    def answer(self, job: Job, body: dict[str, Any], now: float, deliver: bool = True) -> None:
         """Send ``job``'s one final reply; the client may reuse its id at once.
 
+        ``deliver=False``: end it the same way but send nothing (its client is gone).
         A model copy (shadow/dual) has no client: its result only goes to the router.
         A hedge answers only if a rule matched (``Handover.take_hedge``); else
         it is dropped. A request that is answered drops its hedge if still out.
@@ -343,7 +373,8 @@ class Broker:
                 return
             if job.req.stream:  # the held-back text, as the stream it would have been
                 for index, text in enumerate(job.chunks):
-                    self.send_client(job.client, p.partial_reply(job.req.id, text, index))
+                    partial = p.partial_reply(job.req.id, text, index)
+                    self.send_client(job.client, partial, ReplyKind.PARTIAL)
         job.replied = True
         self.handover.drop_hedge(job)
         self.router.finished(job, body, now)
@@ -351,7 +382,8 @@ class Broker:
             return
         self.jobs.release(job)
         self.gate.closed(job.client)
-        self.send_client(job.client, body)
+        if deliver:
+            self.send_client(job.client, body)
 
     def forget(self, job: Job) -> None:
         """Drop ``job`` from the ledger and the queue (answered or handed over)."""
@@ -360,9 +392,12 @@ class Broker:
 
     # ------------------------------------------------------------------ output
 
-    def send_client(self, identity: bytes, body: dict[str, Any]) -> None:
-        """Queue ``body`` for the client ``identity`` (drained by the I/O loop)."""
-        self.to_clients.append(p.client_frames(identity, body))
+    def send_client(
+        self, identity: bytes, body: dict[str, Any], kind: ReplyKind = ReplyKind.FINAL
+    ) -> None:
+        """Queue ``body`` for the client ``identity`` (drained by the I/O loop);
+        ``kind`` tells a streamed chunk, which may be dropped, from a final reply."""
+        self.to_clients.append(Outgoing(identity, body, kind))
 
     def send_worker(self, identity: bytes, command: WorkerCommand, body: dict[str, Any]) -> None:
         """Queue ``command`` with ``body`` for the worker ``identity`` (drained by the I/O loop)."""
@@ -385,6 +420,7 @@ class Broker:
             "draining": self.draining,
             "workers": workers,
             "counters": dict(self.stats.counters),
+            "delivery": self.delivery.snapshot(),
             "service": self.stats.snapshot(),
         }
         if self._status_hook is not None:

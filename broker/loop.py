@@ -3,7 +3,11 @@
 It binds a frontend ROUTER (clients) and a backend ROUTER (workers), feeds the
 sans-I/O ``Broker`` with frames and monotonic time, and flushes what it wants
 sent. Sends are non-blocking with ``ROUTER_MANDATORY``, so a vanished or
-congested peer costs one dropped message, never a blocked loop.
+congested peer never blocks the loop. What a failed send to a client means
+(a final waits in a backlog, a partial is dropped, the client is gone) is
+``broker.delivery``'s decision; which client connections closed is told by the
+frontend's socket monitor (``broker.connections``). A gone client's requests
+are ended by ``Broker.client_gone``.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from broker import protocol as p
+from broker.connections import Connections
 from broker.core import Broker, WorkerEvent
+from broker.delivery import Fate, GoneCause, Offer, Outgoing
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +40,8 @@ BATCH = 256
 #: must not wait behind a burst of them.
 CLIENT_BATCH = 16
 CLIENT_TIME_S = 0.05
+#: The frontend connection events the loop follows (``broker.connections``).
+MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
 
 def secure_ipc_dir(endpoint: str) -> None:
@@ -65,6 +74,26 @@ def make_router(
     return sock
 
 
+def watch_connections(
+    ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes]
+) -> zmq.Socket[bytes]:
+    """A PAIR socket receiving ``sock``'s ``MONITOR_EVENTS`` (``zmq_socket_monitor``).
+
+    Its receive HWM is unlimited: libzmq drops monitor events silently when the
+    pipe is full, and a lost ACCEPTED could make a live client look gone
+    (``broker.connections``). The loop drains it every turn; an event is a few
+    dozen bytes. A connection accepted between the bind and this call is
+    handled as one whose ACCEPTED was lost: it counts as open.
+    """
+    endpoint = f"inproc://monitor-{id(sock):x}"
+    sock.monitor(endpoint, MONITOR_EVENTS)
+    pair = ctx.socket(zmq.PAIR)
+    pair.setsockopt(zmq.RCVHWM, 0)
+    pair.setsockopt(zmq.LINGER, 0)
+    pair.connect(endpoint)
+    return pair
+
+
 class BrokerLoop:
     """Runs a ``Broker`` on two ROUTER sockets until ``stop()`` is called.
 
@@ -95,12 +124,16 @@ class BrokerLoop:
         # REQUEST, and what a worker may send back fits a reply.
         max_msg = p.message_limits(broker.settings.max_body_bytes).frame_bytes
         self.frontend = make_router(self.ctx, frontend, max_msg)
+        self.connections = Connections()
+        self.monitor = watch_connections(self.ctx, self.frontend)
         self.backend = make_router(self.ctx, backend, max_msg)
         self.poller = zmq.Poller()
         self.poller.register(self.frontend, zmq.POLLIN)
         self.poller.register(self.backend, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
         self._extra: dict[int, Callable[[], None]] = {}
         self._running = False
+        #: Messages to workers that could not be sent (the worker left or stalled).
         self.dropped = 0
 
     def add_fd(self, fd: int, callback: Callable[[], None]) -> None:
@@ -121,14 +154,22 @@ class BrokerLoop:
     def turn(self, max_wait_s: float = 1.0) -> None:
         """One poll, read, tick and flush cycle."""
         now = self.clock()
-        timeout_ms = int(min(self.broker.next_wakeup(now), max_wait_s) * 1000)
-        ready = dict(self.poller.poll(max(0, timeout_ms)))
+        delivery = self.broker.delivery
+        wait_s = min(self.broker.next_wakeup(now), max_wait_s)
+        retry_s = delivery.next_retry(now)
+        if retry_s is not None:
+            wait_s = min(wait_s, retry_s)
+        frontend_flags = zmq.POLLIN | (zmq.POLLOUT if delivery.wants_pollout() else 0)
+        self.poller.register(self.frontend, frontend_flags)
+        ready = dict(self.poller.poll(max(0, int(wait_s * 1000))))
         if self.backend in ready:
             self._drain(self.backend, self.broker.handle_worker)
-        if self.frontend in ready:
-            self._drain(self.frontend, self.broker.handle_client, CLIENT_BATCH, CLIENT_TIME_S)
+        if ready.get(self.frontend, 0) & zmq.POLLIN:
+            self._drain_clients()
             # Read what workers sent meanwhile, so liveness judges fresh news.
             self._drain(self.backend, self.broker.handle_worker)
+        # After the clients' messages: the events that preceded them are in.
+        self._read_monitor()
         for fd, callback in self._extra.items():
             if fd in ready:
                 callback()
@@ -136,6 +177,9 @@ class BrokerLoop:
         self.broker.tick(now)
         if self._on_tick is not None:
             self._on_tick(now)
+        writable = bool(ready.get(self.frontend, 0) & zmq.POLLOUT)
+        if writable or delivery.due(now):
+            self._retry_backlog(now, writable)
         self.flush()
 
     def flush(self) -> None:
@@ -147,11 +191,94 @@ class BrokerLoop:
             events, b.events = b.events, []
             for frames in out_w:
                 self._send(self.backend, frames)
-            for frames in out_c:
-                self._send(self.frontend, frames)
+            for out in out_c:
+                self._send_client(out)
             for event in events:
                 if self._on_event is not None:
                     self._on_event(event)
+
+    def _send_client(self, out: Outgoing) -> None:
+        """Offer one reply to ``delivery``, and send it if it says so."""
+        offer = self.broker.delivery.offer(out)
+        if offer is Offer.SEND:
+            self._try_client(out)
+        elif offer is Offer.OVERFLOW:
+            self._client_gone(out.client, GoneCause.BACKLOG_OVERFLOW)
+
+    def _try_client(self, out: Outgoing) -> Fate:
+        """One non-blocking send of ``out``; its fate goes to ``delivery``."""
+        delivery = self.broker.delivery
+        try:
+            self.frontend.send_multipart(delivery.frames(out), zmq.NOBLOCK)
+            fate = Fate.SENT
+        except zmq.Again:
+            fate = Fate.FULL  # its pipe is at the high-water mark: it is not reading
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                fate = Fate.GONE  # no pipe to that routing id: the client left
+            else:
+                # Not seen in practice; the loop must not die of it. Treated as a
+                # full pipe: a final waits (bounded), a partial is dropped.
+                log.warning("send to client %s failed: %s", out.client.hex(), exc)
+                fate = Fate.FULL
+        verdict = delivery.settle(out, fate)
+        if verdict is not None:
+            self._client_gone(out.client, verdict)
+        return fate
+
+    def _retry_backlog(self, now: float, writable: bool) -> None:
+        """Try each waiting client's finals, oldest first, until its pipe is full."""
+        delivery = self.broker.delivery
+        sent = 0
+        for client in delivery.clients():
+            while (out := delivery.head(client)) is not None:
+                if self._try_client(out) is not Fate.SENT:
+                    break
+                sent += 1
+        delivery.round_done(sent, now, writable)
+
+    def _client_gone(self, client: bytes, cause: GoneCause) -> None:
+        """End the requests of a client that is gone (``Broker.client_gone``)."""
+        self.connections.forget(client)
+        ended = self.broker.client_gone(client, cause, self.clock())
+        if ended:
+            log.info(
+                "client %s is gone (%s): %d request(s) ended", client.hex(), cause.value, ended
+            )
+
+    def _drain_clients(self) -> None:
+        """Read client messages (a bounded batch), noting each one's connection."""
+        stop_at = self.clock() + CLIENT_TIME_S
+        for _ in range(CLIENT_BATCH):
+            try:
+                parts = self.frontend.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            frames = [part.bytes for part in parts]
+            # ZMQ_SRCFD: the descriptor of the connection it came on (deprecated
+            # in libzmq for ZMQ_MSG_PROPERTY_PEER_ADDRESS, which cannot tell two
+            # ipc peers apart, yet still served by 4.3).
+            fd = parts[0].get(zmq.SRCFD)
+            if isinstance(fd, int) and fd >= 0:
+                self.connections.seen(frames[0], fd)
+            self.broker.handle_client(frames, self.clock())
+            if self.clock() >= stop_at:
+                return  # the rest waits for the next turn (poll returns at once)
+
+    def _read_monitor(self) -> None:
+        """Apply the frontend's connection events; end the work of closed ones."""
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            fd = int(event["value"])
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self.connections.accepted(fd)
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.connections.disconnected(fd)
+        for client in self.connections.settle():
+            self._client_gone(client, GoneCause.DISCONNECTED)
 
     def _drain(
         self,
@@ -174,8 +301,9 @@ class BrokerLoop:
         try:
             sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            # EHOSTUNREACH: the peer left; EAGAIN: it stopped reading. Either
-            # way the message has nowhere to go and the loop must not block.
+            # EHOSTUNREACH: the worker left; EAGAIN: it stopped reading. Either
+            # way the message has nowhere to go and the loop must not block
+            # (liveness judges the worker).
             self.dropped += 1
             log.debug("dropped a message to %r: %s", frames[0][:8], exc)
 
@@ -188,6 +316,17 @@ class BrokerLoop:
                 long, however slowly clients read; messages to workers are
                 always dropped.
         """
+        delivery = self.broker.delivery
+        if delivery.has_backlog():  # a last try; what still waits is lost
+            self._retry_backlog(self.clock(), writable=False)
+            for client in delivery.clients():
+                log.info(
+                    "%d final reply(s) to %s undelivered at close",
+                    delivery.forget(client),
+                    client.hex(),
+                )
+        self.frontend.disable_monitor()
+        self.monitor.close(0)
         self.frontend.close(linger_ms)
         self.backend.close(0)
         self.ctx.term()

@@ -46,6 +46,10 @@ class BrokerSettings:
     service times: ``size`` (each request from its prompt tokens and
     ``max_tokens``, ``broker.service``) or ``mean`` (one mean per engine, the
     estimator before it; kept for benchmarks that compare the two).
+    ``client_backlog`` bounds the final replies that may wait for one client
+    that is not reading (``broker.delivery``): one more and the client is
+    treated as gone. 64: four times the default in-flight cap, so a client
+    must keep sending while it does not read to reach it.
     """
 
     max_body_bytes: int = p.DEFAULT_MAX_BODY_BYTES
@@ -59,6 +63,7 @@ class BrokerSettings:
     cancel_grace_ms: int = 2000
     max_in_flight_per_client: int = 16
     service_estimate: str = "size"
+    client_backlog: int = 64
 
     def __post_init__(self) -> None:
         if self.service_estimate not in SERVICE_ESTIMATES:

@@ -285,6 +285,7 @@ _BOUNDS: dict[str, tuple[float, float | None]] = {
     "broker.stall_timeout_ms": (1, None),
     "broker.cancel_grace_ms": (1, None),
     "broker.max_in_flight_per_client": (1, None),
+    "broker.client_backlog": (1, None),
     "routing.ttft_budget_ms": (0, None),  # 0 = no budget
     "fallback.low_confidence": (0.0, 1.0),
     "fallback.log_max_bytes": (0, None),

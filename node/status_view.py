@@ -27,11 +27,38 @@ def render_status(node: dict[str, Any]) -> str:
     for proc in node.get("processes", []):
         lines.append(_worker_line(proc, registered.get(proc["worker_id"])))
     counters = node.get("counters", {})
-    if counters:
-        lines += ["", "requests: " + ", ".join(f"{k} {v}" for k, v in sorted(counters.items()))]
+    outcomes = {k: v for k, v in counters.items() if k not in DELIVERY_COUNTERS}
+    if outcomes:
+        lines += ["", "requests: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))]
+    if any(k in counters for k in DELIVERY_COUNTERS) or node.get("delivery", {}).get("backlog"):
+        lines.append(_replies_line(counters, node.get("delivery", {})))
     if node.get("service"):
         lines.append(_service_line(node["service"]))
     return "\n".join(line for line in lines if line is not None)
+
+
+#: The counters of what became of the messages sent to clients (broker.delivery),
+#: shown on their own line rather than among the requests' outcomes.
+DELIVERY_COUNTERS = (
+    "finals_delivered",
+    "finals_backlogged",
+    "finals_undeliverable",
+    "partials_delivered",
+    "partials_dropped",
+    "backlog_overflows",
+)
+
+
+def _replies_line(counters: dict[str, int], delivery: dict[str, Any]) -> str:
+    """What became of the replies sent to clients, and what waits for slow readers."""
+    n = {k: counters.get(k, 0) for k in DELIVERY_COUNTERS}
+    return (
+        f"replies: finals {n['finals_delivered']} delivered, {n['finals_backlogged']} waited, "
+        f"{n['finals_undeliverable']} undeliverable; partials {n['partials_delivered']} "
+        f"delivered, {n['partials_dropped']} dropped; waiting now {delivery.get('backlog', 0)} "
+        f"for {delivery.get('backlog_clients', 0)} client(s) (max "
+        f"{delivery.get('max_backlog', '-')} each), {n['backlog_overflows']} overflowed"
+    )
 
 
 def _gate_line(node: dict[str, Any]) -> str:

@@ -248,3 +248,30 @@ def test_an_id_that_is_not_str_or_int_is_refused_before_sending(fake: FakeNode, 
             c.generate("a", id=bad)
         assert caught.value.reason is None
     assert fake.requests.empty()
+
+
+def test_dropped_partials_are_on_the_stream_and_its_reply(fake: FakeNode) -> None:
+    with Client(fake.endpoint, wait_ms=5000) as c:
+        stream = c.stream_generate("a b c d", id="s")
+        fake.next_request()
+        # Chunks 1 and 2 were dropped by the node (the client was not reading).
+        fake.reply(
+            partial("s", "a", 0),
+            {**partial("s", " d", 3), "dropped_partials": 2},
+            ok("s", "a b c d", dropped_partials=2),
+        )
+        pieces = iter(stream)
+        assert next(pieces) == "a"
+        assert stream.dropped_partials == 0
+        assert list(pieces) == [" d"]
+        assert stream.dropped_partials == 2
+        assert stream.result is not None
+        assert stream.result.dropped_partials == 2
+        assert stream.result.text == "a b c d"
+        # Absent, or not a count: 0.
+        plain = c.stream_generate("x", id="p")
+        fake.next_request()
+        fake.reply({**partial("p", "x", 0), "dropped_partials": "many"}, ok("p", "x"))
+        assert list(plain) == ["x"]
+        assert plain.dropped_partials == 0
+        assert plain.result is not None and plain.result.dropped_partials == 0

@@ -95,8 +95,9 @@ class BrokerHarness:
     def drain_replies(self) -> list[tuple[bytes, dict[str, Any]]]:
         """Decode and clear ``broker.to_clients``, recording finals in the ledger."""
         out: list[tuple[bytes, dict[str, Any]]] = []
-        for frames in self.broker.to_clients:
-            client, raw = p.split_client_frames(frames)
+        for sent in self.broker.to_clients:
+            # Through the wire format, as the I/O loop sends it.
+            client, raw = p.split_client_frames(p.client_frames(sent.client, sent.body))
             body = p.unpack_map(raw)
             self._record(client, body)
             out.append((client, body))

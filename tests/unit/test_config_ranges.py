@@ -113,6 +113,7 @@ BAD: list[tuple[str, Any]] = [
     ("pressure.poll_ms", 0),
     ("pressure.poll_ms", -250),
     ("pressure.budget", "3 gigs"),
+    ("broker.client_backlog", 0),
     ("pressure.cpu_warn_pct", 101.0),
     ("pressure.cpu_warn_pct", -5.0),
     ("pressure.cpu_clear_pct", 60.0),  # above cpu_warn_pct (50)

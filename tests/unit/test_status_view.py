@@ -110,3 +110,33 @@ def test_the_credit_column_is_free_slots_of_the_workers_slots() -> None:
     col = header.index("CREDIT")
     assert (rows["llm-0"][col], rows["llm-1"][col], rows["rules-0"][col]) == ("1/4", "4/4", "1/1")
     assert rows["llm-0"][header.index("STATE")] == "busy"
+
+
+def test_replies_to_clients_get_their_own_line() -> None:
+    status = {
+        "pid": 1,
+        "model": "/m/gemma.gguf",
+        "engine": "test",
+        "queue_depth": 0,
+        "queue_bound": 16,
+        "in_flight": 0,
+        "credit": 2,
+        "counters": {
+            "ok": 20,
+            "client_gone": 1,
+            "finals_delivered": 22,
+            "finals_backlogged": 12,
+            "finals_undeliverable": 1,
+            "partials_delivered": 2500,
+            "partials_dropped": 3560,
+        },
+        "delivery": {"backlog": 3, "backlog_clients": 1, "max_backlog": 64},
+    }
+    lines = render_status(status).splitlines()
+    (requests,) = [line for line in lines if line.startswith("requests:")]
+    assert requests == "requests: client_gone 1, ok 20"
+    (replies,) = [line for line in lines if line.startswith("replies:")]
+    assert replies == (
+        "replies: finals 22 delivered, 12 waited, 1 undeliverable; partials 2500 delivered,"
+        " 3560 dropped; waiting now 3 for 1 client(s) (max 64 each), 0 overflowed"
+    )
