@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fallback.compare import compare_outputs
 from fallback.engine import MAX_MATCH_CHARS, RuleEngine
 from fallback.rules import loads_rules
 
@@ -84,3 +85,13 @@ def test_without_re2_the_rules_fail_loudly_instead_of_using_re() -> None:
     assert done.returncode != 0
     assert "ImportError: the rule engine needs RE2" in done.stderr
     assert "pip install google-re2" in done.stderr
+
+
+def test_comparing_a_fenced_whitespace_run_is_linear() -> None:
+    """Dual/shadow runs compare the model's output with the rules' in the broker's loop
+    (the migration log). The code-fence regex backtracked in cubic time on a fence then a
+    whitespace run (4,000 spaces: 78 s): this hung until pytest-timeout."""
+    model = "```json" + " " * 20_000 + '{"intent": "robot_stop"}' + "\n" * 5_000 + "x"
+    assert compare_outputs('{"intent":"robot_stop"}', model).kind == "mixed"
+    fenced = "```json" + " " * 20_000 + '{"intent": "robot_stop"}' + "\n" * 5_000 + "```"
+    assert compare_outputs('{"intent":"robot_stop"}', fenced).agree
