@@ -27,7 +27,7 @@ from broker.records import BrokerSettings, DegradeReason, Job, WorkerEvent
 from broker.replies import final_reply
 from broker.routing import Router
 from broker.stats import Stats
-from broker.workers import WorkerRegistry, WorkerState, parse_ready
+from broker.workers import EngineKind, WorkerRegistry, WorkerState, parse_ready
 
 
 class Owner(Protocol):
@@ -337,7 +337,7 @@ class WorkerConversation:
         self.send(worker.identity, WorkerCommand.DISCONNECT, {"reason": reason})
         if worker.kind == "llm" and failure and not worker.active:
             self.router.worker_failed(None, now, reason)
-        blamed = blames_its_request(reason, len(worker.active))
+        blamed = blames_its_request(reason, len(worker.active), worker.kind, failure=failure)
         for rid in sorted(worker.active):
             job = self.jobs.get(rid)
             if job is None:
@@ -365,14 +365,16 @@ class WorkerConversation:
                 job.first_token_at = None
                 self.gate.push(job, front=True)  # it waited longest
             elif not self.owner.fall_back(job, "worker_lost", now):
-                self._give_up(job, reason, now, blamed)
+                self._give_up(job, reason, now, blamed, worker.kind)
         if worker.kind == "llm" and not self.workers.of_kind("llm"):
             for queued in list(self.gate):  # nobody left to run them: the rules answer
                 self.owner.fall_back(queued, "no_model_worker", now)
         self.dispatch(now)
 
-    def _give_up(self, job: Job, reason: str, now: float, blamed: bool) -> None:
-        if blamed and OOM_KILLED in reason:
+    def _give_up(self, job: Job, reason: str, now: float, blamed: bool, kind: EngineKind) -> None:
+        if blamed and kind == "rules":
+            reason += " (not retried: the rule engine failed running this request)"
+        elif blamed and OOM_KILLED in reason:
             reason += " (not retried: the worker ran out of memory running this request)"
         elif blamed:
             reason += " (not retried: the worker crashed running this request)"
@@ -412,7 +414,9 @@ def crashed_running_it(reason: str) -> bool:
     return OOM_KILLED in reason or any(f"killed by {name}" in reason for name in CRASH_SIGNALS)
 
 
-def blames_its_request(reason: str, running: int) -> bool:
+def blames_its_request(
+    reason: str, running: int, kind: EngineKind = "llm", *, failure: bool = True
+) -> bool:
     """Whether a lost worker's request is the poison one, never to be run again.
 
     A crash or OOM kill (``crashed_running_it``) with one request in flight blames
@@ -421,5 +425,17 @@ def blames_its_request(reason: str, running: int) -> bool:
     like any lost request, and a request is never re-dispatched twice. A poison
     request therefore takes down at most two workers: the one it shared, and
     the one it was retried on.
+
+    A rule worker lost by a failure (dead, stalled, hung, exited; not a clean
+    DISCONNECT, a replacement or the node stopping: ``failure``) with one request
+    in flight blames it whatever the reason: the rule engine is deterministic and
+    answers in microseconds, so what stopped it was that request, and the
+    restarted rule worker would die of it too (issue 11: a catastrophic regex
+    killed the rule worker twice). An operator's SIGSTOP during those
+    microseconds is the only false verdict, and costs that one request.
     """
-    return running == 1 and crashed_running_it(reason)
+    if running != 1:
+        return False
+    if kind == "rules":
+        return failure
+    return crashed_running_it(reason)

@@ -9,9 +9,13 @@ FINAL and CREDIT. A heartbeat never grants credit.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from broker.errors import ProtocolError
+
+#: The engines the broker routes to, from READY's ``engine`` (``test``, the integration
+#: tests' stand-in for the model, is routed as ``llm``).
+EngineKind = Literal["llm", "rules"]
 
 
 @dataclass
@@ -32,7 +36,7 @@ class WorkerState:
 
     identity: bytes
     worker_id: str
-    kind: str
+    kind: EngineKind
     slots: int
     last_seen: float
     progress: int = 0

@@ -10,8 +10,9 @@ Matching a rule (every key it has must pass; keys it lacks are not checked):
 
 1. a rule with ``when`` needs the request text to be a JSON object (telemetry);
 2. ``any``: at least one keyword; ``all``: every keyword; ``none``: no keyword;
-3. ``regex`` must be found (``re.search``) in the normalised text; its named groups are
-   captures (a group that did not take part captures nothing);
+3. ``regex`` must be found (RE2's ``search``, ``fallback.regex``) in the normalised text; its
+   named groups are captures (a group that did not take part captures nothing); ``not_regex``
+   must not be found;
 4. each ``extract`` pattern adds its named groups if found, and is skipped if not;
 5. every ``when`` condition holds; its field's value is captured under the field's path;
 6. ``capture`` fields are captured if present;
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +41,11 @@ from fallback.text import normalise_text
 MAX_MATCH_CHARS = 8192
 #: JSON separators of every JSON answer, the compact form a grammar-constrained model emits.
 JSON_SEPARATORS = (",", ":")
+#: Debug only, for fault tests of the node: a request whose text equals this environment
+#: variable's value makes a rule engine built by ``from_file`` (the rule worker's) hang
+#: without progress and deaf to cancellation, as Python's backtracking ``re`` did on a
+#: catastrophic regex before RE2. Unset (the default), nothing changes.
+HANG_ON_ENV = "EDGENODE_DEBUG_RULES_HANG_ON"
 
 _MISSING = object()
 
@@ -65,15 +72,17 @@ class RuleEngine:
     #: READY only, so a size check must skip rule workers rather than compare against it.
     n_ctx = 1 << 20
 
-    def __init__(self, rules: RuleSet) -> None:
+    def __init__(self, rules: RuleSet, *, hang_on: str | None = None) -> None:
         self.rules = rules
         self.model = f"rules:{Path(rules.source).name}"
         self.steps = 0
+        self._hang_on = hang_on  # HANG_ON_ENV's fault injection; None in normal use
 
     @classmethod
     def from_file(cls, path: str | Path) -> RuleEngine:
-        """Load and validate ``path`` (raises ``fallback.rules.RulesError``)."""
-        return cls(load_rules(path))
+        """Load and validate ``path`` (raises ``fallback.rules.RulesError``); the
+        debug-only ``HANG_ON_ENV`` is read here."""
+        return cls(load_rules(path), hang_on=os.environ.get(HANG_ON_ENV) or None)
 
     # ------------------------------------------------------------------ matching
 
@@ -103,7 +112,10 @@ class RuleEngine:
             ProtocolError: an op other than generate/chat, or a missing prompt/messages.
         """
         self.steps += 1
-        found = self.match(request_text(request))
+        text = request_text(request)
+        if text == self._hang_on:
+            threading.Event().wait()  # the injected fault: never returns
+        found = self.match(text)
         wants_json = request.get("json_schema") is not None
         if found is None:
             no_match = self.rules.no_match
@@ -177,7 +189,7 @@ def _json_object(text: str) -> dict[str, Any] | None:
         return None  # cheap: most requests are words
     try:
         obj = json.loads(stripped)
-    except ValueError:
+    except (ValueError, RecursionError):  # deep nesting is no telemetry either
         return None
     return obj if isinstance(obj, dict) else None
 
@@ -197,6 +209,8 @@ def _match_rule(rule: Rule, norm: str, doc: dict[str, Any] | None) -> Match | No
         if m is None:
             return None
         values.update(m.groupdict())
+    if rule.not_regex is not None and rule.not_regex.search(norm):
+        return None
     for pattern in rule.extract:
         m = pattern.search(norm)
         if m is not None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from re import Pattern
 from typing import Any
 
+from fallback.regex import Regex, RegexError, compile_regex
 from fallback.template import NAME_RE, Template, parse_json_template, parse_template
 from fallback.text import normalise_text
 
@@ -76,21 +76,32 @@ def check_words(key: str, value: Any) -> list[str]:
     return value
 
 
-def _compile(key: str, value: Any) -> Pattern[str]:
+def _compile(key: str, value: Any) -> Regex:
     if not isinstance(value, str) or not value:
-        raise FieldError(key, "must be a non-empty string (a Python regular expression)")
+        raise FieldError(key, "must be a non-empty string (an RE2 regular expression)")
     try:
-        return re.compile(value, re.IGNORECASE)
-    except re.error as exc:
-        raise FieldError(key, str(exc)) from None
+        return compile_regex(value)
+    except RegexError as exc:
+        raise FieldError(key, f"RE2 cannot compile it: {exc.reason}{_hint(exc.reason)}") from None
 
 
-def check_regex(key: str, value: Any) -> Pattern[str]:
-    """A Python regular expression, compiled case-insensitive (``regex``)."""
+def _hint(reason: str) -> str:
+    """What to write instead of the constructs RE2 refuses (they need backtracking)."""
+    if "(?=" in reason or "(?!" in reason or "(?<=" in reason or "(?<!" in reason:
+        return " (lookaround is not supported: use the rule's not_regex or none key, or match it)"
+    if "escape sequence: \\" in reason and reason[-1:].isdigit():
+        return " (backreferences are not supported)"
+    if reason.endswith("escape sequence: \\Z"):
+        return " (RE2 spells the end of the text \\z)"
+    return ""
+
+
+def check_regex(key: str, value: Any) -> Regex:
+    """An RE2 regular expression, compiled case-insensitive (``regex``, ``not_regex``)."""
     return _compile(key, value)
 
 
-def check_extract(key: str, value: Any) -> tuple[Pattern[str], ...]:
+def check_extract(key: str, value: Any) -> tuple[Regex, ...]:
     """Regular expressions that each capture a named group (``extract``)."""
     if not isinstance(value, list) or not value:
         raise FieldError(key, "must be a non-empty array of regular expressions")

@@ -14,10 +14,10 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from re import Pattern
 from typing import Any
 
 from broker.protocol import ConfigError
+from fallback.regex import Regex
 from fallback.rule_keys import (
     Condition,
     FieldError,
@@ -44,8 +44,8 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
 RULE_KEYS = (
-    "name", "description", "any", "all", "none", "regex", "extract", "when", "capture",
-    "text", "json", "confidence",
+    "name", "description", "any", "all", "none", "regex", "not_regex", "extract", "when",
+    "capture", "text", "json", "confidence",
 )  # fmt: skip
 NO_MATCH_TEXT = "no rule matched"
 
@@ -61,17 +61,19 @@ class RulesError(ConfigError):
 
 @dataclass(frozen=True)
 class Rule:
-    """One validated rule. ``index`` counts from 1 in file order; patterns are compiled."""
+    """One validated rule. ``index`` counts from 1 in file order; patterns are compiled
+    with RE2 (``fallback.regex``), keywords included."""
 
     index: int
     name: str
     confidence: float
     description: str = ""
-    any_of: Pattern[str] | None = None
-    all_of: tuple[Pattern[str], ...] = ()
-    none_of: Pattern[str] | None = None
-    regex: Pattern[str] | None = None
-    extract: tuple[Pattern[str], ...] = ()
+    any_of: Regex | None = None
+    all_of: tuple[Regex, ...] = ()
+    none_of: Regex | None = None
+    regex: Regex | None = None
+    not_regex: Regex | None = None
+    extract: tuple[Regex, ...] = ()
     when: tuple[Condition, ...] = ()
     capture: tuple[str, ...] = ()
     text: Template | None = None
@@ -199,6 +201,7 @@ def _parse_rule(index: int, raw: dict[str, Any]) -> tuple[Rule | None, list[str]
         take(key, lambda k, v: keyword_pattern(check_words(k, v)))
     take("all", lambda k, v: tuple(keyword_pattern([w]) for w in check_words(k, v)))
     take("regex", check_regex)
+    take("not_regex", check_regex)
     take("extract", check_extract)
     take("when", check_when)
     take("capture", check_capture)
@@ -222,6 +225,7 @@ def _build_rule(index: int, f: dict[str, Any]) -> Rule:
         all_of=f.get("all", ()),
         none_of=f.get("none"),
         regex=f.get("regex"),
+        not_regex=f.get("not_regex"),
         extract=f.get("extract", ()),
         when=f.get("when", ()),
         capture=f.get("capture", ()),

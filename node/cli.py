@@ -25,9 +25,9 @@ from node.app import Node, log_path
 from node.capacity import check_fits
 from node.cli_capacity import capacity
 from node.cli_report import report
-from node.cli_rules import rules
+from node.cli_rules import load_or_exit, rules
 from node.config import NodeConfig, load_config
-from node.model import resolve_model
+from node.model import resolve_model, resolve_rules
 from node.pidfile import lock_holder, signal_holder
 from node.pool import plan_workers
 from node.status_view import render_status
@@ -100,6 +100,8 @@ def start(ctx: click.Context, foreground: bool, wait_s: float) -> None:
             resolve_model(config.model.path)
         check_fits(config)
         plan_workers(config.workers, config.node.cpus)  # an impossible core reservation
+        if config.fallback.rules:  # a bad rules file: every error, as `rules check` says them
+            load_or_exit(str(resolve_rules(config.fallback.rules)))
     except EdgeNodeError as exc:
         raise click.ClickException(exc.message) from exc
     if foreground:

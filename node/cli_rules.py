@@ -5,6 +5,8 @@ file, never the node's config or sockets, so they work on a device where no node
 
 Exit codes: 0 done (``test`` also exits 0 when no rule matched: that is an answer), 1 the
 file is unreadable or invalid (every error printed to stderr, one per line).
+``edgenode start`` checks the node's rules file with ``load_or_exit`` too, so a bad file
+refuses the start in the same words.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from fallback.intents import INTENT_SCHEMA
 from fallback.rules import RulesError, RuleSet, load_rules
 
 
-def _load(path: str) -> RuleSet:
+def load_or_exit(path: str) -> RuleSet:
+    """The validated rules of ``path``; if they are invalid, every error is printed to
+    stderr, one per line, and the command exits 1 (``rules check``, ``rules test``, ``start``).
+
+    Raises:
+        click.exceptions.Exit: (code 1) the file is unreadable or invalid.
+    """
     try:
         return load_rules(path)
     except RulesError as exc:
@@ -37,7 +45,7 @@ def rules() -> None:
 @click.argument("file", type=click.Path(dir_okay=False))
 def check(file: str) -> None:
     """Validate FILE: print the rule count, or every error (exit 1)."""
-    ruleset = _load(file)
+    ruleset = load_or_exit(file)
     count = len(ruleset.rules)
     click.echo(f"{file}: {count} rule{'s' if count != 1 else ''} OK")
 
@@ -55,7 +63,7 @@ def check(file: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the engine's whole answer as JSON.")
 def test(file: str, text: str, schema: bool, as_json: bool) -> None:
     """Show which rule of FILE answers TEXT (a command, or telemetry as a JSON object)."""
-    engine = RuleEngine(_load(file))
+    engine = RuleEngine(load_or_exit(file))
     request: dict[str, Any] = {"op": "generate", "prompt": text}
     if schema:
         request["json_schema"] = INTENT_SCHEMA

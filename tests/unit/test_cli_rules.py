@@ -35,7 +35,7 @@ def test_check_prints_every_error_and_exits_1(tmp_path: Path) -> None:
     lines = err.splitlines()
     assert lines == [
         f"{bad}: 3 error(s)",
-        '  rule #1 "a": regex: missing ), unterminated subpattern at position 0',
+        '  rule #1 "a": regex: RE2 cannot compile it: missing ): (x',
         '  rule #2 "a": confidence: must be in [0, 1], got 2',
         '  rule #2 "a": name: duplicate of rule #1',
     ]
@@ -90,3 +90,43 @@ def test_test_with_an_invalid_file_exits_1(tmp_path: Path) -> None:
     assert code == 1
     assert out == ""
     assert "rule #1: name: missing (required)" in err
+
+
+def test_check_rejects_what_needs_backtracking_with_re2s_reason(tmp_path: Path) -> None:
+    """Backreferences and lookaround need a backtracking engine (exponential time on a
+    crafted text): RE2 refuses them, and so does ``check``, naming the rule and the key.
+    Python's ``re`` accepted all of these."""
+    bad = tmp_path / "redos.toml"
+    bad.write_text(
+        "[[rule]]\nname = \"twice\"\nregex = '''^(a+)+\\1$'''\ntext = \"x\"\nconfidence = 1\n"
+        "[[rule]]\nname = \"not_after\"\nregex = '''(?<!don't )stop'''\ntext = \"x\"\n"
+        "confidence = 1\n"
+        "[[rule]]\nname = \"ahead\"\nregex = '''^(?=.*lights).*on'''\ntext = \"x\"\n"
+        "confidence = 1\n"
+        "[[rule]]\nname = \"units\"\nall = [\"move\"]\nnot_regex = '''\\d(?!m)'''\n"
+        'text = "x"\nconfidence = 1\n'
+    )
+    code, out, err = run("check", str(bad))
+    assert (code, out) == (1, "")
+    lookaround = "(lookaround is not supported: use the rule's not_regex or none key, or match it)"
+    assert err.splitlines() == [
+        f"{bad}: 4 error(s)",
+        '  rule #1 "twice": regex: RE2 cannot compile it: invalid escape sequence: \\1 '
+        "(backreferences are not supported)",
+        '  rule #2 "not_after": regex: RE2 cannot compile it: invalid perl operator: (?<! '
+        + lookaround,
+        f'  rule #3 "ahead": regex: RE2 cannot compile it: invalid perl operator: (?= {lookaround}',
+        '  rule #4 "units": not_regex: RE2 cannot compile it: invalid perl operator: (?! '
+        + lookaround,
+    ]
+
+
+def test_check_accepts_a_catastrophic_looking_pattern_re2_runs_in_linear_time(
+    tmp_path: Path,
+) -> None:
+    redos = tmp_path / "redos.toml"
+    redos.write_text("[[rule]]\nname = \"r\"\nregex = '''(a+)+$'''\ntext = \"x\"\nconfidence = 1\n")
+    code, out, err = run("check", str(redos))
+    assert (code, out, err) == (0, f"{redos}: 1 rule OK\n", "")
+    code, out, _ = run("test", "--no-schema", str(redos), "a" * 4000 + "!")
+    assert code == 0 and out.splitlines()[0] == "rule: (none: no rule matched)"

@@ -432,8 +432,20 @@ def errors_of(toml: str) -> list[str]:
     ("body", "expected"),
     [
         ('colour = "red"', "unknown key 'colour'"),
-        ("regex = '(?P<room>kitchen'", "regex: missing ), unterminated subpattern at position 0"),
-        ("regex = '(?P<1>x)'", "regex: bad character in group name '1'"),
+        ("regex = '(?P<room>kitchen'", "regex: RE2 cannot compile it: missing ): (?P<room>kitchen"),
+        ("regex = '(?P<a b>x)'", "regex: RE2 cannot compile it: invalid named capture group"),
+        # What needs backtracking is refused, with RE2's reason and what to do instead.
+        ("regex = '(?<!not )on'",
+         "regex: RE2 cannot compile it: invalid perl operator: (?<! (lookaround is not "
+         "supported: use the rule's not_regex or none key, or match it)"),
+        ("regex = 'on(?= now)'", "regex: RE2 cannot compile it: invalid perl operator: (?="),
+        ("not_regex = '(?!x)'", "not_regex: RE2 cannot compile it: invalid perl operator: (?!"),
+        ("extract = ['(?P<a>x)(?<=x)']", "extract[0]: RE2 cannot compile it: invalid perl"),
+        ("regex = '(a)\\1'",
+         "regex: RE2 cannot compile it: invalid escape sequence: \\1 (backreferences are not "
+         "supported)"),
+        ("regex = 'on\\Z'", "invalid escape sequence: \\Z (RE2 spells the end of the text \\z)"),
+        ("regex = 'x{1001}'", "regex: RE2 cannot compile it: invalid repetition size: {1001}"),
         ("extract = ['(x)']", "extract[0]: has no named group (?P<name>...) to capture"),
         ("extract = '(?P<x>x)'", "extract: must be a non-empty array of regular expressions"),
         ('any = ["ok", ""]', "any[1]: must be a non-empty string"),
@@ -457,7 +469,7 @@ def errors_of(toml: str) -> list[str]:
          "when[0]: unknown key 'unit'"),
         ('capture = ["ok", 3]', "capture[1]: must be a JSON field name"),
         ("description = 3", "description: must be a string, got int"),
-        ("regex = ''", "regex: must be a non-empty string (a Python regular expression)"),
+        ("regex = ''", "regex: must be a non-empty string (an RE2 regular expression)"),
         ("capture = []", "capture: must be a non-empty array of JSON field names"),
         ("when = { field = 't' }", "when: must be a non-empty array of {field, op, value}"),
         ('when = [{ field = "t", op = "==", value = [1] }]',
@@ -504,7 +516,7 @@ def test_duplicate_names_and_every_error_are_reported() -> None:
         + "[[rule]]\n" + RULE.format(name="d").replace("0.5", "2")
     )  # fmt: skip
     assert errors == [
-        'rule #2 "b": regex: missing ), unterminated subpattern at position 0',
+        'rule #2 "b": regex: RE2 cannot compile it: missing ): (',
         'rule #3 "a": name: duplicate of rule #1',
         'rule #4 "d": confidence: must be in [0, 1], got 2',
     ]
