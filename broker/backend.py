@@ -43,12 +43,20 @@ class Owner(Protocol):
         """Whether the node is stopping (a worker exiting then is no failure)."""
         ...
 
-    def answer(self, job: Job, body: dict[str, Any], now: float) -> None:
-        """Send ``job``'s one final reply ``body`` to its client."""
-        ...
-
     def forget(self, job: Job) -> None:
         """Drop ``job`` from the ledger and the queue."""
+        ...
+
+    def answer(
+        self,
+        job: Job,
+        body: dict[str, Any],
+        now: float,
+        deliver: bool = True,
+        counted: str | None = None,
+    ) -> None:
+        """Send ``job``'s one final reply ``body`` to its client (``counted``: the
+        outcome counter it was counted under)."""
         ...
 
     def fall_back(self, job: Job, reason: DegradeReason, now: float) -> bool:
@@ -209,7 +217,7 @@ class WorkerConversation:
             max_tokens = job.req.max_tokens or self.settings.default_max_tokens
             self.stats.observe_final(job, body.get("usage"), now, max_tokens)
         self.stats.count(outcome)
-        self.owner.answer(job, reply, now)
+        self.owner.answer(job, reply, now, counted=outcome)
 
     # ------------------------------------------------------------------ sending
 

@@ -359,10 +359,19 @@ class Broker:
             return
         self.backend.cancel(job, now)
 
-    def answer(self, job: Job, body: dict[str, Any], now: float, deliver: bool = True) -> None:
+    def answer(
+        self,
+        job: Job,
+        body: dict[str, Any],
+        now: float,
+        deliver: bool = True,
+        counted: str | None = None,
+    ) -> None:
         """Send ``job``'s one final reply; the client may reuse its id at once.
 
         ``deliver=False``: end it the same way but send nothing (its client is gone).
+        ``counted``: the outcome counter the reply was counted under, moved to
+        ``client_gone`` if the reply never reaches its client (``Outgoing``).
         A model copy (shadow/dual) has no client: its result only goes to the router.
         A hedge answers only if a rule matched (``Handover.take_hedge``); else
         it is dropped. A request that is answered drops its hedge if still out.
@@ -383,7 +392,7 @@ class Broker:
         self.jobs.release(job)
         self.gate.closed(job.client)
         if deliver:
-            self.send_client(job.client, body)
+            self.to_clients.append(Outgoing(job.client, body, ReplyKind.FINAL, counted))
 
     def forget(self, job: Job) -> None:
         """Drop ``job`` from the ledger and the queue (answered or handed over)."""

@@ -81,12 +81,15 @@ class Outgoing:
     """One reply for the client ``client`` (its ROUTER routing id).
 
     The body is packed only when sent, so a ``dropped_partials`` marker can
-    still be added to it.
+    still be added to it. ``counted``: the outcome counter a final was counted
+    under (e.g. ``ok``); if it never reaches its client, it counts as
+    ``client_gone`` instead.
     """
 
     client: bytes
     body: dict[str, Any]
     kind: ReplyKind = ReplyKind.FINAL
+    counted: str | None = None
 
     @property
     def request(self) -> tuple[bytes, Any]:
@@ -104,7 +107,8 @@ class Delivery:
             ``status``): ``partials_delivered``, ``partials_dropped``,
             ``finals_delivered``, ``finals_backlogged`` (finals that had to
             wait), ``finals_undeliverable`` (finals that never reached their
-            client: it was gone, or its backlog overflowed), ``backlog_overflows``.
+            client: it was gone, or its backlog overflowed; the outcome such a
+            final was counted under moves to ``client_gone``), ``backlog_overflows``.
         retry_s: pause after a backlog round that sent nothing (s).
     """
 
@@ -175,8 +179,8 @@ class Delivery:
         waiting = self._backlog.pop(client, deque())
         if len(waiting) > self.max_backlog:
             self.counters["backlog_overflows"] += 1
-        if waiting:
-            self.counters["finals_undeliverable"] += len(waiting)
+        for out in waiting:
+            self._lost(out)
         for key in [k for k in self._dropped if k[0] == client]:
             del self._dropped[key]
         return len(waiting)
@@ -242,8 +246,11 @@ class Delivery:
         """``out`` found its client gone: it is never delivered."""
         if out.kind is ReplyKind.PARTIAL:
             self.counters["partials_dropped"] += 1
-        else:
-            self.counters["finals_undeliverable"] += 1
+            return
+        self.counters["finals_undeliverable"] += 1
+        if out.counted is not None:  # an answer its client never got is not an ``ok``
+            self.counters[out.counted] -= 1
+            self.counters["client_gone"] += 1
 
     def _head_is(self, out: Outgoing) -> bool:
         waiting = self._backlog.get(out.client)

@@ -179,3 +179,21 @@ def test_backlog_rounds_follow_the_clock_and_pollout_only_while_it_helps() -> No
     d.round_done(0, 1.04, woken_by_pollout=False)
     assert d.wants_pollout()
     assert not d.due(1.05) and d.due(1.06)
+
+
+def test_an_answer_its_client_never_gets_counts_client_gone_not_ok() -> None:
+    d, n = make(max_backlog=1)
+    n["ok"] += 3  # as the broker counts answers when it makes them
+    lost, waiting, over = (Outgoing(A, p.ok_reply(r), ReplyKind.FINAL, "ok") for r in "xyz")
+    assert d.offer(lost) is Offer.SEND
+    assert d.settle(lost, Fate.GONE) is GoneCause.UNREACHABLE
+    assert n["ok"] == 2 and n["client_gone"] == 1 and n["finals_undeliverable"] == 1
+    assert d.offer(waiting) is Offer.SEND
+    assert d.settle(waiting, Fate.FULL) is None
+    assert d.offer(over) is Offer.OVERFLOW
+    assert d.forget(A) == 2
+    assert n["ok"] == 0 and n["client_gone"] == 3 and n["finals_undeliverable"] == 3
+    # A final never counted as an outcome (a cancel's ack, a status reply) moves nothing.
+    assert d.offer(final("ack", B)) is Offer.SEND
+    d.settle(final("ack", B), Fate.GONE)
+    assert n["client_gone"] == 3 and n["finals_undeliverable"] == 4
