@@ -86,8 +86,9 @@ class NodeProcess:
             *args,
         ]
 
-    def start(self, timeout: float = 60) -> NodeProcess:
-        """Start in the foreground mode as a child and wait for every worker READY.
+    def start(self, timeout: float = 60, ready: bool = True) -> NodeProcess:
+        """Start in the foreground mode as a child and wait for every worker READY
+        (``ready=False``: only until the node answers ``status``).
 
         The node gets SIGTERM when this process dies, even by SIGKILL. Linux sends
         that signal when the *thread* that started the node exits, so only the
@@ -108,11 +109,12 @@ class NodeProcess:
             self.proc = subprocess.Popen(
                 cmd, stdout=out, stderr=out, cwd=REPO, start_new_session=True
             )
-        self.wait_ready(timeout)
+        self.wait_ready(timeout, all_ready=ready)
         return self
 
-    def wait_ready(self, timeout: float = 60) -> dict[str, Any]:
-        """Poll ``status`` until every worker is ready; returns that status."""
+    def wait_ready(self, timeout: float = 60, all_ready: bool = True) -> dict[str, Any]:
+        """Poll ``status`` until every worker is ready (``all_ready=False``: until
+        the node answers); returns that status."""
         deadline = time.monotonic() + timeout
         with Client(self.frontend, wait_ms=500) as client:
             while time.monotonic() < deadline:
@@ -120,7 +122,7 @@ class NodeProcess:
                     raise RuntimeError(f"node exited: {self.log.read_text()[-3000:]}")
                 try:
                     status = client.status()
-                    if status.get("all_ready"):
+                    if status.get("all_ready") or not all_ready:
                         return status
                 except EdgeNodeError:
                     pass

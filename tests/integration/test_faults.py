@@ -322,11 +322,15 @@ def test_deterministic_start_failure_is_not_restarted(make_node: NodeFactory) ->
         bad.write_bytes(src.read(8_000_000))
     node = make_node(start=False, model={"path": str(bad)}, workers={"engine": "llama"})
     result = node.cli("start", "--wait-s", "60")
+    # A background start says why, and stops the node it launched.
+    assert result.returncode == 1
+    assert "model failed to load" in result.stderr, result.stderr
+    assert node.cli("status").returncode != 0
+    # A node left running (foreground) keeps its failed workers failed, not respawned.
+    node.start(timeout=60, ready=False)
     try:
-        assert result.returncode == 1
-        assert "model failed to load" in result.stderr, result.stderr
-        # Every worker fails on its own clock (start returns at the first failure);
-        # then a second more is long enough for several backoff restarts, were there any.
+        # Every worker fails on its own clock; then a second more is long enough
+        # for several backoff restarts, were there any.
         wait_for(lambda: all(p["state"] == "failed" for p in node.status()["processes"]), 30)
         time.sleep(1.0)
         status = node.status()
