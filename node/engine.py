@@ -51,7 +51,7 @@ def flash_attn_on(kv_type: str, wanted: bool) -> bool:
     quantized V cache needs it: src/llama-context.cpp, ``llama_init_from_model``
     refuses it otherwise, "quantized V cache requires flash_attn to be enabled").
 
-    Off by default, although it decoded the default model 8-13 % faster on this
+    Off by default, although it decoded the default model 7-14 % faster on this
     machine's AVX2 cores (1 and 4 slots, f16 KV): ggml's CPU kernel takes a
     different path for one query row of one sequence (the KV split across
     threads), for several sequences and for prompt chunks of a tile or more
