@@ -59,16 +59,29 @@ def log_files(path: Path) -> list[Path]:
     return [*files, path] if path.is_file() else files
 
 
-def percentiles(values: Iterable[float]) -> dict[str, float] | None:
-    """``{"count", "p50", "p90", "p99", "max"}`` of ``values`` (nearest rank), None if empty."""
+def percentile(values: Iterable[float], p: float) -> float:
+    """The ``p``-th percentile (0..100) of ``values`` by nearest rank: the
+    ``ceil(p/100 x n)``-th smallest (at least the first). The one percentile of
+    the node's reports and of every benchmark in ``scripts/``.
+
+    Raises:
+        ValueError: ``values`` is empty, or ``p`` is outside 0..100.
+    """
     ordered = sorted(values)
-    n = len(ordered)
-    if not n:
+    if not ordered or not 0 <= p <= 100:
+        raise ValueError(f"percentile {p} of {len(ordered)} values")
+    rank = -(-p * len(ordered) // 100)  # ceil(p x n / 100): exact for integer p
+    return ordered[max(int(rank), 1) - 1]
+
+
+def percentiles(values: Iterable[float]) -> dict[str, float] | None:
+    """``{"count", "p50", "p90", "p99", "max"}`` of ``values`` (``percentile``), None if empty."""
+    ordered = sorted(values)
+    if not ordered:
         return None
-    out: dict[str, float] = {"count": n}
+    out: dict[str, float] = {"count": len(ordered)}
     for p in PERCENTILES:
-        rank = -(-p * n // 100)  # ceil(p * n / 100) in integers: no float rounding at the edge
-        out[f"p{p}"] = ordered[max(rank, 1) - 1]
+        out[f"p{p}"] = percentile(ordered, p)
     out["max"] = ordered[-1]
     return out
 

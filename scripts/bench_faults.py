@@ -31,15 +31,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from broker.errors import DeadlineExceeded
+from node.report import percentile
 from nodeproc import NodeProcess
 
 LONG_PROMPT = "The robot moved across the warehouse floor carefully. " * 78
-
-
-def pct(values: list[float], q: float) -> float:
-    """The q-quantile (0..1) by nearest rank."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 def overshoot(node: NodeProcess, prompt: str, budget_ms: int) -> tuple[float, float]:
@@ -120,7 +115,7 @@ def main() -> None:
         summary[name] = {
             "n": len(values),
             "p50_ms": round(statistics.median(values), 1),
-            "p99_ms": round(pct(values, 0.99), 1),
+            "p99_ms": round(percentile(values, 99), 1),
             "max_ms": round(max(values), 1),
         }
         s = summary[name]

@@ -77,6 +77,7 @@ from broker import protocol as p
 from broker.client import Client
 from node.config import WorkersSection
 from node.model import resolve_model
+from node.report import percentile
 from node.units import format_size
 from nodeproc import NodeProcess
 
@@ -220,12 +221,6 @@ def pin_threads_off(core: int) -> list[int]:
     return cores
 
 
-def pct(values: list[float], q: float) -> float:
-    """The q-quantile (0..1) by nearest rank."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
 def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Wake-up lateness and response (µs) over all rounds and per round, missed
     deadlines, CPU shares."""
@@ -238,14 +233,14 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     resp, resp_rounds = us("resp_ns")
     return {
         "p50_us": round(statistics.median(late), 1),
-        "p99_us": round(pct(late, 0.99), 1),
+        "p99_us": round(percentile(late, 99), 1),
         "max_us": round(max(late), 1),
-        "p99_rounds_us": [round(pct(r, 0.99), 1) for r in late_rounds],
-        "p99_median_us": round(statistics.median(pct(r, 0.99) for r in late_rounds), 1),
+        "p99_rounds_us": [round(percentile(r, 99), 1) for r in late_rounds],
+        "p99_median_us": round(statistics.median(percentile(r, 99) for r in late_rounds), 1),
         "resp_p50_us": round(statistics.median(resp), 1),
-        "resp_p99_us": round(pct(resp, 0.99), 1),
-        "resp_p99_rounds_us": [round(pct(r, 0.99), 1) for r in resp_rounds],
-        "resp_p99_median_us": round(statistics.median(pct(r, 0.99) for r in resp_rounds), 1),
+        "resp_p99_us": round(percentile(resp, 99), 1),
+        "resp_p99_rounds_us": [round(percentile(r, 99), 1) for r in resp_rounds],
+        "resp_p99_median_us": round(statistics.median(percentile(r, 99) for r in resp_rounds), 1),
         "missed_pct": round(100 * sum(x > 1000 for x in resp) / len(resp), 2),
         "core_busy": [
             round(statistics.mean(c), 3)

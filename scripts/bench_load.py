@@ -43,6 +43,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from node.report import percentile
 from nodeproc import NodeProcess
 
 PROMPT = "Q: Which room has the lights on?\nA:"
@@ -109,8 +110,8 @@ def offer(endpoint: str, rate: float, seconds: float) -> list[dict[str, Any]]:
 
 
 def p99(values: list[float]) -> float | None:
-    ordered = sorted(values)
-    return round(ordered[int(0.99 * (len(ordered) - 1))], 1) if ordered else None
+    """The 99th percentile (``node.report.percentile``), to 0.1; None if empty."""
+    return round(percentile(values, 99), 1) if values else None
 
 
 def summarize(level: str, rate: float, results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from node.report import percentile
 from nodeproc import NodeProcess
 
 SYSTEM = (
@@ -76,7 +77,7 @@ def summary(samples: list[tuple[int, int]]) -> dict[str, float]:
     """First TTFT, the later ones' median and p90 (nearest rank), and their ratios."""
     first, later = samples[0][0], sorted(t for t, _ in samples[1:])
     median = statistics.median(later)
-    p90 = later[min(len(later) - 1, round(0.9 * (len(later) - 1)))]
+    p90 = percentile(later, 90)
     return {
         "first_ms": first,
         "later_median_ms": median,

@@ -35,19 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from broker.client import Client
 from fallback.intents import EVAL_COMMANDS, INTENT_PROMPT, INTENT_SCHEMA
-from node.report import summarize
+from node.report import percentile, summarize
 from node.report_view import format_report
 from nodeproc import NodeProcess
 
 COMMANDS = EVAL_COMMANDS
 WARMUP = 20
-
-
-def pct(values: list[float], p: float) -> float:
-    """Nearest-rank percentile (p in 0..100), like ``node.report``."""
-    ordered = sorted(values)
-    rank = max(1, -(-p * len(ordered) // 100))
-    return ordered[int(rank) - 1]
 
 
 def start(mode: str, workers: dict[str, Any]) -> NodeProcess:
@@ -194,7 +187,7 @@ def main() -> None:
         rows[mode] = {
             "n": len(values),
             "p50_ms": round(statistics.median(values), 2),
-            "p99_ms": round(pct(values, 99), 2),
+            "p99_ms": round(percentile(values, 99), 2),
             "max_ms": round(max(values), 2),
         }
         r = rows[mode]

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from node.cli_report import report
 from node.migration_log import MigrationLog
-from node.report import log_files, percentiles, summarize, verdict
+from node.report import log_files, percentile, percentiles, summarize, verdict
 from node.report_view import format_report
 
 AGREE = '{"intent":"lights_on","room":"Kitchen"}'
@@ -94,6 +94,14 @@ def test_percentiles_on_ten_and_one_and_none() -> None:
     }
     assert percentiles([7]) == {"count": 1, "p50": 7, "p90": 7, "p99": 7, "max": 7}
     assert percentiles([]) is None
+
+
+def test_one_percentile_by_nearest_rank_at_any_p() -> None:
+    six = [6.0, 1.0, 5.0, 2.0, 4.0, 3.0]
+    assert [percentile(six, p) for p in (0, 16.6, 16.7, 50, 90, 99, 100)] == [1, 1, 2, 3, 6, 6, 6]
+    for bad in ([], [1.0]):
+        with pytest.raises(ValueError):
+            percentile(bad, 101 if bad else 50)
 
 
 # -- summarize --------------------------------------------------------------------------------
