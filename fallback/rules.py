@@ -55,6 +55,9 @@ class RulesError(ConfigError):
 
     def __init__(self, source: str, errors: list[str]) -> None:
         self.errors = tuple(errors)
+        more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+        #: One line: the source and its first error (a worker's status shows it).
+        self.summary = f"{source}: {errors[0] if errors else 'invalid'}{more}"
         lines = "\n".join(f"  {e}" for e in errors)
         super().__init__(f"{source}: {len(errors)} error(s)\n{lines}")
 

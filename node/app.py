@@ -34,7 +34,7 @@ from node.config import NodeConfig
 from node.endpoints import check_free
 from node.engine import EngineSpec, make_token_counter
 from node.migration_log import MigrationLog, migration_log_path
-from node.model import resolve_model, resolve_rules
+from node.model import RULES_SNAPSHOT, resolve_model, resolve_rules, snapshot_rules
 from node.pidfile import RunLock, remove_pidfile, write_pidfile
 from node.pool import WorkerPool
 from node.pressure import CpuPressureMonitor, PressureMonitor, cpu_psi_file
@@ -59,7 +59,9 @@ class Node:
     """A running edgenode: broker loop in this process, workers as children.
 
     Raises (from ``run``):
-        ConfigError: the model or rules cannot be resolved, the core plan is
+        ConfigError: the model or rules cannot be resolved, the rules file is
+            invalid (``fallback.rules.RulesError``: the bytes the rule worker will
+            serve are checked, ``node.model.snapshot_rules``), the core plan is
             impossible, the run directory is unusable or held by another node
             (one node per run directory: ``node.pidfile.RunLock``), or an
             endpoint is in use (the message names its holder). A start that
@@ -77,18 +79,24 @@ class Node:
         """Serve until SIGTERM/SIGINT; returns the exit code (0 on a clean stop)."""
         c = self.config
         model = str(resolve_model(c.model.path)) if c.workers.engine == "llama" else "test"
-        rules = str(resolve_rules(c.fallback.rules)) if c.fallback.rules else None
+        rules = resolve_rules(c.fallback.rules) if c.fallback.rules else None
         self.plan = check_fits(c)  # refuse what cannot fit, before anything starts
         # ... and so does a bad core plan; the workers get the plan's (resolved) slots.
-        pool = WorkerPool(c, model, rules, self.run_dir, self.plan, slots=self.plan.slots)
+        # The rule worker loads the rules this start validates, never the live file.
+        snapshot = self.run_dir / RULES_SNAPSHOT
+        served_rules = str(snapshot) if rules is not None else None
+        pool = WorkerPool(c, model, served_rules, self.run_dir, self.plan, slots=self.plan.slots)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)
         with RunLock(self.run_dir):  # one node per run directory, for this node's whole life
             write_pidfile(self.pidfile)
             try:
+                if rules is not None:
+                    snapshot_rules(rules, self.run_dir)
                 return self._run_locked(pool, model)
             finally:
                 remove_pidfile(self.pidfile)
+                snapshot.unlink(missing_ok=True)
 
     def _run_locked(self, pool: WorkerPool, model: str) -> int:
         """Check the endpoints, open the cgroups, serve. Whatever fails on the way,

@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from broker.breaker import BreakerSettings
 from broker.core import BrokerSettings
@@ -21,6 +21,7 @@ from broker.errors import ConfigError
 from broker.protocol import message_limits
 from broker.routing import MODES, RoutingSettings
 from node.endpoints import parse_endpoint
+from node.engine import ModelEngineKind
 from node.units import parse_cores, parse_size
 from node.worker_memory import validate_memory
 
@@ -30,7 +31,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
 SYSTEM_CONFIG = Path("/etc/edgenode/edgenode.toml")
-ENGINES = ("llama", "test")
+ENGINES: tuple[str, ...] = get_args(ModelEngineKind)
 SANDBOX_MODES = ("auto", "required", "off")
 #: The most sequences (slots) one worker may run: ``workers.slots`` in [1, MAX_SLOTS].
 MAX_SLOTS = 64
@@ -68,7 +69,7 @@ class WorkersSection:
     """The worker pool: how many processes, which engine, how they start and stop."""
 
     count: int = 1
-    engine: str = "llama"
+    engine: ModelEngineKind = "llama"
     threads: int = 2
     #: Sequences per model worker: an integer in [1, ``MAX_SLOTS``] or "auto"
     #: (``node.capacity.resolve_slots`` turns it into an int at start).

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from broker.errors import Cancelled, EdgeNodeError
 from broker.protocol import ClientRequest
@@ -27,11 +27,19 @@ Emit = Callable[[str], None]
 Outcome = dict[str, Any] | EdgeNodeError
 
 
+#: The engines ``workers.engine`` can name: llama.cpp, or the fast test stand-in.
+ModelEngineKind = Literal["llama", "test"]
+#: The engines a worker can run: a model engine, or the rules (``rules-0``).
+EngineKind = Literal[ModelEngineKind, "rules"]
+#: What each kind loads before it can serve (the exit-66 wording: "<it> failed to load").
+LOADS: dict[EngineKind, str] = {"llama": "model", "test": "model", "rules": "rules"}
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """What a worker needs to build its engine (JSON-able, passed on its command line)."""
 
-    kind: str
+    kind: EngineKind
     model_path: str
     n_ctx: int
     n_batch: int
@@ -226,3 +234,18 @@ def make_engine(spec: EngineSpec) -> Engine:
     from node.llama_engine import LlamaEngine  # llama_cpp loads only where needed
 
     return LlamaEngine(spec)
+
+
+def load_error_line(exc: Exception) -> str:
+    """One line saying why ``make_engine`` failed, for the worker's status.
+
+    A bad rules file gives its first error, e.g. ``/run/rules.toml: not valid TOML:
+    ... (+2 more)``; anything else the first line of its message.
+    """
+    from fallback.rules import RulesError
+
+    if isinstance(exc, RulesError):
+        return exc.summary
+    text = exc.message if isinstance(exc, EdgeNodeError) else str(exc)
+    lines = text.strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

@@ -91,6 +91,43 @@ def resolve_rules(path: str) -> Path:
     return target
 
 
+#: The rules the node validated at start, in its run directory: the rule worker loads
+#: this copy at every (re)spawn, never the configured file, which may have changed since.
+RULES_SNAPSHOT = "rules.snapshot.toml"
+
+
+def snapshot_rules(source: Path, run_dir: Path) -> Path:
+    """Validate the rules file ``source`` and copy the very bytes validated to
+    ``<run_dir>/RULES_SNAPSHOT``, atomically (a temporary file, then ``os.replace``).
+
+    Edits of ``source`` take effect at the next start: a rule worker restarted
+    after a crash reloads the snapshot, which ``start`` checked, so a file broken
+    (or changed) on disk meanwhile can neither take the rules down nor run
+    unchecked. Returns the snapshot's path.
+
+    Raises:
+        fallback.rules.RulesError: (a ``ConfigError``) the file is unreadable or
+            invalid, in the words of ``edgenode rules check``.
+        OSError: the snapshot cannot be written.
+    """
+    from fallback.rules import RulesError, loads_rules
+
+    try:
+        data = source.read_bytes()
+    except OSError as exc:
+        raise RulesError(str(source), [f"cannot read the file: {exc.strerror or exc}"]) from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RulesError(str(source), [f"not UTF-8: {exc}"]) from exc
+    loads_rules(text, str(source))
+    target = run_dir / RULES_SNAPSHOT
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, target)
+    return target
+
+
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in 1 MiB blocks."""
     digest = hashlib.sha256()

@@ -56,7 +56,9 @@ class WorkerPool:
     Args:
         config: the node's configuration.
         model_path: the resolved GGUF file (or "test" for the test engine).
-        rules_path: the resolved rules file, or None for no rule worker.
+        rules_path: the rules file the rule worker loads (the node gives it the
+            snapshot it validated at start, ``node.model.snapshot_rules``), or None
+            for no rule worker.
         run_dir: logs go to ``<run_dir>/logs``; the cgroup name derives from it.
         capacity: the capacity plan (``node.capacity.check_fits``), whose limits
             ``workers.memory_max = "auto"`` gives every model worker's cgroup.

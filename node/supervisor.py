@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from node.config import WorkersSection
-from node.worker import DETERMINISTIC_EXITS, WorkerSpec
+from node.engine import EngineKind
+from node.worker import DETERMINISTIC_EXITS, EXIT_MESSAGE_MAX_BYTES, WorkerSpec, exit_meaning
 
 log = logging.getLogger("edgenode.supervisor")
 
@@ -116,6 +117,8 @@ class Supervisor:
             self.log_dir / f"{handle.spec.worker_id}.log", self.log_max_bytes
         )
         spec = self.prepare(handle.spec) if self.prepare is not None else handle.spec
+        exit_message = self._exit_message_path(handle)
+        exit_message.unlink(missing_ok=True)  # a previous process's reason is not this one's
         cmd = [
             sys.executable,
             "-m",
@@ -124,6 +127,8 @@ class Supervisor:
             spec.to_json(),
             "--log-level",
             self.log_level,
+            "--exit-message-file",
+            str(exit_message),
         ]
         handle.proc = subprocess.Popen(
             cmd,
@@ -185,9 +190,23 @@ class Supervisor:
                 handle.restarts += 1
                 self._spawn(handle)
 
+    def _exit_message_path(self, handle: WorkerHandle) -> Path:
+        return self.log_dir / f"{handle.spec.worker_id}.exit"
+
+    def _exit_message(self, handle: WorkerHandle) -> str:
+        """The one line the worker left on a deterministic exit, or ""."""
+        try:
+            with open(self._exit_message_path(handle), "rb") as fh:
+                raw = fh.read(EXIT_MESSAGE_MAX_BYTES)
+        except OSError:
+            return ""
+        lines = raw.decode(errors="replace").splitlines()
+        return lines[0].strip() if lines else ""
+
     def _reaped(self, handle: WorkerHandle, code: int, now: float) -> None:
         handle.proc = None
-        reason = describe_exit(code)
+        detail = self._exit_message(handle) if code in DETERMINISTIC_EXITS else ""
+        reason = describe_exit(code, handle.spec.engine.kind, detail)
         better = self.explain(handle.spec.worker_id, code) if self.explain is not None else None
         if better:
             reason = f"{better} ({reason})"
@@ -308,16 +327,25 @@ def open_worker_log(path: Path, max_bytes: int) -> IO[bytes]:
     return open(path, "ab")  # the caller closes it (at the next spawn or at stop)
 
 
-def describe_exit(code: int) -> str:
-    """A human reason for a ``Popen.returncode`` (negative = killed by a signal)."""
+def describe_exit(code: int, kind: EngineKind = "llama", detail: str = "") -> str:
+    """A human reason for a ``Popen.returncode`` (negative = killed by a signal).
+
+    Args:
+        code: the return code.
+        kind: the worker's engine: a rule worker's exit 66 says "rules failed to
+            load", a model worker's "model failed to load".
+        detail: the worker's own one-line reason (``--exit-message-file``), appended
+            to a deterministic exit's meaning.
+    """
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
-    if code in DETERMINISTIC_EXITS:
-        return f"exit {code}: {DETERMINISTIC_EXITS[code]}"
-    return f"exit {code}"
+    meaning = exit_meaning(code, kind)
+    if meaning is None:
+        return f"exit {code}"
+    return f"exit {code}: {meaning}: {detail}" if detail else f"exit {code}: {meaning}"
 
 
 def _killpg(pid: int | None, sig: int) -> None:

@@ -38,7 +38,16 @@ from broker import protocol as p
 from broker.errors import EdgeNodeError, InternalError
 from broker.protocol import WorkerCommand
 from node.affinity import apply_placement
-from node.engine import BatchEngine, Engine, EngineSpec, Outcome, make_engine
+from node.engine import (
+    LOADS,
+    BatchEngine,
+    Engine,
+    EngineKind,
+    EngineSpec,
+    Outcome,
+    load_error_line,
+    make_engine,
+)
 from node.sandbox import join_cgroup
 
 log = logging.getLogger("edgenode.worker")
@@ -46,12 +55,33 @@ log = logging.getLogger("edgenode.worker")
 #: Exit codes (sysexits.h): the supervisor does not restart these in a loop,
 #: because a new process would fail the same way.
 EXIT_CONFIG = 78  # EX_CONFIG
-EXIT_MODEL_LOAD = 66  # EX_NOINPUT: the model file cannot be loaded
+EXIT_MODEL_LOAD = 66  # EX_NOINPUT: the engine's model (or rules) file cannot be loaded
 EXIT_ENGINE_BUG = 70  # EX_SOFTWARE: a batch step failed; restarted like a crash
-DETERMINISTIC_EXITS = {
-    EXIT_CONFIG: "bad worker configuration",
-    EXIT_MODEL_LOAD: "model failed to load",
-}
+DETERMINISTIC_EXITS = (EXIT_CONFIG, EXIT_MODEL_LOAD)
+#: How much of a worker's exit message (``--exit-message-file``) its status shows (bytes).
+EXIT_MESSAGE_MAX_BYTES = 512
+
+
+def exit_meaning(code: int, kind: EngineKind) -> str | None:
+    """What a deterministic exit ``code`` of a worker running ``kind`` means, or None."""
+    if code == EXIT_CONFIG:
+        return "bad worker configuration"
+    if code == EXIT_MODEL_LOAD:
+        return f"{LOADS[kind]} failed to load"
+    return None
+
+
+def write_exit_message(path: str | None, line: str) -> None:
+    """Leave one line saying why this worker exits where its supervisor reads it
+    (the pattern of Kubernetes' terminationMessagePath); best effort."""
+    if path is None:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            one = line.replace("\n", " ").encode()[:EXIT_MESSAGE_MAX_BYTES]
+            fh.write(one.decode(errors="ignore") + "\n")
+    except OSError as exc:
+        log.warning("cannot write the exit message to %s: %s", path, exc)
 
 
 @dataclass(frozen=True)
@@ -458,6 +488,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="do not die with the spawning process (standalone workers)",
     )
+    parser.add_argument(
+        "--exit-message-file",
+        help="on a deterministic exit, write one line saying why to this file",
+    )
     args = parser.parse_args(argv)
     if not args.keep_without_parent:
         die_with_parent()
@@ -470,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = WorkerSpec.from_json(args.spec)
     except (ValueError, TypeError, KeyError) as exc:
         log.error("bad worker spec: %s", exc)
+        write_exit_message(args.exit_message_file, f"bad worker spec: {exc}")
         return EXIT_CONFIG
     try:
         # Before the model loads: its page cache is charged to whoever touches
@@ -479,11 +514,13 @@ def main(argv: list[str] | None = None) -> int:
             apply_placement(spec.cpus or tuple(os.sched_getaffinity(0)), spec.nice)
     except EdgeNodeError as exc:
         log.error("cannot enter the sandbox: %s", exc.message)
+        write_exit_message(args.exit_message_file, f"cannot enter the sandbox: {exc.message}")
         return EXIT_CONFIG
     try:
         engine = make_engine(spec.engine)
     except Exception as exc:
         log.error("cannot load engine %s (%s): %s", spec.engine.kind, spec.engine.model_path, exc)
+        write_exit_message(args.exit_message_file, load_error_line(exc))
         return EXIT_MODEL_LOAD
     log.info("%s ready: engine=%s model=%s", spec.worker_id, engine.kind, engine.model)
     return WorkerLoop(spec, engine).run()
