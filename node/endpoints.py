@@ -84,7 +84,9 @@ def _tcp_host(key: str, text: str, host: str) -> str:
         raise ConfigError(f"{key}: {text!r}: [{inner}] is not an IPv6 address")
     version = _ip_version(host)
     if version == 6:
-        raise ConfigError(f"{key}: {text!r}: write an IPv6 address in brackets, tcp://[{host}]:PORT")
+        raise ConfigError(
+            f"{key}: {text!r}: write an IPv6 address in brackets, tcp://[{host}]:PORT"
+        )
     if version == 4:
         return host
     try:
