@@ -184,10 +184,21 @@ def _matches(endpoint: Endpoint, laddr: object, status: str) -> bool:
         return laddr == endpoint.path
     if status != psutil.CONN_LISTEN or not isinstance(laddr, tuple) or len(laddr) != 2:
         return False
-    ip, port = str(laddr[0]), laddr[1]
+    ip, port = _unmapped(str(laddr[0])), laddr[1]
     if port != endpoint.port:
         return False
     return ip in _WILDCARDS or endpoint.host in _WILDCARDS or ip == endpoint.host
+
+
+def _unmapped(ip: str) -> str:
+    """An IPv4-mapped IPv6 address as its IPv4 address: a socket with ZMQ_IPV6 bound
+    on tcp://127.0.0.1:PORT listens on ``::ffff:127.0.0.1``."""
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return str(mapped) if mapped is not None else ip
 
 
 def _ipc_busy(path: str) -> bool:

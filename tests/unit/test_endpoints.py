@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import tempfile
 import threading
@@ -9,12 +10,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+import zmq
 
 from broker.client import Client
 from broker.core import Broker, BrokerSettings
 from broker.errors import ConfigError
-from broker.loop import BrokerLoop
-from node.endpoints import connect_endpoint, parse_endpoint
+from broker.loop import BrokerLoop, make_router
+from node.endpoints import check_free, connect_endpoint, parse_endpoint
 
 
 def free_port() -> int:
@@ -93,3 +95,18 @@ def test_a_client_reaches_a_node_bound_on_a_wildcard_or_ipv6_through_the_connect
     bind = f"tcp://{host}:{free_port()}"
     with serving(bind), Client(connect_endpoint(bind), wait_ms=10_000) as client:
         assert client.ping()["status"] == "ok"
+
+
+def test_a_port_held_by_a_node_socket_names_the_node() -> None:
+    # ZMQ_IPV6 makes tcp://127.0.0.1:PORT listen on ::ffff:127.0.0.1; the holder
+    # was then "another process" instead of this pid.
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = make_router(ctx, endpoint, 1 << 20)
+    try:
+        with pytest.raises(ConfigError) as info:
+            check_free("node.frontend", endpoint)
+        assert f"in use by pid {os.getpid()}" in info.value.message
+    finally:
+        sock.close()
+        ctx.term()
