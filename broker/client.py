@@ -198,6 +198,7 @@ class Client:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT and names that resolve to IPv6
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._prefix = f"{os.getpid():x}-"

@@ -69,6 +69,8 @@ def make_router(
     sock.setsockopt(zmq.SNDHWM, SNDHWM)
     sock.setsockopt(zmq.RCVHWM, RCVHWM)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg)
+    # IPv6 addresses bind too; a wildcard then listens on IPv4 and IPv6 alike.
+    sock.setsockopt(zmq.IPV6, 1)
     secure_ipc_dir(endpoint)
     sock.bind(endpoint)
     return sock

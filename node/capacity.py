@@ -472,8 +472,7 @@ def advice(plan: Plan, meta: ModelMeta | None) -> list[str]:
     if slots:
         tips.append(f"workers.slots = {slots} (--slots; fewer sequences per worker)")
     if meta is not None:
-        ctxs = range(kv_cells(plan.n_ctx) - CTX_PAD, 0, -CTX_PAD)
-        ctx = next((n for n in ctxs if _replan(plan, meta, n_ctx=n).fits), None)
+        ctx = largest_fitting_ctx(plan, meta)
         if ctx:
             tips.append(f"model.n_ctx = {ctx} (--n-ctx)")
         smaller = [k for k in KV_TYPES if bytes_per_element(k) < bytes_per_element(plan.kv_type)]
@@ -488,6 +487,26 @@ def advice(plan: Plan, meta: ModelMeta | None) -> list[str]:
         " (--reserve)"
     )
     return tips
+
+
+def largest_fitting_ctx(plan: Plan, meta: ModelMeta) -> int | None:
+    """The largest context (tokens, a multiple of ``CTX_PAD``) below ``plan.n_ctx``'s
+    padded cells with which ``plan`` fits, or None if not even ``CTX_PAD`` does.
+
+    A bisection over the multiples of ``CTX_PAD``: a plan only grows with n_ctx (KV
+    cells and attention scratch both do), so "fits" holds up to one context and
+    fails above it. At most ~23 plans for n_ctx up to 2**31-1, where stepping down
+    256 tokens at a time took minutes.
+    """
+    low, high = 0, kv_cells(plan.n_ctx) // CTX_PAD - 1  # in units of CTX_PAD
+    # Invariant: ``low`` fits (0 stands for "none"), everything above ``high`` fails.
+    while low < high:
+        mid = (low + high + 1) // 2
+        if _replan(plan, meta, n_ctx=mid * CTX_PAD).fits:
+            low = mid
+        else:
+            high = mid - 1
+    return low * CTX_PAD or None
 
 
 _ASK = "budget reserve workers margin runtime_overhead weights_shared budget_source n_ctx"

@@ -27,6 +27,7 @@ from node.cli_capacity import capacity
 from node.cli_report import report
 from node.cli_rules import load_or_exit, rules
 from node.config import NodeConfig, load_config
+from node.endpoints import connect_endpoint
 from node.model import resolve_model, resolve_rules
 from node.pidfile import lock_holder, signal_holder
 from node.pool import plan_workers
@@ -153,7 +154,7 @@ def _wait_started(
     """
     deadline = time.monotonic() + wait_s
     answered_by: int | None = None
-    with Client(config.frontend, wait_ms=1000) as client:
+    with Client(connect_endpoint(config.frontend), wait_ms=1000) as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise click.ClickException(f"node exited during start: {_exit_reason(logfile)}")
@@ -262,14 +263,15 @@ def _alive(proc: psutil.Process) -> bool:
 def status(ctx: click.Context, as_json: bool) -> None:
     """Show workers, queue and counters of the running node (exit 3 if none runs)."""
     config = _config(ctx)
+    address = connect_endpoint(config.frontend)
     try:
-        with Client(config.frontend, wait_ms=2000) as client:
+        with Client(address, wait_ms=2000) as client:
             node = client.status()
     except EdgeNodeError:
         if as_json:
             click.echo(json.dumps({"running": False, "frontend": config.frontend}))
         else:
-            click.echo(f"edgenode is not running (no answer on {config.frontend})")
+            click.echo(f"edgenode is not running (no answer on {address})")
         sys.exit(EXIT_NOT_RUNNING)
     if as_json:
         click.echo(json.dumps({"running": True, **node}, indent=2, sort_keys=True))
@@ -318,10 +320,11 @@ def ask(
     if temperature is not None:
         fields["temperature"] = temperature
     messages = [{"role": "user", "content": text}]
+    address = connect_endpoint(config.frontend)
     try:
-        with Client(config.frontend, wait_ms=2000) as probe:
+        with Client(address, wait_ms=2000) as probe:
             probe.ping()  # fail in seconds, not after a whole budget, if no node runs
-        with Client(config.frontend, max_body_bytes=config.broker.max_body_bytes) as client:
+        with Client(address, max_body_bytes=config.broker.max_body_bytes) as client:
             if stream:
                 s = (
                     client.stream_generate(text, **fields)

@@ -18,7 +18,7 @@ from typing import Any, get_args
 from broker.breaker import BreakerSettings
 from broker.core import BrokerSettings
 from broker.errors import ConfigError
-from broker.protocol import message_limits
+from broker.protocol import MAX_TOKENS_LIMIT, message_limits
 from broker.routing import MODES, RoutingSettings
 from node.endpoints import parse_endpoint
 from node.engine import ModelEngineKind
@@ -206,16 +206,21 @@ def load_config(path: str | None = None) -> NodeConfig:
     """Read and validate the configuration.
 
     Raises:
-        ConfigError: unreadable file, unknown section or key, wrong type or an
-            out-of-range value; the message names the key.
+        ConfigError: unreadable or non-UTF-8 file, unknown section or key, wrong
+            type or an out-of-range value; the message names the key (or the file).
     """
     chosen = config_path(path)
     if chosen is None:
         return validate(NodeConfig())
     try:
-        data = tomllib.loads(chosen.read_text())
+        data = tomllib.loads(chosen.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"cannot read config {chosen}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:  # TOML files are UTF-8 (toml.io, "Spec")
+        raise ConfigError(
+            f"{chosen}: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+            "a TOML config must be UTF-8 text"
+        ) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config {chosen} is not valid TOML: {exc}") from exc
     return validate(from_dict(data, source=str(chosen)))
@@ -252,6 +257,31 @@ INT32_MAX = 2**31 - 1
 #: hundred ms to start, so below a second no worker (even the test engine's) can
 #: register, and every spawn is killed and respawned in a loop.
 MIN_READY_TIMEOUT_MS = 1000
+#: Ceiling of every duration key (ms): 2**31-1, ~24.8 days. Each one ends in a
+#: zmq poll timeout (libzmq's ``zmq_poll`` takes a C int of ms: a longer
+#: heartbeat made every worker die of OverflowError and respawn forever), a
+#: ``time.sleep`` or a deadline; no edge node waits longer for anything.
+MAX_DURATION_MS = INT32_MAX
+#: ``workers.count`` ceiling: each worker is a process with an interpreter, an
+#: engine and a cgroup of its own (tens of MiB even for the test engine); 1024 is
+#: beyond any edge device, and above it a typo forks the host out of memory.
+MAX_WORKERS = 1024
+#: ``broker.max_queue`` and ``broker.client_backlog`` ceiling: queued requests
+#: and backlogged finals are held in the broker's memory, each up to
+#: ``broker.max_body_bytes``; 65536 of the 256 KiB default are 16 GiB, more than an
+#: edge device has, so above it the "bounded" queue bounds nothing.
+MAX_QUEUE = 65_536
+#: The most requests one node can hold at once (a full queue and every slot of the
+#: largest pool): ``broker.max_in_flight_per_client`` and ``breaker.half_open_probes``
+#: above it never bind.
+MAX_IN_FLIGHT = MAX_QUEUE + MAX_WORKERS * MAX_SLOTS
+#: Ceiling of byte-size keys (log rotation sizes): the largest file size (``off_t``
+#: is signed 64-bit); a larger integer could not cross msgpack either.
+MAX_FILE_BYTES = 2**63 - 1
+#: ``fallback.log_backups`` ceiling: every rollover walks the backups one by one
+#: (``logging.handlers.RotatingFileHandler.doRollover`` loops over ``backupCount``),
+#: so a huge count would hang the broker at its first rollover.
+MAX_LOG_BACKUPS = 1000
 #: ``workers.cpu_quota`` ceiling in cores: x86-64's largest CONFIG_NR_CPUS
 #: (MAXSMP). Above it a quota means nothing; infinity would overflow the µs.
 MAX_CPU_QUOTA = 8192
@@ -260,38 +290,51 @@ MAX_CPU_QUOTA = 8192
 KV_TYPE_NAMES = ("f16", "q8_0", "q4_0")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
-#: Range ``(lowest, highest or None)`` of every numeric key: counts from their
-#: minimum, durations > 0 where zero is harmful (0 allowed where it means
-#: "none"/"at once", as documented in etc/edgenode.toml), fractions in [0, 1].
-_BOUNDS: dict[str, tuple[float, float | None]] = {
-    "node.start_timeout_ms": (1, None),
+#: Range ``(lowest, highest)`` of every numeric key: counts from their minimum,
+#: durations > 0 where zero is harmful (0 allowed where it means "none"/"at once",
+#: as documented in etc/edgenode.toml), fractions in [0, 1]. Every key has a
+#: ceiling, with its reason at the constant: durations ``MAX_DURATION_MS``, byte
+#: sizes ``MAX_FILE_BYTES``, counts what the node can hold.
+_BOUNDS: dict[str, tuple[float, float]] = {
+    "node.start_timeout_ms": (1, MAX_DURATION_MS),
     "model.n_ctx": (64, INT32_MAX),
     "model.n_batch": (1, INT32_MAX),
-    "workers.count": (0, None),
+    "workers.count": (0, MAX_WORKERS),
     "workers.threads": (1, INT32_MAX),
-    "workers.ready_timeout_ms": (MIN_READY_TIMEOUT_MS, None),
-    "workers.stop_grace_ms": (0, None),
-    "workers.restart_backoff_ms": (1, None),  # 0 doubles to 0: a hot respawn loop
-    "workers.restart_backoff_max_ms": (1, None),
-    "workers.test_token_ms": (0, None),
-    "workers.test_load_ms": (0, None),
-    "workers.log_max_bytes": (0, None),
+    "workers.ready_timeout_ms": (MIN_READY_TIMEOUT_MS, MAX_DURATION_MS),
+    "workers.stop_grace_ms": (0, MAX_DURATION_MS),
+    "workers.restart_backoff_ms": (1, MAX_DURATION_MS),  # 0 doubles to 0: a hot respawn loop
+    "workers.restart_backoff_max_ms": (1, MAX_DURATION_MS),
+    "workers.test_token_ms": (0, MAX_DURATION_MS),  # a time.sleep per token
+    "workers.test_load_ms": (0, MAX_DURATION_MS),
+    "workers.log_max_bytes": (0, MAX_FILE_BYTES),
     "workers.nice": (0, 19),
-    "broker.max_queue": (0, None),  # 0 = 8 per pool slot
-    "broker.default_timeout_ms": (1, None),
-    "broker.max_timeout_ms": (1, None),
-    "broker.default_max_tokens": (1, None),
-    "broker.heartbeat_interval_ms": (1, None),
-    "broker.heartbeat_liveness": (1, None),
-    "broker.stall_timeout_ms": (1, None),
-    "broker.cancel_grace_ms": (1, None),
-    "broker.max_in_flight_per_client": (1, None),
-    "broker.client_backlog": (1, None),
-    "routing.ttft_budget_ms": (0, None),  # 0 = no budget
+    "broker.max_queue": (0, MAX_QUEUE),  # 0 = 8 per pool slot
+    "broker.default_timeout_ms": (1, MAX_DURATION_MS),
+    "broker.max_timeout_ms": (1, MAX_DURATION_MS),
+    # A request asks for at most the protocol's cap; a default above it made
+    # every request without max_tokens a 413.
+    "broker.default_max_tokens": (1, MAX_TOKENS_LIMIT),
+    "broker.heartbeat_interval_ms": (1, MAX_DURATION_MS),
+    # Its product with the interval is a duration too (checked in ``validate``).
+    "broker.heartbeat_liveness": (1, MAX_DURATION_MS),
+    "broker.stall_timeout_ms": (1, MAX_DURATION_MS),
+    "broker.cancel_grace_ms": (1, MAX_DURATION_MS),
+    "broker.max_in_flight_per_client": (1, MAX_IN_FLIGHT),
+    "broker.client_backlog": (1, MAX_QUEUE),
+    "routing.ttft_budget_ms": (0, MAX_DURATION_MS),  # 0 = no budget
+    # [breaker]: the lower ends repeat BreakerSettings' own checks, which run first.
+    "breaker.window_ms": (1, MAX_DURATION_MS),
+    # ``status`` shows it; more calls than a C int in one window never come.
+    "breaker.minimum_calls": (1, INT32_MAX),
+    "breaker.slow_call_ms": (1, MAX_DURATION_MS),
+    "breaker.open_wait_ms": (0, MAX_DURATION_MS),  # also replies' retry_after_ms
+    "breaker.half_open_probes": (1, MAX_IN_FLIGHT),
+    "breaker.half_open_max_wait_ms": (0, MAX_DURATION_MS),  # 0 = unlimited
     "fallback.low_confidence": (0.0, 1.0),
-    "fallback.log_max_bytes": (0, None),
-    "fallback.log_backups": (0, None),
-    "pressure.poll_ms": (1, None),
+    "fallback.log_max_bytes": (0, MAX_FILE_BYTES),
+    "fallback.log_backups": (0, MAX_LOG_BACKUPS),
+    "pressure.poll_ms": (1, MAX_DURATION_MS),
 }
 #: Keys whose value is one of a fixed set.
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -329,7 +372,9 @@ CHECKED_APART = frozenset(
         "pressure.cpu_warn_pct",
         "pressure.cpu_clear_pct",
         "pressure.cpu_psi",
-        *(f"breaker.{f.name}" for f in dataclasses.fields(BreakerSettings)),
+        "breaker.failure_rate_pct",
+        "breaker.slow_call_rate_pct",
+        "breaker.half_open_successes",
     }
 )
 #: Keys with no range: their type is all there is to check (``repack``), or they
@@ -354,6 +399,12 @@ def validate(config: NodeConfig) -> NodeConfig:
     message_limits(b.max_body_bytes)  # its range; every socket's limits come from it
     if b.default_timeout_ms > b.max_timeout_ms:
         raise ConfigError("broker.default_timeout_ms must not exceed broker.max_timeout_ms")
+    if b.heartbeat_interval_ms * b.heartbeat_liveness > MAX_DURATION_MS:
+        raise ConfigError(
+            "broker.heartbeat_interval_ms x broker.heartbeat_liveness (the silence that marks "
+            f"a worker dead) must be at most {MAX_DURATION_MS} ms, got "
+            f"{b.heartbeat_interval_ms} x {b.heartbeat_liveness}"
+        )
     if w.restart_backoff_max_ms < w.restart_backoff_ms:
         raise ConfigError(
             "workers.restart_backoff_max_ms must be >= workers.restart_backoff_ms, "
@@ -527,11 +578,9 @@ def _core_list(key: str, cpus: tuple[int, ...]) -> None:
         raise ConfigError(f"{key} must list distinct core numbers >= 0, got {list(cpus)}")
 
 
-def _in_range(key: str, value: float, low: float, high: float | None) -> None:
+def _in_range(key: str, value: float, low: float, high: float) -> None:
     """``low <= value <= high``; written so that NaN (TOML ``nan``) fails too."""
-    if high is None and not value >= low:
-        raise ConfigError(f"{key} must be >= {low}, got {value}")
-    if high is not None and not low <= value <= high:
+    if not low <= value <= high:
         raise ConfigError(f"{key} must be in [{low}, {high}], got {value}")
 
 

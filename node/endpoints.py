@@ -41,7 +41,13 @@ class Endpoint:
 
 def parse_endpoint(key: str, text: str) -> Endpoint:
     """Parse ``ipc://PATH`` (at most ``MAX_IPC_PATH`` bytes) or ``tcp://HOST:PORT``
-    (port 1..65535; HOST an address, a name, ``*`` or ``[v6 address]``).
+    (port 1..65535; HOST ``*``, an IPv4 address, an IPv6 address in brackets, or a
+    host name that resolves here, e.g. ``localhost``).
+
+    An interface name (``tcp://eth0:5555``) is refused although libzmq binds it:
+    clients of this host (``edgenode status``, ``stop``, ``ask``, the workers)
+    must connect to the same endpoint, and a connect takes no interface name
+    (it would fail as "not ready"). Name the interface's address instead.
 
     Raises:
         ConfigError: anything else, naming ``key``.
@@ -57,9 +63,74 @@ def parse_endpoint(key: str, text: str) -> Endpoint:
     if sep and transport == "tcp":
         host, colon, port = rest.rpartition(":")
         if colon and host and port.isdigit() and int(port) in PORTS:
-            return Endpoint("tcp", host=host.strip("[]"), port=int(port))
+            return Endpoint("tcp", host=_tcp_host(key, text, host), port=int(port))
         raise ConfigError(f"{key}: {text!r} needs tcp://HOST:PORT with a port in 1..65535")
     raise ConfigError(f'{key} must be "", ipc://PATH or tcp://HOST:PORT, got {text!r}')
+
+
+def _tcp_host(key: str, text: str, host: str) -> str:
+    """The host of a tcp endpoint, without IPv6 brackets.
+
+    Raises:
+        ConfigError: an IPv6 address without brackets, a bracketed non-IPv6, or
+            a name that does not resolve (an interface name, a typo), naming ``key``.
+    """
+    if host == "*":
+        return host
+    if host.startswith("[") and host.endswith("]"):
+        inner = host[1:-1]
+        if _ip_version(inner) == 6:
+            return inner
+        raise ConfigError(f"{key}: {text!r}: [{inner}] is not an IPv6 address")
+    version = _ip_version(host)
+    if version == 6:
+        raise ConfigError(
+            f"{key}: {text!r}: write an IPv6 address in brackets, tcp://[{host}]:PORT"
+        )
+    if version == 4:
+        return host
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(
+            f"{key}: {text!r}: host {host!r} is neither an IP address, '*', nor a name that "
+            f"resolves here ({exc}); for an interface, give its address (e.g. 127.0.0.1 for lo)"
+        ) from exc
+    return host
+
+
+def _ip_version(text: str) -> int | None:
+    """4 or 6 for an IP address literal, else None."""
+    try:
+        return ipaddress.ip_address(text).version
+    except ValueError:
+        return None
+
+
+def connect_endpoint(text: str) -> str:
+    """The endpoint a process on this host connects to, for the bind endpoint ``text``
+    (a valid ``node.frontend`` / ``node.backend``).
+
+    A wildcard is where a node listens, never an address to connect to: ``*`` and
+    ``0.0.0.0`` become 127.0.0.1, ``::`` becomes ``[::1]``; an IPv6 address gets
+    the brackets libzmq wants. ipc endpoints, IPv4 addresses and names are kept.
+    Every local connect (``edgenode start``'s readiness check, ``status``,
+    ``ask``, the workers' backend) goes through it.
+
+    Raises:
+        ConfigError: ``text`` is not a valid endpoint (see ``parse_endpoint``).
+    """
+    endpoint = parse_endpoint("endpoint", text)
+    if endpoint.transport == "ipc":
+        return text
+    host = endpoint.host
+    if host in ("*", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if _ip_version(host) == 6:
+        host = f"[{host}]"
+    return f"tcp://{host}:{endpoint.port}"
 
 
 def check_free(key: str, text: str) -> None:
@@ -113,10 +184,21 @@ def _matches(endpoint: Endpoint, laddr: object, status: str) -> bool:
         return laddr == endpoint.path
     if status != psutil.CONN_LISTEN or not isinstance(laddr, tuple) or len(laddr) != 2:
         return False
-    ip, port = str(laddr[0]), laddr[1]
+    ip, port = _unmapped(str(laddr[0])), laddr[1]
     if port != endpoint.port:
         return False
     return ip in _WILDCARDS or endpoint.host in _WILDCARDS or ip == endpoint.host
+
+
+def _unmapped(ip: str) -> str:
+    """An IPv4-mapped IPv6 address as its IPv4 address: a socket with ZMQ_IPV6 bound
+    on tcp://127.0.0.1:PORT listens on ``::ffff:127.0.0.1``."""
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return str(mapped) if mapped is not None else ip
 
 
 def _ipc_busy(path: str) -> bool:

@@ -19,6 +19,7 @@ from broker.backend import OOM_KILLED
 from node.affinity import CpuPlan, pin_all_threads, plan_cpus
 from node.capacity import resolve_slots
 from node.config import NodeConfig, WorkersSection
+from node.endpoints import connect_endpoint
 from node.engine import EngineSpec
 from node.priority import process_priority
 from node.sandbox import MemoryReading, Sandbox, cgroup_name, limits_for, options_for
@@ -125,7 +126,7 @@ class WorkerPool:
             specs.append(
                 WorkerSpec(
                     worker_id=f"llm-{placement.index}",
-                    backend=c.backend,
+                    backend=connect_endpoint(c.backend),
                     engine=engine,
                     slots=self.slots,
                     heartbeat_interval_ms=c.broker.heartbeat_interval_ms,
@@ -143,7 +144,7 @@ class WorkerPool:
         engine = EngineSpec(kind="rules", model_path=rules_path, n_ctx=0, n_batch=0, threads=1)
         return WorkerSpec(
             worker_id=RULES_WORKER,
-            backend=c.backend,
+            backend=connect_endpoint(c.backend),
             engine=engine,
             slots=1,
             heartbeat_interval_ms=c.broker.heartbeat_interval_ms,

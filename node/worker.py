@@ -38,6 +38,7 @@ from broker import protocol as p
 from broker.errors import EdgeNodeError, InternalError
 from broker.protocol import WorkerCommand
 from node.affinity import apply_placement
+from node.config import MAX_DURATION_MS as MAX_POLL_MS
 from node.engine import (
     LOADS,
     BatchEngine,
@@ -189,7 +190,8 @@ class WorkerLoop:
         poller.register(self.dealer, zmq.POLLIN)
         poller.register(self._events, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
-        ready = dict(poller.poll(int(timeout_s * 1000) + 1))
+        # zmq_poll takes a C int of ms: the +1 must not overflow at the longest interval.
+        ready = dict(poller.poll(min(int(timeout_s * 1000) + 1, MAX_POLL_MS)))
         if self._events in ready:
             while self._events.poll(0):
                 self._on_engine_event(self._events.recv_multipart())
@@ -211,6 +213,7 @@ class WorkerLoop:
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.setsockopt(zmq.SNDHWM, 1000)
         self.dealer.setsockopt(zmq.MAXMSGSIZE, self.limits.frame_bytes)
+        self.dealer.setsockopt(zmq.IPV6, 1)  # a backend on an IPv6 address (PROTOCOL §2)
         self.dealer.connect(self.spec.backend)
         self.broker_seen = time.monotonic()
         self._want_ready = True

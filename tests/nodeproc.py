@@ -19,6 +19,7 @@ import psutil
 
 from broker.client import Client
 from broker.errors import EdgeNodeError
+from node.endpoints import connect_endpoint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -64,7 +65,10 @@ class NodeProcess:
             lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
         self.config.write_text("\n".join(lines) + "\n")
         configured = sections.get("node", {}).get("frontend")
-        self.frontend = configured or f"ipc://{self.run_dir}/frontend.sock"
+        # Where a client connects: a wildcard bind (tcp://*:PORT) is no connect address.
+        self.frontend = (
+            connect_endpoint(configured) if configured else f"ipc://{self.run_dir}/frontend.sock"
+        )
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = self.run_dir / "node-stdout.log"
 

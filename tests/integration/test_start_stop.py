@@ -118,6 +118,28 @@ def test_stop_never_signals_the_process_a_pidfile_names(
         assert "not running" in stopped.stdout
 
 
+def test_a_node_on_a_wildcard_frontend_starts_answers_status_and_stops(
+    make_node: NodeFactory,
+) -> None:
+    # It binds tcp://*:PORT; start, status and stop used to connect to that bind
+    # address, which is no connect address: a zmq traceback, the node left running.
+    port = free_port()
+    node = make_node(start=False, workers=ONE_WORKER, node={"frontend": f"tcp://*:{port}"})
+    started = node.cli("start", "--wait-s", "60")
+    assert started.returncode == 0, started.stderr
+    assert "edgenode running: 1 worker(s) ready" in started.stdout
+    [pid] = node_processes(node.run_dir)
+    status = node.cli("status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["pid"] == pid
+    asked = node.cli("ask", "hello", "--max-tokens", "4")
+    assert asked.returncode == 0 and "Traceback" not in asked.stderr, asked.stderr
+    stopped = node.cli("stop")
+    assert stopped.returncode == 0 and f"pid {pid}" in stopped.stdout, stopped.stderr
+    assert node_processes(node.run_dir) == []
+    assert node.cli("status").returncode == 3  # not running
+
+
 def test_start_on_a_frontend_held_by_another_node_names_it_and_fails(
     make_node: NodeFactory,
 ) -> None:

@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from broker.errors import ConfigError
+from broker.protocol import MAX_TOKENS_LIMIT
 from node import cli as node_cli
 from node import config as cfg
 from node.capacity import KV_TYPES
@@ -119,6 +120,44 @@ BAD: list[tuple[str, Any]] = [
     ("pressure.cpu_clear_pct", 60.0),  # above cpu_warn_pct (50)
     ("pressure.cpu_clear_pct", math.nan),
     ("pressure.cpu_psi", "proc/pressure/cpu"),  # not absolute
+    # Above each ceiling (issue 11, break-it): durations reach a zmq poll (a C int of
+    # ms), counts and sizes what the node can hold, max_tokens the protocol's cap.
+    ("node.frontend", "tcp://lo:5555"),  # an interface: served, but no client connects
+    ("node.frontend", "tcp://no-such-host.invalid:5555"),
+    ("node.backend", "tcp://::1:5556"),  # IPv6 without brackets
+    ("node.start_timeout_ms", 2**31),
+    ("workers.count", 1025),
+    ("workers.ready_timeout_ms", 2**31),
+    ("workers.stop_grace_ms", 2**31),
+    ("workers.restart_backoff_ms", 2**31),
+    ("workers.restart_backoff_max_ms", 2**31),
+    ("workers.test_token_ms", 99_999_999_999_999),
+    ("workers.test_load_ms", 2**31),
+    ("workers.log_max_bytes", 2**63),
+    ("broker.max_queue", 65_537),
+    ("broker.default_timeout_ms", 2**31),
+    ("broker.max_timeout_ms", 2**31),
+    ("broker.default_max_tokens", 100_000),
+    ("broker.default_max_tokens", MAX_TOKENS_LIMIT + 1),
+    ("broker.heartbeat_interval_ms", 99_999_999_999_999),
+    ("broker.heartbeat_interval_ms", 2**30),  # x 3 misses: above the longest duration
+    ("broker.heartbeat_liveness", 2**31),
+    ("broker.heartbeat_liveness", 2**22),  # x 1000 ms: above the longest duration
+    ("broker.stall_timeout_ms", 2**31),
+    ("broker.cancel_grace_ms", 2**31),
+    ("broker.max_in_flight_per_client", cfg.MAX_IN_FLIGHT + 1),
+    ("broker.client_backlog", 99_999_999_999_999_999),
+    ("routing.ttft_budget_ms", 2**31),
+    ("breaker.window_ms", 2**31),
+    ("breaker.minimum_calls", 2**31),
+    ("breaker.slow_call_ms", 2**31),
+    ("breaker.open_wait_ms", 2**31),
+    ("breaker.half_open_probes", cfg.MAX_IN_FLIGHT + 1),
+    ("breaker.half_open_max_wait_ms", 2**31),
+    ("fallback.log_max_bytes", 2**63),
+    ("fallback.log_backups", 1001),
+    ("fallback.log_backups", 2**40),
+    ("pressure.poll_ms", 2**31),
 ]
 
 
@@ -163,12 +202,27 @@ def test_kv_type_names_follow_the_capacity_model() -> None:
         "[workers]\nready_timeout_ms = 1000\nrestart_backoff_ms = 1\nrestart_backoff_max_ms = 1\n",
         "[capacity]\nsafety_margin = 0.0\n[fallback]\nlow_confidence = 1.0\n",
         "[workers]\ncount = 0\nstop_grace_ms = 0\ntest_token_ms = 0\n",
+        '[node]\nfrontend = "tcp://0.0.0.0:5555"\nbackend = "tcp://[::]:5556"\n',
+        '[node]\nfrontend = "tcp://localhost:5555"\n',
+        f"[broker]\ndefault_max_tokens = {MAX_TOKENS_LIMIT}\nmax_queue = 65536\n",
+        "[broker]\nheartbeat_interval_ms = 715827882\nmax_timeout_ms = 2147483647\n",
+        "[workers]\ncount = 1024\ntest_token_ms = 2147483647\n[fallback]\nlog_backups = 1000\n",
     ],
 )
 def test_values_at_the_ends_of_their_ranges_load(tmp_path: Path, text: str) -> None:
     path = tmp_path / "edgenode.toml"
     path.write_text(text)
     load_config(str(path))
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error_naming_the_file(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "edgenode.toml"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    assert info.value.message.startswith(f"{path}: not UTF-8"), info.value.message
 
 
 @pytest.mark.parametrize(
@@ -180,14 +234,17 @@ def test_values_at_the_ends_of_their_ranges_load(tmp_path: Path, text: str) -> N
         ("[pressure]\npoll_ms = -1\n", "pressure.poll_ms"),
         ("[capacity]\nsafety_margin = nan\n", "capacity.safety_margin"),
         ("[workers]\ncpu_quota = inf\n", "workers.cpu_quota"),
+        ("[broker]\nheartbeat_interval_ms = 99999999999999\n", "broker.heartbeat_interval_ms"),
+        ('[node]\nfrontend = "tcp://lo:5555"\n', "node.frontend"),
+        (b"\xff\xfe\x00garbage", "{path}: not UTF-8"),
     ],
 )
 @pytest.mark.parametrize("command", ["start", "status", "stop"])
 def test_the_cli_reports_a_bad_value_by_key_without_a_traceback(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, key: str, command: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str | bytes, key: str, command: str
 ) -> None:
     path = tmp_path / "edgenode.toml"
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     # The CLI exports both for the node it starts; restore them after the test.
     monkeypatch.setenv("EDGENODE_CONFIG", str(path))
     monkeypatch.setenv("EDGENODE_RUN_DIR", str(tmp_path))
@@ -197,5 +254,5 @@ def test_the_cli_reports_a_bad_value_by_key_without_a_traceback(
     result = CliRunner().invoke(cli, ["-c", str(path), "--run-dir", str(tmp_path), command])
     assert result.exit_code == 1, result.output
     assert isinstance(result.exception, SystemExit)
-    assert f"Error: {key}" in result.output
+    assert f"Error: {key.format(path=path)}" in result.output
     assert "Traceback" not in result.output
