@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from broker.errors import ConfigError
-from node.budget import config_size, configured_budget
+from node.budget import config_size, configured_budget, node_limit
 from node.config import MAX_SLOTS, is_auto_slots
 from node.engine import flash_attn_on
 from node.gguf_meta import ModelMeta, read_gguf_meta
@@ -180,6 +180,9 @@ class Plan:
     runtime_overhead: int = 0  # per worker, constant part
     weights_shared: bool = True
     budget_source: str = "given"
+    #: The cgroup file whose limit bounds ``budget`` ("" when none does): a larger
+    #: ``capacity.memory_budget`` would only be cut to it again.
+    budget_cap: str = ""
     model: str = ""
     n_ctx: int = 0  # 0 = sizes given by hand, no model read
     n_batch: int = 0
@@ -321,6 +324,9 @@ def config_plan(config: NodeConfig, **overrides: Any) -> tuple[Plan, ModelMeta |
     threads = config.workers.threads
     if "budget" not in given:
         given["budget"], given["budget_source"] = configured_budget(config)
+        bound = node_limit(config)
+        if bound is not None and given["budget"] >= bound.bytes:
+            given["budget_cap"] = bound.source
     ask: dict[str, Any] = {
         "reserve": config_size(cap.reserve, "capacity.reserve"),
         "workers": config.workers.count,
@@ -482,10 +488,16 @@ def advice(plan: Plan, meta: ModelMeta | None) -> list[str]:
         if not plan.weights_shared and _replan(plan, meta, weights_shared=True).fits:
             tips.append("model.repack = false (one shared copy of the weights)")
     need = -(-(plan.reserve + plan.shared_weights + plan.workers * plan.memory_max) // (1 << 20))
-    tips.append(
-        f'capacity.memory_budget = "{need}M" or more (--memory), or a smaller capacity.reserve'
-        " (--reserve)"
-    )
+    if plan.budget_cap:  # a larger memory_budget would be cut to this limit again
+        tips.append(
+            f"a memory limit of {need}M or more in {plan.budget_cap} (the node's cgroup path;"
+            " capacity.memory_budget cannot exceed it), or a smaller capacity.reserve (--reserve)"
+        )
+    else:
+        tips.append(
+            f'capacity.memory_budget = "{need}M" or more (--memory), or a smaller'
+            " capacity.reserve (--reserve)"
+        )
     return tips
 
 
@@ -509,7 +521,9 @@ def largest_fitting_ctx(plan: Plan, meta: ModelMeta) -> int | None:
     return low * CTX_PAD or None
 
 
-_ASK = "budget reserve workers margin runtime_overhead weights_shared budget_source n_ctx"
+_ASK = (
+    "budget reserve workers margin runtime_overhead weights_shared budget_source budget_cap n_ctx"
+)
 _ASK_KEYS = [*_ASK.split(), "n_batch", "kv_type", "flash_attn", "slots"]
 
 

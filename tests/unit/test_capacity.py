@@ -4,6 +4,7 @@ cgroup trees (v2, v1, hybrid, nested, container mounts), and the CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from fractions import Fraction
 from pathlib import Path
@@ -18,6 +19,7 @@ from capacitykit import TEXTBOOK, GiB, MiB, config, run_cli
 from node.budget import cgroup_memory_limit
 from node.capacity import (
     Plan,
+    advice,
     attention_scratch,
     bytes_per_element,
     check_fits,
@@ -441,3 +443,24 @@ def test_check_fits_refuses_a_worker_limit_below_one_workers_need() -> None:
     config = from_dict({"workers": {"memory_max": "100M", "slots": 1}})
     with pytest.raises(ConfigError, match=r"workers.memory_max 100 MiB is below the 332 MiB"):
         check_fits(config)
+
+
+def test_advice_under_a_cgroup_limit_names_the_limit_not_the_budget_key(
+    gemma: ModelMeta,
+) -> None:
+    # A memory_budget above the node's cgroup limit is cut to it: advising a larger
+    # one would be advice that cannot work (break-it, under a 700M parent cgroup).
+    bounded = Plan(
+        budget=700 * MiB,
+        reserve=0,
+        weights=0,
+        kv_per_seq=36 * MiB,
+        workers=4,
+        runtime_overhead=300 * MiB,
+        budget_cap="/sys/fs/cgroup/memory/p/memory.limit_in_bytes",
+    )
+    tips = advice(bounded, None)
+    assert "capacity.memory_budget =" not in tips[-1]
+    assert "in /sys/fs/cgroup/memory/p/memory.limit_in_bytes" in tips[-1]
+    free = dataclasses.replace(bounded, budget_cap="")
+    assert 'capacity.memory_budget = "' in advice(free, None)[-1]
