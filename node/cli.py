@@ -37,6 +37,7 @@ from node.pidfile import (
     in_use_message,
     lock_holder,
     signal_holder,
+    wait_for_starts,
 )
 from node.pool import plan_workers
 from node.status_view import render_status
@@ -46,6 +47,10 @@ EXIT_NOT_RUNNING = 3
 #: Added to a stopping node's own grace (2 x workers.stop_grace_ms) before a failed
 #: start kills it (s): closing sockets and removing cgroups takes well under this.
 STOP_MARGIN_S = 10.0
+#: How long ``stop`` waits, when no node holds the lock, for starts already
+#: running to take theirs (s): a start takes it after its imports and config,
+#: about a second on a small board.
+START_LOCK_WAIT_S = 10.0
 
 
 def _config(ctx: click.Context) -> NodeConfig:
@@ -219,7 +224,9 @@ def _start_background(config: NodeConfig, wait_s: float) -> None:
         raise click.ClickException(f"{exc.message}\n{_stop_started(proc, config)}") from exc
     except StartInterrupted as exc:  # the start is given up, so is its node
         interrupts.disarm()
-        stopped = "" if proc is None else f"\n{_stop_started(proc, config)}"
+        stopped = (
+            " before it launched a node" if proc is None else f"\n{_stop_started(proc, config)}"
+        )
         raise click.ClickException(f"start interrupted ({exc.signum.name}){stopped}") from None
     click.echo(f"edgenode running: {n} worker(s) ready on {config.frontend} (pid {proc.pid})")
 
@@ -330,11 +337,14 @@ def stop(ctx: click.Context, timeout_s: float) -> None:
     which then stops its node); the pidfile is never trusted for that. Another
     process holding the lock is named, not signalled, and the exit is 1. The
     lock is followed until nobody holds it: a start that finished meanwhile has
-    handed it to its node, which is stopped in turn.
+    handed it to its node, which is stopped in turn. If nobody holds it, starts
+    already running that have not taken their lock yet are waited for (at most
+    ``START_LOCK_WAIT_S``), so ``start & stop`` stops that start.
     """
     config = _config(ctx)
     deadline = time.monotonic() + timeout_s
     stopped: list[str] = []
+    waited = False
     while True:
         try:
             holder = signal_holder(config.run_dir, signal.SIGTERM)
@@ -345,7 +355,12 @@ def stop(ctx: click.Context, timeout_s: float) -> None:
                 f"not permitted to stop the edgenode of {config.run_dir} (another user's?): {exc}"
             ) from exc
         if holder is None:
-            break
+            if waited or stopped:
+                break
+            # A start launched just before this stop may not hold its lock yet.
+            waited = True
+            wait_for_starts(min(START_LOCK_WAIT_S, max(0.0, deadline - time.monotonic())))
+            continue
         stopped.append(_what(holder))  # before it exits: its command line goes with it
         while _alive(holder):
             if time.monotonic() > deadline:

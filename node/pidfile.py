@@ -37,6 +37,7 @@ import fcntl
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from types import TracebackType
 
@@ -261,11 +262,7 @@ def _holds(pid: int, st: os.stat_result) -> bool | None:
             fst = os.stat(f"/proc/{pid}/fd/{fd}")
             if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
                 continue
-            info = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
-            if any(
-                line.startswith("lock:") and " FLOCK " in line and " WRITE " in line
-                for line in info.splitlines()
-            ):
+            if _carries_flock(Path(f"/proc/{pid}/fdinfo/{fd}").read_text()):
                 return True
     return False
 
@@ -278,6 +275,60 @@ def _search_holder(st: os.stat_result, skip: int) -> psutil.Process | None:
             with contextlib.suppress(psutil.Error):
                 return psutil.Process(pid)
     return None
+
+
+def starts_in_progress() -> list[psutil.Process]:
+    """Edgenode starts (``is_node_command``, other than this process) that hold
+    no flock yet: between their exec and taking their run directory's lock
+    (about a second of imports and config). Their run directory cannot be told
+    from outside (it may come from a config file or the environment), so the
+    caller waits for all of them (``wait_for_starts``)."""
+    return [
+        proc
+        for proc in psutil.process_iter(["cmdline"])
+        if proc.pid != os.getpid()
+        and is_node_command(proc.info["cmdline"] or [])
+        and not _holds_a_flock(proc.pid)
+    ]
+
+
+def wait_for_starts(timeout_s: float) -> None:
+    """Wait until every start in progress (``starts_in_progress``) holds a lock
+    or has exited, at most ``timeout_s`` seconds. Then a start that was already
+    running when ``edgenode stop`` began shows in ``lock_holder``."""
+    deadline = time.monotonic() + timeout_s
+    pending = starts_in_progress()
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+        pending = [p for p in pending if _running(p) and not _holds_a_flock(p.pid)]
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _holds_a_flock(pid: int) -> bool:
+    """Whether any descriptor of ``pid`` carries an exclusive flock (False if
+    its descriptors cannot be read)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fdinfo")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if _carries_flock(Path(f"/proc/{pid}/fdinfo/{fd}").read_text()):
+                return True
+    return False
+
+
+def _carries_flock(fdinfo: str) -> bool:
+    return any(
+        line.startswith("lock:") and " FLOCK " in line and " WRITE " in line
+        for line in fdinfo.splitlines()
+    )
 
 
 def signal_holder(run_dir: Path, signum: signal.Signals) -> psutil.Process | None:
