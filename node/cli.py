@@ -197,11 +197,12 @@ def _start_background(config: NodeConfig, wait_s: float) -> None:
     proc: subprocess.Popen[bytes] | None = None
     try:
         interrupts.install()
-        logfile.parent.mkdir(parents=True, exist_ok=True)
+        config.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(config.run_dir, 0o700)
         # The lock first: from here a `stop` finds this start and stops it.
         with _locked(config.run_dir) as lock:
-            _check_startable(config)
+            _check_startable(config)  # a refused start makes no logs, no node
+            logfile.parent.mkdir(parents=True, exist_ok=True)
             with open(logfile, "ab") as out, interrupts.held():
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "node.cli", "start", "--foreground"],
