@@ -35,7 +35,7 @@ from node.endpoints import check_free
 from node.engine import EngineSpec, make_token_counter
 from node.migration_log import MigrationLog, migration_log_path
 from node.model import RULES_SNAPSHOT, resolve_model, resolve_rules, snapshot_rules
-from node.pidfile import RunLock, remove_pidfile, write_pidfile
+from node.pidfile import RunLock, inherited_lock_fd, remove_pidfile, write_pidfile
 from node.pool import WorkerPool
 from node.pressure import CpuPressureMonitor, PressureMonitor, cpu_psi_file
 from node.units import parse_size
@@ -88,7 +88,13 @@ class Node:
         pool = WorkerPool(c, model, served_rules, self.run_dir, self.plan, slots=self.plan.slots)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)
-        with RunLock(self.run_dir):  # one node per run directory, for this node's whole life
+        # From here a SIGTERM (``edgenode stop`` of a starting node) must take the
+        # clean path: the default action would leave the pidfile, later the cgroups.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        # One node per run directory, for this node's whole life; a background
+        # start took the lock before spawning this process and handed it over.
+        with RunLock(self.run_dir, fd=inherited_lock_fd()):
             write_pidfile(self.pidfile)
             try:
                 if rules is not None:
@@ -104,10 +110,8 @@ class Node:
         c = self.config
         for key, endpoint in (("node.frontend", c.frontend), ("node.backend", c.backend)):
             check_free(key, endpoint)  # nothing is made before this
-        # From here a SIGTERM (``edgenode stop`` of a starting node) must take the
-        # clean path: the default action would end the process with its cgroups left.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
+        if self._stop_requested:  # stopped while starting: nothing to make, nothing to undo
+            return 0
         try:
             pool.open()  # cgroups before any zmq thread exists
             return self._serve(pool, model)

@@ -6,6 +6,7 @@ environment: ``--config``/``EDGENODE_CONFIG``, ``--run-dir``/``EDGENODE_RUN_DIR`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,15 @@ from node.cli_rules import load_or_exit, rules
 from node.config import NodeConfig, load_config
 from node.endpoints import connect_endpoint
 from node.model import resolve_model, resolve_rules
-from node.pidfile import lock_holder, signal_holder
+from node.pidfile import (
+    LOCK_FD_ENV,
+    ForeignHolderError,
+    RunLock,
+    in_use_message,
+    lock_holder,
+    signal_holder,
+    wait_for_starts,
+)
 from node.pool import plan_workers
 from node.status_view import render_status
 
@@ -38,6 +48,10 @@ EXIT_NOT_RUNNING = 3
 #: Added to a stopping node's own grace (2 x workers.stop_grace_ms) before a failed
 #: start kills it (s): closing sockets and removing cgroups takes well under this.
 STOP_MARGIN_S = 10.0
+#: How long ``stop`` waits, when no node holds the lock, for starts already
+#: running to take theirs (s): a start takes it after its imports and config,
+#: about a second on a small board.
+START_LOCK_WAIT_S = 10.0
 
 
 def _config(ctx: click.Context) -> NodeConfig:
@@ -89,23 +103,18 @@ def start(ctx: click.Context, foreground: bool, wait_s: float) -> None:
     """Start the node (background by default, with a pidfile and logs in the run dir).
 
     One node per run directory: the node holds a lock on it for its whole life.
-    A background start succeeds only when the node it launched answers with
-    every worker ready; otherwise it stops that node and exits 1 with the reason.
+    A background start takes that lock before it launches the node and hands it
+    over, so a ``stop`` issued meanwhile stops the start and its node. It succeeds
+    only when the node it launched answers with every worker ready; otherwise
+    (including SIGINT, SIGTERM or SIGHUP to the start) it stops that node and
+    exits 1 with the reason.
     """
     config = _config(ctx)
-    holder = lock_holder(config.run_dir)
-    if holder is not None:
-        raise click.ClickException(f"edgenode already running (pid {holder.pid}, {config.run_dir})")
-    try:  # fail here, clearly, before anything starts
-        if config.workers.engine == "llama":
-            resolve_model(config.model.path)
-        check_fits(config)
-        plan_workers(config.workers, config.node.cpus)  # an impossible core reservation
-        if config.fallback.rules:  # a bad rules file: every error, as `rules check` says them
-            load_or_exit(str(resolve_rules(config.fallback.rules)))
-    except EdgeNodeError as exc:
-        raise click.ClickException(exc.message) from exc
+    # A node launched by a background start holds the lock already (handed over).
+    if LOCK_FD_ENV not in os.environ and lock_holder(config.run_dir) is not None:
+        raise click.ClickException(in_use_message(config.run_dir))
     if foreground:
+        _check_startable(config)
         logging.basicConfig(
             level=config.node.log_level.upper(),
             format="%(asctime)s %(levelname)s %(name)s %(message)s",
@@ -117,28 +126,128 @@ def start(ctx: click.Context, foreground: bool, wait_s: float) -> None:
     _start_background(config, wait_s)
 
 
+def _check_startable(config: NodeConfig) -> None:
+    """Fail here, clearly, before anything starts.
+
+    Raises:
+        click.ClickException: no model, a config that cannot fit, an impossible
+            core reservation, or a bad rules file (every error, as ``rules check``
+            says them).
+    """
+    try:
+        if config.workers.engine == "llama":
+            resolve_model(config.model.path)
+        check_fits(config)
+        plan_workers(config.workers, config.node.cpus)
+        if config.fallback.rules:
+            load_or_exit(str(resolve_rules(config.fallback.rules)))
+    except EdgeNodeError as exc:
+        raise click.ClickException(exc.message) from exc
+
+
+class StartInterrupted(Exception):
+    """A background start got SIGINT, SIGTERM or SIGHUP: it gives up, and so
+    does the node it launched."""
+
+    def __init__(self, signum: signal.Signals) -> None:
+        super().__init__(signum.name)
+        self.signum = signum
+
+
+class _Interrupts:
+    """SIGINT, SIGTERM and SIGHUP raise ``StartInterrupted`` while a background
+    start waits (``edgenode stop``, ``timeout``, a closed terminal all mean "give
+    up", as Ctrl-C does). While the node is being spawned a signal is only kept
+    and raised right after: raised inside ``Popen`` it would lose the child."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.pending: signal.Signals | None = None
+        self.armed = True
+
+    def install(self) -> None:
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.pending = signal.Signals(signum)
+        if self.armed:
+            raise StartInterrupted(self.pending)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Keep signals pending inside the block; raise the kept one at its end."""
+        self.armed = False
+        try:
+            yield
+        finally:
+            self.armed = True
+            if self.pending is not None:
+                raise StartInterrupted(self.pending)
+
+    def disarm(self) -> None:
+        """From here signals are only recorded (the start has succeeded, or is
+        already stopping its node and must not be cut short)."""
+        self.armed = False
+
+
 def _start_background(config: NodeConfig, wait_s: float) -> None:
     logfile = log_path(config.run_dir)
-    logfile.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(config.run_dir, 0o700)
-    with open(logfile, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "node.cli", "start", "--foreground"],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=out,
-            start_new_session=True,
-        )
-    click.echo(f"starting edgenode (pid {proc.pid}, log {logfile}) ...")
+    interrupts = _Interrupts()
+    proc: subprocess.Popen[bytes] | None = None
     try:
-        n = _wait_started(proc, config, wait_s, logfile)
+        interrupts.install()
+        config.run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(config.run_dir, 0o700)
+        # The lock first: from here a `stop` finds this start and stops it.
+        with _locked(config.run_dir) as lock:
+            _check_startable(config)  # a refused start makes no logs, no node
+            logfile.parent.mkdir(parents=True, exist_ok=True)
+            with open(logfile, "ab") as out, interrupts.held():
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "node.cli", "start", "--foreground"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                    start_new_session=True,
+                    pass_fds=(lock.fd,),  # the node adopts the held lock
+                    env={**os.environ, LOCK_FD_ENV: str(lock.fd)},
+                )
+            click.echo(f"starting edgenode (pid {proc.pid}, log {logfile}) ...")
+            n = _wait_started(proc, config, wait_s, logfile)
+            interrupts.disarm()
     except click.ClickException as exc:
         # A start that fails leaves nothing running: its node stops (workers,
         # cgroups, sockets and pidfile go with it).
+        interrupts.disarm()
+        if proc is None:
+            raise
         raise click.ClickException(f"{exc.message}\n{_stop_started(proc, config)}") from exc
-    except KeyboardInterrupt:  # Ctrl-C while waiting: the start is given up, so is its node
-        raise click.ClickException(f"start interrupted\n{_stop_started(proc, config)}") from None
+    except StartInterrupted as exc:  # the start is given up, so is its node
+        interrupts.disarm()
+        stopped = (
+            " before it launched a node" if proc is None else f"\n{_stop_started(proc, config)}"
+        )
+        raise click.ClickException(f"start interrupted ({exc.signum.name}){stopped}") from None
     click.echo(f"edgenode running: {n} worker(s) ready on {config.frontend} (pid {proc.pid})")
+
+
+@contextlib.contextmanager
+def _locked(run_dir: Path) -> Iterator[RunLock]:
+    """``RunLock(run_dir)``, its refusal as a click error.
+
+    Raises:
+        click.ClickException: another node (or another process) holds the lock.
+    """
+    try:
+        lock = RunLock(run_dir).__enter__()
+    except EdgeNodeError as exc:
+        raise click.ClickException(exc.message) from exc
+    try:
+        yield lock
+    finally:
+        lock.__exit__(None, None, None)
 
 
 def _wait_started(
@@ -225,27 +334,60 @@ def _stop_started(proc: subprocess.Popen[bytes], config: NodeConfig) -> str:
 def stop(ctx: click.Context, timeout_s: float) -> None:
     """Stop the running node (drain, then stop workers). Exit 0 also if none runs.
 
-    Only the process holding the run directory's lock is signalled; the pidfile
-    is never trusted for that.
+    Only the process holding the run directory's lock is signalled, and only if
+    it is an edgenode start (a node, or a background start still launching one,
+    which then stops its node); the pidfile is never trusted for that. Another
+    process holding the lock is named, not signalled, and the exit is 1. The
+    lock is followed until nobody holds it: a start that finished meanwhile has
+    handed it to its node, which is stopped in turn. If nobody holds it, starts
+    already running that have not taken their lock yet are waited for (at most
+    ``START_LOCK_WAIT_S``), so ``start & stop`` stops that start.
     """
     config = _config(ctx)
-    try:
-        holder = signal_holder(config.run_dir, signal.SIGTERM)
-    except (PermissionError, psutil.AccessDenied) as exc:
-        raise click.ClickException(
-            f"not permitted to stop the edgenode of {config.run_dir} (another user's?): {exc}"
-        ) from exc
-    if holder is None:
+    deadline = time.monotonic() + timeout_s
+    stopped: list[str] = []
+    waited = False
+    while True:
+        try:
+            holder = signal_holder(config.run_dir, signal.SIGTERM)
+        except ForeignHolderError as exc:
+            raise click.ClickException(f"{exc.message}; nothing was signalled") from exc
+        except (PermissionError, psutil.AccessDenied) as exc:
+            raise click.ClickException(
+                f"not permitted to stop the edgenode of {config.run_dir} (another user's?): {exc}"
+            ) from exc
+        if holder is None:
+            if waited or stopped:
+                break
+            # A start launched just before this stop may not hold its lock yet.
+            waited = True
+            wait_for_starts(min(START_LOCK_WAIT_S, max(0.0, deadline - time.monotonic())))
+            continue
+        stopped.append(_what(holder))  # before it exits: its command line goes with it
+        while _alive(holder):
+            if time.monotonic() > deadline:
+                raise click.ClickException(
+                    f"edgenode (pid {holder.pid}) did not stop within {timeout_s:g}s"
+                )
+            time.sleep(0.1)
+    if not stopped:
         click.echo("edgenode is not running")
         return
-    deadline = time.monotonic() + timeout_s
-    while _alive(holder):
-        if time.monotonic() > deadline:
-            raise click.ClickException(
-                f"edgenode (pid {holder.pid}) did not stop within {timeout_s:g}s"
-            )
-        time.sleep(0.1)
-    click.echo(f"edgenode stopped (pid {holder.pid})")
+    click.echo("edgenode stopped (" + "; ".join(stopped) + ")")
+
+
+def _what(proc: psutil.Process) -> str:
+    """``pid N``, marked when it is a background start still launching its node."""
+    if "--foreground" in _cmdline(proc):
+        return f"pid {proc.pid}"
+    return f"pid {proc.pid}, a start still launching its node"
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
 
 
 def _alive(proc: psutil.Process) -> bool:

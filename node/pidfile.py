@@ -2,12 +2,28 @@
 
 The running node holds ``flock(LOCK_EX)`` on the run directory itself (no lock
 file to go stale or be deleted under it). The kernel drops the lock when the
-node's process ends, however it ends, so a crash never leaves a "running" mark.
-``lock_holder`` names the process holding it from ``/proc/locks`` (proc(5)),
-read-only: probing by taking the lock for a moment would make a node starting
-at that instant fail. ``edgenode stop`` signals only that process, through a
-pidfd opened and then checked against the lock again, so neither a pidfile that
-names a stranger nor a pid reused meanwhile leads to a signal.
+last descriptor of the locked open file is closed, however its processes end,
+so a crash never leaves a "running" mark.
+
+A background ``edgenode start`` takes the lock itself, before it spawns the
+node, and hands the locked descriptor to the node (``pass_fds`` and
+``EDGENODE_LOCK_FD``); the node adopts it (``RunLock(fd=...)``) instead of
+locking again (a second flock from a new descriptor would conflict with it).
+So from the moment a start has checked its config there is a holder that
+``edgenode stop`` can stop: the start itself, which then stops the node it
+launched, or the node.
+
+``lock_holder`` names the holder read-only (probing by taking the lock for a
+moment would make a node starting at that instant fail). ``/proc/locks``
+(proc(5)) records the pid that *took* the lock, which after a handover is the
+start command, gone once the node runs; so the holder is whichever process has
+a descriptor of the directory whose ``/proc/<pid>/fdinfo`` lists the lock
+(proc(5), "lock:" lines, Linux 3.8), the recorded pid first.
+
+``edgenode stop`` signals only a holder that is an edgenode start
+(``is_node_command``), through a pidfd opened and then checked against the lock
+again, so neither a pidfile that names a stranger, nor an unrelated process
+holding a flock on the directory, nor a pid reused meanwhile leads to a signal.
 
 The pidfile (``<run_dir>/edgenode.pid``: pid and start time) stays for humans
 and service managers; nothing here trusts it to choose whom to signal.
@@ -21,6 +37,7 @@ import fcntl
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from types import TracebackType
 
@@ -34,24 +51,62 @@ PROC_LOCKS = Path("/proc/locks")
 
 PIDFILE_NAME = "edgenode.pid"
 
+#: Environment variable naming the descriptor of the run directory, already
+#: locked, that a background ``edgenode start`` hands to the node it spawns.
+LOCK_FD_ENV = "EDGENODE_LOCK_FD"
+
+#: How often ``signal_holder`` follows the lock to a new holder (the start
+#: command exiting after its node is up hands the lock over once).
+HOLDER_CHANGES = 3
+
+
+class ForeignHolderError(ConfigError):
+    """The run directory is locked by a process that is not an edgenode start
+    (e.g. ``flock -x DIR sleep 60``): nothing is signalled, no node starts.
+
+    Attributes:
+        pid: the holder's pid.
+        cmdline: its command line ("?" if unreadable).
+    """
+
+    def __init__(self, run_dir: Path, pid: int, cmdline: str) -> None:
+        super().__init__(
+            f"run directory {run_dir} is locked by another process, not an edgenode node "
+            f"(pid {pid}: {cmdline})"
+        )
+        self.pid = pid
+        self.cmdline = cmdline
+
 
 class RunLock:
     """The exclusive lock on a run directory; ``with RunLock(run_dir):`` holds it.
 
-    The descriptor is close-on-exec, so workers never inherit (and never keep)
-    the lock.
+    ``fd``: a descriptor of ``run_dir`` that already holds the lock (handed over
+    by a background start, see ``inherited_lock_fd``); it is adopted, not
+    locked anew. The descriptor is made close-on-exec, so workers never inherit
+    (and never keep) the lock.
 
     Raises (on enter):
-        ConfigError: another process holds the lock; the message names its pid.
+        ConfigError: another process holds the lock (the message names it), or
+            ``fd`` is not a descriptor of ``run_dir``.
     """
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, fd: int | None = None) -> None:
         self.run_dir = run_dir
+        self._given = fd
         self._fd: int | None = None
 
     def __enter__(self) -> RunLock:
-        fd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if self._given is not None:
+            fd = self._given
+            if not _same_file(fd, self.run_dir):
+                raise ConfigError(f"{LOCK_FD_ENV}={fd} is not an open descriptor of {self.run_dir}")
+            os.set_inheritable(fd, False)
+        else:
+            fd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
+            # On a handed-over descriptor this is a no-op (the same open file
+            # already holds it); it fails only if the handover lost the lock.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(fd)
@@ -68,13 +123,88 @@ class RunLock:
         _tb: TracebackType | None,
     ) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # closing the only descriptor releases the flock
+            # Closing releases the flock once no other descriptor of the same open
+            # file remains (a start that launched this node may still hold one).
+            os.close(self._fd)
             self._fd = None
+
+    @property
+    def fd(self) -> int:
+        """The locked descriptor (to hand to a child with ``pass_fds``).
+
+        Raises:
+            RuntimeError: the lock is not held.
+        """
+        if self._fd is None:
+            raise RuntimeError("RunLock not held")
+        return self._fd
+
+
+def inherited_lock_fd() -> int | None:
+    """The locked run-directory descriptor a background start handed to this
+    process (``LOCK_FD_ENV``), or None. The variable is removed, so this
+    process's own children never see it.
+
+    Raises:
+        ConfigError: the variable is not a descriptor number.
+    """
+    value = os.environ.pop(LOCK_FD_ENV, None)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise ConfigError(f"{LOCK_FD_ENV}={value!r} is not a descriptor number")
+    return int(value)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def is_node_command(cmdline: list[str]) -> bool:
+    """Whether ``cmdline`` is an edgenode start: ``python -m node.cli ... start``
+    or the ``edgenode`` entry point (run directly or by an interpreter) with
+    ``start``. A background start (which holds the lock while it launches its
+    node) counts: stopping it stops that node."""
+    if not cmdline:
+        return False
+    prog = Path(cmdline[0]).name
+    if prog == "edgenode":
+        rest = cmdline[1:]
+    elif prog.startswith("python") and cmdline[1:3] == ["-m", "node.cli"]:
+        rest = cmdline[3:]
+    elif prog.startswith("python") and len(cmdline) > 1 and Path(cmdline[1]).name == "edgenode":
+        rest = cmdline[2:]
+    else:
+        return False
+    return "start" in rest
+
+
+def is_node(proc: psutil.Process) -> bool:
+    """``is_node_command`` of ``proc``'s command line (False if unreadable)."""
+    try:
+        return is_node_command(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def describe(proc: psutil.Process) -> str:
+    """``proc``'s command line for a message ("?" if unreadable)."""
+    try:
+        return " ".join(proc.cmdline()) or "?"
+    except psutil.Error:
+        return "?"
 
 
 def in_use_message(run_dir: Path) -> str:
-    """Why a node cannot start on ``run_dir``: "already running (pid N, ...)"."""
+    """Why a node cannot start on ``run_dir``: "edgenode already running (pid N,
+    DIR)", or, for a holder that is not an edgenode start, which process it is."""
     holder = lock_holder(run_dir)
+    if holder is not None and not is_node(holder):
+        return ForeignHolderError(run_dir, holder.pid, describe(holder)).message
     who = f"pid {holder.pid}" if holder is not None else "a process that just exited"
     return f"edgenode already running ({who}, {run_dir}): one node per run directory"
 
@@ -82,10 +212,13 @@ def in_use_message(run_dir: Path) -> str:
 def lock_holder(run_dir: Path) -> psutil.Process | None:
     """The process holding the run directory's lock, or None.
 
-    Read from ``/proc/locks`` without touching the lock. The holder is confirmed
-    by an open descriptor of the directory in ``/proc/<pid>/fd`` where readable
-    (``/proc/locks`` prints the superblock's device, which differs from
-    ``stat``'s on e.g. btrfs subvolumes, so the inode alone only nominates).
+    Read from ``/proc/locks`` without touching the lock. The pid recorded there
+    is the one that took the lock; it counts if it still has a descriptor of
+    the directory that carries the lock (its ``fdinfo``). Otherwise (a start
+    handed the lock to its node and exited) every process's descriptors are
+    searched for one that carries it. ``/proc/locks`` prints the superblock's
+    device, which differs from ``stat``'s on e.g. btrfs subvolumes, so the
+    inode alone only nominates.
     """
     try:
         st = os.stat(run_dir)
@@ -100,64 +233,146 @@ def lock_holder(run_dir: Path) -> psutil.Process | None:
         pid, where = fields[4], fields[5].rsplit(":", 1)
         if len(where) != 2 or where[1] != str(st.st_ino) or not pid.isdigit():
             continue
-        proc = _confirmed(int(pid), st, same_dev=where[0] == dev)
-        if proc is not None:
-            return proc
+        holds = _holds(int(pid), st)
+        if holds is None and where[0] == dev:
+            # Another user's process: its descriptors cannot be read, the
+            # device and inode must do.
+            with contextlib.suppress(psutil.Error):
+                return psutil.Process(int(pid))
+        if holds:
+            with contextlib.suppress(psutil.Error):
+                return psutil.Process(int(pid))
+        found = _search_holder(st, skip=int(pid))
+        if found is not None:
+            return found
     return None
 
 
-def _confirmed(pid: int, st: os.stat_result, same_dev: bool) -> psutil.Process | None:
-    """``pid`` if it has the directory open (or, when its descriptors cannot be
-    read, if ``/proc/locks`` showed the same device too)."""
+def _holds(pid: int, st: os.stat_result) -> bool | None:
+    """Whether ``pid`` has a descriptor of the file ``st`` that carries a flock
+    (None: its descriptors cannot be read)."""
     try:
-        proc = psutil.Process(pid)
         fds = os.listdir(f"/proc/{pid}/fd")
     except PermissionError:
-        return proc if same_dev else None
-    except (OSError, psutil.Error):
         return None
+    except OSError:
+        return False
     for fd in fds:
         with contextlib.suppress(OSError):
             fst = os.stat(f"/proc/{pid}/fd/{fd}")
-            if (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino):
-                return proc
+            if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+                continue
+            if _carries_flock(Path(f"/proc/{pid}/fdinfo/{fd}").read_text()):
+                return True
+    return False
+
+
+def _search_holder(st: os.stat_result, skip: int) -> psutil.Process | None:
+    """The lowest pid other than ``skip`` that ``_holds`` the lock on ``st``."""
+    pids = sorted(int(name) for name in os.listdir("/proc") if name.isdigit())
+    for pid in pids:
+        if pid != skip and _holds(pid, st):
+            with contextlib.suppress(psutil.Error):
+                return psutil.Process(pid)
     return None
 
 
+def starts_in_progress() -> list[psutil.Process]:
+    """Edgenode starts (``is_node_command``, other than this process) that hold
+    no flock yet: between their exec and taking their run directory's lock
+    (about a second of imports and config). Their run directory cannot be told
+    from outside (it may come from a config file or the environment), so the
+    caller waits for all of them (``wait_for_starts``)."""
+    return [
+        proc
+        for proc in psutil.process_iter(["cmdline"])
+        if proc.pid != os.getpid()
+        and is_node_command(proc.info["cmdline"] or [])
+        and not _holds_a_flock(proc.pid)
+    ]
+
+
+def wait_for_starts(timeout_s: float) -> None:
+    """Wait until every start in progress (``starts_in_progress``) holds a lock
+    or has exited, at most ``timeout_s`` seconds. Then a start that was already
+    running when ``edgenode stop`` began shows in ``lock_holder``."""
+    deadline = time.monotonic() + timeout_s
+    pending = starts_in_progress()
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+        pending = [p for p in pending if _running(p) and not _holds_a_flock(p.pid)]
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _holds_a_flock(pid: int) -> bool:
+    """Whether any descriptor of ``pid`` carries an exclusive flock (False if
+    its descriptors cannot be read)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fdinfo")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if _carries_flock(Path(f"/proc/{pid}/fdinfo/{fd}").read_text()):
+                return True
+    return False
+
+
+def _carries_flock(fdinfo: str) -> bool:
+    return any(
+        line.startswith("lock:") and " FLOCK " in line and " WRITE " in line
+        for line in fdinfo.splitlines()
+    )
+
+
 def signal_holder(run_dir: Path, signum: signal.Signals) -> psutil.Process | None:
-    """Send ``signum`` to the process holding the run directory's lock; returns it,
-    or None if no process holds the lock (then nothing is signalled).
+    """Send ``signum`` to the edgenode process holding the run directory's lock;
+    returns it, or None if no process holds the lock (then nothing is signalled).
 
     The signal goes through a pidfd (pidfd_open(2), Linux 5.3) opened on the
     holder and then checked against the lock again: if the pid changed hands in
-    between, nothing is sent. Without pidfds, psutil checks the process's start
+    between, nothing is sent to it. If the lock itself moved on (a start handing
+    it to its node and exiting), the new holder is taken, up to
+    ``HOLDER_CHANGES`` times. Without pidfds, psutil checks the process's start
     time right before signalling.
 
     Raises:
+        ForeignHolderError: the holder is not an edgenode start (``is_node``);
+            it is not signalled.
         PermissionError, psutil.AccessDenied: the holder is another user's process.
     """
-    holder = lock_holder(run_dir)
-    if holder is None:
-        return None
-    try:
-        pidfd = os.pidfd_open(holder.pid)
-    except ProcessLookupError:
-        return None
-    except OSError:  # no pidfd_open on this kernel
-        with contextlib.suppress(psutil.NoSuchProcess):
-            holder.send_signal(signum)
-            return holder
-        return None
-    try:
-        again = lock_holder(run_dir)
-        if again is None or again.pid != holder.pid:
+    for _ in range(HOLDER_CHANGES + 1):
+        holder = lock_holder(run_dir)
+        if holder is None:
             return None
-        signal.pidfd_send_signal(pidfd, signum)
-        return holder
-    except ProcessLookupError:
-        return None
-    finally:
-        os.close(pidfd)
+        if not is_node(holder):
+            raise ForeignHolderError(run_dir, holder.pid, describe(holder))
+        try:
+            pidfd = os.pidfd_open(holder.pid)
+        except ProcessLookupError:
+            continue
+        except OSError:  # no pidfd_open on this kernel
+            with contextlib.suppress(psutil.NoSuchProcess):
+                holder.send_signal(signum)
+                return holder
+            continue
+        try:
+            again = lock_holder(run_dir)
+            if again is None or again.pid != holder.pid:
+                continue
+            signal.pidfd_send_signal(pidfd, signum)
+            return holder
+        except ProcessLookupError:
+            continue
+        finally:
+            os.close(pidfd)
+    return None
 
 
 def write_pidfile(path: Path) -> None:

@@ -5,6 +5,7 @@ has them)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -260,6 +261,121 @@ def test_a_start_interrupted_with_ctrl_c_stops_the_node_it_launched(
         start.wait()
     assert start.returncode == 1, err
     assert "start interrupted" in err and "was stopped" in err, err
+    assert node_processes(node.run_dir) == []
+    assert node_cgroup_dirs(node.run_dir) == []
+    assert run_files(node.run_dir) == []
+
+
+@pytest.fixture
+def foreign_flock() -> Iterator[Callable[[Path], list[psutil.Process]]]:
+    """Starts ``flock -x DIR sh -c 'echo locked; exec sleep 300'`` (util-linux
+    flock(1)): an unrelated process holding the run directory's lock. Returns
+    the flock process and its child, once the lock is held."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def hold(run_dir: Path) -> list[psutil.Process]:
+        proc = subprocess.Popen(
+            ["flock", "-x", str(run_dir), "sh", "-c", "echo locked; exec sleep 300"],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        procs.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+        flock = psutil.Process(proc.pid)
+        return [flock, *flock.children()]
+
+    yield hold
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def test_a_foreign_flock_on_the_run_dir_is_named_never_signalled(
+    make_node: NodeFactory, foreign_flock: Callable[[Path], list[psutil.Process]]
+) -> None:
+    node = make_node(start=False, workers=ONE_WORKER)
+    flock, sleep = foreign_flock(node.run_dir)
+    stopped = node.cli("stop")
+    assert stopped.returncode == 1, stopped.stdout
+    assert f"pid {flock.pid}: flock -x {node.run_dir}" in stopped.stderr, stderr_of(stopped)
+    assert "nothing was signalled" in stopped.stderr
+    for proc in (flock, sleep):
+        assert proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE, proc
+    for mode in (("--wait-s", "30"), ("--foreground",)):
+        started = node.cli("start", *mode)
+        assert started.returncode == 1, started.stdout
+        assert "already running" not in started.stderr, stderr_of(started)
+        assert f"not an edgenode node (pid {flock.pid}: flock" in started.stderr
+    assert node_processes(node.run_dir) == []
+    assert flock.is_running() and sleep.is_running()
+
+
+def stderr_of(result: subprocess.CompletedProcess[str]) -> str:
+    return f"rc={result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("when", ["at-once", "node-launched"])
+def test_a_stop_right_after_a_background_start_stops_that_start_and_its_node(
+    make_node: NodeFactory, when: str
+) -> None:
+    # Slow workers: the start is still waiting when the stop arrives.
+    node = make_node(start=False, workers={**ONE_WORKER, "test_load_ms": 60_000})
+    start = subprocess.Popen(
+        node._argv("start", "--wait-s", "120"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        if when == "node-launched":
+            # The moment the node process exists, long before it is ready (and,
+            # were the lock left to the node, before its imports are done).
+            wait_for(lambda: node_processes(node.run_dir), timeout=30, every=0.005)
+        # at-once: the start has been exec'd (Popen returns after exec), no more.
+        stopped = node.cli("stop")
+        wait_for(lambda: start.poll() is not None, timeout=60)  # not its --wait-s 120
+        _out, err = start.communicate(timeout=10)
+    finally:
+        start.kill()
+        start.wait()
+    assert stopped.returncode == 0, stderr_of(stopped)
+    assert "edgenode stopped" in stopped.stdout, stderr_of(stopped)
+    assert start.returncode == 1, err
+    assert "start interrupted (SIGTERM)" in err, err
+    if when == "node-launched":
+        assert "was stopped" in err, err
+    assert node_processes(node.run_dir) == []
+    assert run_files(node.run_dir) == []
+    assert node.cli("stop").stdout.strip() == "edgenode is not running"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
+def test_a_start_killed_with_term_or_hup_stops_the_node_it_launched(
+    make_node: NodeFactory, signum: signal.Signals
+) -> None:
+    node = make_node(start=False, workers={**ONE_WORKER, "test_load_ms": 60_000})
+    start = subprocess.Popen(
+        node._argv("start", "--wait-s", "120"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        wait_for(lambda: node_processes(node.run_dir), timeout=30)
+        start.send_signal(signum)
+        _out, err = start.communicate(timeout=60)
+    finally:
+        start.kill()
+        start.wait()
+    assert start.returncode == 1, err
+    assert f"start interrupted ({signum.name})" in err and "was stopped" in err, err
     assert node_processes(node.run_dir) == []
     assert node_cgroup_dirs(node.run_dir) == []
     assert run_files(node.run_dir) == []

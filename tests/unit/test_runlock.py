@@ -15,23 +15,42 @@ import pytest
 
 from broker.errors import ConfigError
 from node.endpoints import check_free
-from node.pidfile import RunLock, lock_holder, signal_holder
+from node.pidfile import (
+    LOCK_FD_ENV,
+    ForeignHolderError,
+    RunLock,
+    is_node_command,
+    lock_holder,
+    signal_holder,
+)
 
-#: Holds the lock on argv[1], says so, then waits for stdin to close.
+REPO = Path(__file__).resolve().parents[2]
+
+#: Holds the lock on its last argument, says so, then waits for stdin to close.
 HOLDER = """
 import sys
 from pathlib import Path
 from node.pidfile import RunLock
-with RunLock(Path(sys.argv[1])):
+with RunLock(Path(sys.argv[-1])):
     print("locked", flush=True)
     sys.stdin.read()
 """
 
 
 @pytest.fixture
-def holder(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
+def holder(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[subprocess.Popen[str]]:
+    """Stands for a node: HOLDER run as ``python .../edgenode start DIR``, the
+    command line of the entry point (``is_node_command``)."""
+    script = tmp_path_factory.mktemp("bin") / "edgenode"
+    script.write_text(HOLDER)
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(tmp_path)],
+        [sys.executable, str(script), "start", str(tmp_path)],
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        },
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -50,7 +69,8 @@ def test_a_second_lock_on_the_directory_is_refused_naming_the_holder(tmp_path: P
     with RunLock(tmp_path):
         holder = lock_holder(tmp_path)
         assert holder is not None and holder.pid == os.getpid()
-        with pytest.raises(ConfigError, match=f"already running \\(pid {os.getpid()},"):
+        # pytest is not an edgenode start: named as "another process".
+        with pytest.raises(ConfigError, match=f"not an edgenode node \\(pid {os.getpid()}:"):
             RunLock(tmp_path).__enter__()
     assert lock_holder(tmp_path) is None  # released on exit
     with RunLock(tmp_path):
@@ -76,6 +96,100 @@ def test_signal_holder_signals_the_lock_holder_only(
     signalled = signal_holder(tmp_path, signal.SIGTERM)
     assert signalled is not None and signalled.pid == holder.pid
     assert holder.wait(10) == -signal.SIGTERM
+
+
+def test_signal_holder_never_signals_a_holder_that_is_not_an_edgenode_start(
+    tmp_path: Path,
+) -> None:
+    stranger = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert stranger.stdout is not None and stranger.stdout.readline().strip() == "locked"
+        with pytest.raises(ForeignHolderError, match=f"pid {stranger.pid}: .* -c"):
+            signal_holder(tmp_path, signal.SIGTERM)
+        assert stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+        assert stranger.stdin is not None and stranger.stdout is not None
+        stranger.stdin.close()
+        stranger.stdout.close()
+
+
+#: Adopts the locked descriptor its parent handed over (``LOCK_FD_ENV``), says
+#: so, then waits for stdin to close.
+ADOPTER = """
+import sys
+from pathlib import Path
+from node.pidfile import RunLock, inherited_lock_fd
+with RunLock(Path(sys.argv[1]), fd=inherited_lock_fd()):
+    print("adopted", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_a_handed_over_lock_is_found_with_its_new_holder_after_the_locker_exits(
+    tmp_path: Path,
+) -> None:
+    # /proc/locks keeps naming the process that took the lock (this test's);
+    # the holder is the child that kept a descriptor carrying it.
+    with RunLock(tmp_path) as lock:
+        child = subprocess.Popen(
+            [sys.executable, "-c", ADOPTER, str(tmp_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            pass_fds=(lock.fd,),
+            env={**os.environ, LOCK_FD_ENV: str(lock.fd)},
+        )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "adopted"
+        found = lock_holder(tmp_path)
+        assert found is not None and found.pid == child.pid
+        with pytest.raises(ConfigError, match=f"pid {child.pid}"):
+            RunLock(tmp_path).__enter__()
+    finally:
+        child.kill()
+        child.wait()
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.close()
+        child.stdout.close()
+    assert lock_holder(tmp_path) is None
+    with RunLock(tmp_path):
+        pass
+
+
+def test_a_descriptor_of_another_directory_is_not_adopted(tmp_path: Path) -> None:
+    other = os.open(tmp_path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(ConfigError, match=f"not an open descriptor of {tmp_path}"):
+            RunLock(tmp_path, fd=other).__enter__()
+    finally:
+        os.close(other)
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "node"),
+    [
+        (["/usr/bin/python3", "-m", "node.cli", "-c", "x.toml", "start"], True),
+        (["python3", "-m", "node.cli", "start", "--foreground"], True),
+        (["/venv/bin/python", "/venv/bin/edgenode", "--run-dir", "/r", "start"], True),
+        (["/usr/local/bin/edgenode", "start", "--wait-s", "5"], True),
+        (["python3", "-m", "node.cli", "stop"], False),
+        (["/venv/bin/python", "/venv/bin/edgenode", "status"], False),
+        (["flock", "-x", "/run/edgenode", "sleep", "60"], False),
+        (["flock", "-x", "/run/edgenode", "start"], False),
+        (["sleep", "60"], False),
+        (["python3", "-c", "start"], False),
+        ([], False),
+    ],
+)
+def test_only_an_edgenode_start_counts_as_a_node(cmdline: list[str], node: bool) -> None:
+    assert is_node_command(cmdline) is node
 
 
 def test_a_child_process_does_not_inherit_the_lock(tmp_path: Path) -> None:
