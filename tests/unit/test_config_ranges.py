@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 from click.testing import CliRunner
 
 from broker.errors import ConfigError
@@ -212,7 +213,9 @@ def test_kv_type_names_follow_the_capacity_model() -> None:
 def test_values_at_the_ends_of_their_ranges_load(tmp_path: Path, text: str) -> None:
     path = tmp_path / "edgenode.toml"
     path.write_text(text)
-    load_config(str(path))
+    loaded = to_dict(load_config(str(path)))
+    for section, values in tomllib.loads(text).items():
+        assert {k: loaded[section][k] for k in values} == values
 
 
 def test_a_config_file_that_is_not_utf8_is_a_config_error_naming_the_file(
