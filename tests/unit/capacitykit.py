@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from node.cli_capacity import capacity
 from node.config import from_dict
+from node.sandbox import Host
 
 MiB, GiB = 1 << 20, 1 << 30
 TEXTBOOK = ["--memory", "8G", "--weights", "4.2G", "--kv-per-seq", "256M", "--reserve", "1.5G"]
@@ -53,3 +54,14 @@ def _with_keys(toml: str, table: str, keys: dict[str, str]) -> str:
     if f"[{table}]" in toml:
         return toml.replace(f"[{table}]\n", f"[{table}]\n" + "".join(lines), 1)
     return toml + f"\n[{table}]\n" + "".join(lines)
+
+
+def fake_host(tmp_path: Path, mountinfo: str, proc_cgroup: str, files: dict[str, str]) -> Host:
+    """A host whose /proc/self and cgroup files are plain files under ``tmp_path``."""
+    (tmp_path / "proc" / "self").mkdir(parents=True)
+    (tmp_path / "proc" / "self" / "mountinfo").write_text(mountinfo)
+    (tmp_path / "proc" / "self" / "cgroup").write_text(proc_cgroup)
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text + "\n")
+    return Host(root=tmp_path, proc=tmp_path / "proc")

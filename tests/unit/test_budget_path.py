@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 import node.budget
+from capacitykit import fake_host
 from node.budget import CgroupLimit, configured_budget, detect_budget, node_limit, tightest_limit
 from node.cgroup_backend import MemoryReading
-from node.cgroupfs import Host
 from node.config import NodeConfig, PressureSection, from_dict
 from node.pressure import PressureMonitor
 
@@ -31,17 +31,6 @@ V1_MOUNTS = (
 )
 UNLIMITED = "9223372036854771712"
 MEM = "sys/fs/cgroup/memory"
-
-
-def fake_host(tmp_path: Path, mountinfo: str, proc_cgroup: str, files: dict[str, str]) -> Host:
-    """/proc/self and cgroup files as plain files under ``tmp_path``."""
-    (tmp_path / "proc" / "self").mkdir(parents=True)
-    (tmp_path / "proc" / "self" / "mountinfo").write_text(mountinfo)
-    (tmp_path / "proc" / "self" / "cgroup").write_text(proc_cgroup)
-    for rel, text in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text + "\n")
-    return Host(root=tmp_path, proc=tmp_path / "proc")
 
 
 def v1_stat(limit: str = UNLIMITED, memsw: str = UNLIMITED) -> str:

@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from broker.errors import ConfigError
-from capacitykit import TEXTBOOK, GiB, MiB, config, run_cli
+from capacitykit import TEXTBOOK, GiB, MiB, config, fake_host, run_cli
 from node.budget import cgroup_memory_limit
 from node.capacity import (
     Plan,
@@ -313,17 +313,6 @@ V1_MOUNTS = (
 )
 HYBRID_UNIFIED = "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n"
 V1_UNLIMITED = "9223372036854771712"  # LONG_MAX rounded down to a 4 KiB page
-
-
-def fake_host(tmp_path: Path, mountinfo: str, proc_cgroup: str, files: dict[str, str]) -> Host:
-    """A host whose /proc/self and cgroup files are plain files under ``tmp_path``."""
-    (tmp_path / "proc" / "self").mkdir(parents=True)
-    (tmp_path / "proc" / "self" / "mountinfo").write_text(mountinfo)
-    (tmp_path / "proc" / "self" / "cgroup").write_text(proc_cgroup)
-    for rel, text in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text + "\n")
-    return Host(root=tmp_path, proc=tmp_path / "proc")
 
 
 def test_v2_limit_is_the_smallest_on_the_path_and_max_is_none(tmp_path: Path) -> None:
