@@ -296,3 +296,16 @@ class Collector:
 
     def close(self) -> None:
         self.sock.close(0)
+
+
+def ask_rules(node: NodeProcess, rid: str, prompt: str, timeout_ms: int = 20_000) -> dict[str, Any]:
+    """One ``route: rules`` generate with a raw DEALER; asserts exactly one final
+    reply came, and returns it."""
+    col = Collector(node.frontend)
+    try:
+        col.send(id=rid, op="generate", prompt=prompt, route="rules", timeout_ms=timeout_ms)
+        col.collect(timeout=timeout_ms / 1000 + 10, linger=0.5)
+        col.assert_exactly_one_final_each()
+        return col.final(rid)
+    finally:
+        col.close()

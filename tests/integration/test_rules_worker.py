@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from fallback.engine import HANG_ON_ENV, MAX_MATCH_CHARS
-from nodeproc import Collector, NodeProcess, leftover_processes, wait_for
+from nodeproc import NodeProcess, ask_rules, leftover_processes, wait_for
 
 NodeFactory = Callable[..., NodeProcess]
 
@@ -67,18 +67,6 @@ def ready_rule_worker(node: NodeProcess) -> dict[str, Any]:
     return found
 
 
-def ask(node: NodeProcess, rid: str, prompt: str, timeout_ms: int = 20_000) -> dict[str, Any]:
-    """One rules request with a raw DEALER; asserts it got exactly one final reply."""
-    col = Collector(node.frontend)
-    try:
-        col.send(id=rid, op="generate", prompt=prompt, route="rules", timeout_ms=timeout_ms)
-        col.collect(timeout=timeout_ms / 1000 + 10, linger=0.5)
-        col.assert_exactly_one_final_each()
-        return col.final(rid)
-    finally:
-        col.close()
-
-
 def test_a_catastrophic_looking_regex_cannot_stall_the_rule_worker(
     make_node: NodeFactory, tmp_path: Path
 ) -> None:
@@ -87,12 +75,12 @@ def test_a_catastrophic_looking_regex_cannot_stall_the_rule_worker(
     # The longest text the rules read at all (longer texts match no rule, by design).
     prompt = "hello " + "a" * (MAX_MATCH_CHARS - 7) + "!"
     assert len(prompt) == MAX_MATCH_CHARS
-    reply = ask(node, "long", prompt)
+    reply = ask_rules(node, "long", prompt)
     assert reply["status"] == "ok", reply
     assert (reply["served_by"], reply["rule"]) == ("rules", "greeting")
     # The same shape, short, and a text the pattern does match.
-    assert ask(node, "short", "hello " + SHORT_ADVERSARIAL)["rule"] == "greeting"
-    assert ask(node, "match", "hello " + "a" * 5000)["rule"] == "redos"
+    assert ask_rules(node, "short", "hello " + SHORT_ADVERSARIAL)["rule"] == "greeting"
+    assert ask_rules(node, "match", "hello " + "a" * 5000)["rule"] == "redos"
     after = ready_rule_worker(node)
     assert (after["pid"], after["restarts"]) == (before["pid"], 0)
 
@@ -105,13 +93,13 @@ def test_a_request_that_kills_the_rule_worker_is_answered_once_and_not_retried(
     monkeypatch.setenv(HANG_ON_ENV, SHORT_ADVERSARIAL)
     node = make_node(workers={"count": 1}, fallback={"rules": rules_file(tmp_path)})
     first = ready_rule_worker(node)
-    reply = ask(node, "poison", SHORT_ADVERSARIAL)
+    reply = ask_rules(node, "poison", SHORT_ADVERSARIAL)
     assert (reply["status"], reply["code"], reply["reason"]) == ("error", 503, "worker_lost")
     assert "not retried: the rule engine failed running this request" in reply["message"], reply
     # The restarted rule worker never got the request: one restart, and it answers others.
     restarted = ready_rule_worker(node)
     assert restarted["pid"] != first["pid"] and restarted["restarts"] == 1
-    assert ask(node, "next", "hello there")["rule"] == "greeting"
+    assert ask_rules(node, "next", "hello there")["rule"] == "greeting"
     assert rule_worker(node.status())["restarts"] == 1
     counters = node.status()["counters"]
     assert counters["worker_lost"] == 1
