@@ -53,7 +53,9 @@ def restarted_rule_worker(node: NodeProcess, old_pid: int) -> dict[str, Any]:
 
     def check() -> dict[str, Any] | None:
         process = rule_worker(node)
-        return process if process is not None and process["pid"] != old_pid else None
+        # A live new pid: a snapshot between the reap and the respawn shows pid None.
+        fresh = process is not None and process["pid"] not in (None, old_pid)
+        return process if fresh else None
 
     try:
         found: dict[str, Any] = wait_for(check, timeout=30)
