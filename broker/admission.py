@@ -34,10 +34,11 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from broker.errors import ErrorCode
 from broker.jobs import JobTable
+from broker.kinds import PRIORITIES, CpuLevel
 from broker.protocol import ClientRequest
 from broker.service import byte_bound
 from broker.stats import RETRY_AFTER_MAX_MS, RETRY_AFTER_MIN_MS, Stats
@@ -46,11 +47,6 @@ from broker.workers import WorkerRegistry
 
 if TYPE_CHECKING:
     from broker.core import BrokerSettings, Job
-
-PRIORITIES = ("critical", "normal", "sheddable")  # dispatch and eviction order
-PRESSURE_LEVELS = ("ok", "high", "critical")
-#: The host's CPU pressure as the node reports it (``node.pressure.CpuPressureMonitor``).
-CpuLevel = Literal["ok", "high"]
 
 #: The pool as admission plays it forward: per worker, when each of its usable
 #: slots is free (s from now; a heap).

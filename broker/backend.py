@@ -22,12 +22,13 @@ from broker.admission import AdmissionGate
 from broker.delivery import ReplyKind
 from broker.errors import ErrorCode, ProtocolError
 from broker.jobs import JobTable
+from broker.kinds import DegradeReason, EngineKind
 from broker.protocol import WorkerCommand
-from broker.records import BrokerSettings, DegradeReason, Job, WorkerEvent
+from broker.records import BrokerSettings, Job, WorkerEvent
 from broker.replies import final_reply
 from broker.routing import Router
 from broker.stats import Stats
-from broker.workers import EngineKind, WorkerRegistry, WorkerState, parse_ready
+from broker.workers import WorkerRegistry, WorkerState, parse_ready
 
 
 class Owner(Protocol):

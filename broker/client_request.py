@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.errors import ProtocolError
+from broker.kinds import PRIORITIES, Priority
 
 OPS = ("generate", "chat", "cancel", "ping", "status")
 ROUTES = ("auto", "llm", "rules")
-PRIORITIES = ("critical", "normal", "sheddable")
 ROLES = ("system", "user", "assistant")
 
 MAX_ID_CHARS = 128
@@ -46,7 +46,7 @@ class ClientRequest:
     timeout_ms: int | None = None
     stream: bool = False
     route: str = "auto"
-    priority: str = "normal"
+    priority: Priority = "normal"
     target: str | int | None = None
 
     def engine_fields(self) -> dict[str, Any]:

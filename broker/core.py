@@ -24,15 +24,16 @@ from dataclasses import replace
 from typing import Any
 
 from broker import protocol as p
-from broker.admission import PRESSURE_LEVELS, AdmissionGate, CpuLevel, Shed
+from broker.admission import AdmissionGate, Shed
 from broker.backend import WorkerConversation
 from broker.breaker import BreakerSettings
 from broker.delivery import Delivery, GoneCause, Outgoing, ReplyKind
 from broker.errors import EdgeNodeError, ErrorCode
 from broker.handover import Handover
 from broker.jobs import JobTable
+from broker.kinds import PRESSURE_LEVELS, CpuLevel, DegradeReason
 from broker.protocol import ClientRequest, WorkerCommand
-from broker.records import BrokerSettings, DegradeReason, Job, WorkerEvent
+from broker.records import BrokerSettings, Job, WorkerEvent
 from broker.routing import PoolView, Route, Router, RoutingSettings
 from broker.stats import Stats
 from broker.token_count import TokenCounter

@@ -22,7 +22,8 @@ from typing import Any
 
 from broker.admission import AdmissionGate
 from broker.jobs import JobTable
-from broker.records import DegradeReason, Job
+from broker.kinds import DegradeReason
+from broker.records import Job
 from broker.routing import Router, usable_rules_answer
 from broker.stats import Stats
 from broker.workers import WorkerRegistry

@@ -31,7 +31,6 @@ from broker.client_request import MAX_STOP_CHARS as MAX_STOP_CHARS
 from broker.client_request import MAX_STOP_SEQUENCES as MAX_STOP_SEQUENCES
 from broker.client_request import MAX_TOKENS_LIMIT as MAX_TOKENS_LIMIT
 from broker.client_request import OPS as OPS
-from broker.client_request import PRIORITIES as PRIORITIES
 from broker.client_request import ROLES as ROLES
 from broker.client_request import ROUTES as ROUTES
 from broker.client_request import ClientRequest as ClientRequest
@@ -44,6 +43,7 @@ from broker.errors import Cancelled as Cancelled
 from broker.errors import ConfigError as ConfigError
 from broker.errors import ErrorCode, TooLarge
 from broker.errors import ProtocolError as ProtocolError
+from broker.kinds import PRIORITIES as PRIORITIES
 
 PROTOCOL_VERSION = 1
 CLIENT_TAG = b"EDGE/C1"

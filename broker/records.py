@@ -7,26 +7,12 @@ that changes lives in ``broker.core.Broker``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from broker import protocol as p
 from broker.breaker import Permit
 from broker.errors import ConfigError
+from broker.kinds import DegradeReason
 from broker.protocol import ClientRequest
-
-#: Why degrade mode's rules answer instead of the model: the reply's
-#: ``degrade_reason`` and the ``fallback_<reason>`` counters (docs/PROTOCOL.md §7.3).
-#: The model's failures (``worker_lost``, ``no_model_worker``, ``circuit_open``),
-#: the host's pressure (``memory_pressure``, ``cpu_pressure``) and its lateness
-#: (``latency_budget``).
-DegradeReason = Literal[
-    "no_model_worker",
-    "memory_pressure",
-    "cpu_pressure",
-    "circuit_open",
-    "latency_budget",
-    "worker_lost",
-]
 
 #: ``BrokerSettings.service_estimate`` values.
 SERVICE_ESTIMATES = ("size", "mean")

@@ -24,11 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from broker.admission import CpuLevel, Shed
+from broker.admission import Shed
 from broker.breaker import BreakerSettings, CircuitBreaker, Permit
 from broker.errors import ErrorCode
+from broker.kinds import CpuLevel, DegradeReason
 from broker.protocol import ClientRequest
-from broker.records import DegradeReason, Job
+from broker.records import Job
 from broker.stats import RETRY_AFTER_MIN_MS
 
 MODES = ("shadow", "dual", "degrade", "full")

@@ -9,13 +9,13 @@ FINAL and CREDIT. A heartbeat never grants credit.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from broker.errors import ProtocolError
+from broker.kinds import EngineKind
 
 #: The engines the broker routes to, from READY's ``engine`` (``test``, the integration
 #: tests' stand-in for the model, is routed as ``llm``).
-EngineKind = Literal["llm", "rules"]
 
 
 @dataclass

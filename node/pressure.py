@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from broker.admission import CpuLevel
+from broker.kinds import CpuLevel
 from node.budget import CgroupLimit, cut_to_limit
 from node.config import PressureSection
 from node.units import parse_size

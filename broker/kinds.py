@@ -1,0 +1,39 @@
+"""The vocabularies that cross broker modules and processes, defined once.
+
+Each is a ``Literal`` (values travel as plain strings on the wire and in
+counters) with the tuple of its values beside it, in the order that matters.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+#: Which pool a request runs on: the model's workers or the rule engine's.
+EngineKind = Literal["llm", "rules"]
+ENGINE_KINDS: tuple[EngineKind, ...] = get_args(EngineKind)
+
+#: A request's class (``priority`` on the wire, docs/PROTOCOL.md §3).
+Priority = Literal["critical", "normal", "sheddable"]
+#: Dispatch order, highest first; eviction takes from the end.
+PRIORITIES: tuple[Priority, ...] = get_args(Priority)
+
+#: The node's memory pressure level (``node.pressure``), lowest first.
+PressureLevel = Literal["ok", "high", "critical"]
+PRESSURE_LEVELS: tuple[PressureLevel, ...] = get_args(PressureLevel)
+
+#: The host's CPU pressure level (PSI, ``node.pressure.CpuPressure``).
+CpuLevel = Literal["ok", "high"]
+
+#: Why degrade mode's rules answer instead of the model: the reply's
+#: ``degrade_reason`` and the ``fallback_<reason>`` counters (docs/PROTOCOL.md §7.3).
+#: The model's failures (``worker_lost``, ``no_model_worker``, ``circuit_open``),
+#: the host's pressure (``memory_pressure``, ``cpu_pressure``) and its lateness
+#: (``latency_budget``).
+DegradeReason = Literal[
+    "no_model_worker",
+    "memory_pressure",
+    "cpu_pressure",
+    "circuit_open",
+    "latency_budget",
+    "worker_lost",
+]
