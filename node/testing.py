@@ -15,11 +15,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import psutil
+import zmq
 
 from broker.client import Client
 from broker.errors import EdgeNodeError
 from node.endpoints import connect_endpoint
+from node.sandbox.cgroupfs import Host
+from node.sandbox.cgroups import cgroup_name
+from node.sandbox.layout import read_layout
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 #: the node. The node runs in its own session, so without this a test or benchmark
 #: killed with SIGKILL left it running; SIGTERM is its clean stop (workers ended,
 #: cgroups removed). A wrapper, not ``preexec_fn``: that is unsafe once threads exist.
-_DIE_WITH_HARNESS = """\
+DIE_WITH_HARNESS = """\
 import ctypes, os, signal, sys
 if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0) != 0:
     sys.exit("prctl(PR_SET_PDEATHSIG): " + os.strerror(ctypes.get_errno()))
@@ -107,7 +112,7 @@ class NodeProcess:
                 "start nodes from the main thread: a node is stopped when the thread "
                 "that started it exits (PR_SET_PDEATHSIG follows the thread)"
             )
-        cmd = [sys.executable, "-c", _DIE_WITH_HARNESS, str(os.getpid())]
+        cmd = [sys.executable, "-c", DIE_WITH_HARNESS, str(os.getpid())]
         cmd += self._argv("start", "--foreground")
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
@@ -215,7 +220,6 @@ def node_processes(run_dir: Path) -> list[int]:
 
 def node_cgroup_dirs(run_dir: Path) -> list[Path]:
     """The node's cgroup trees that exist now, in every hierarchy of this host."""
-    from node.sandbox import Host, cgroup_name, read_layout
 
     layout = read_layout(Host())
     name = cgroup_name(run_dir)
@@ -230,10 +234,8 @@ class Collector:
     accepted request got exactly one final reply (and nothing after it)."""
 
     def __init__(self, endpoint: str) -> None:
-        import zmq
-
-        self._zmq = zmq
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
         self.replies: dict[Any, list[dict[str, Any]]] = {}
@@ -241,8 +243,6 @@ class Collector:
 
     def send(self, **body: Any) -> None:
         """Send one request body (must carry ``id``)."""
-        import msgpack
-
         self.sent.append(body["id"])
         self.sock.send_multipart([b"", b"EDGE/C1", msgpack.packb(body)])
 
@@ -262,8 +262,6 @@ class Collector:
     ) -> None:
         """Read replies until every sent id has a final (or timeout), then keep
         reading ``linger`` seconds more to catch duplicates."""
-        import msgpack
-
         deadline = time.monotonic() + timeout
         done_at: float | None = None
         # Ids still without a final, kept as replies arrive: checking every id's
@@ -295,6 +293,7 @@ class Collector:
             assert finals[0] == len(replies) - 1, ("reply after final", rid, replies)
 
     def close(self) -> None:
+        """Close the socket at once (LINGER 0: unsent requests are dropped)."""
         self.sock.close(0)
 
 

@@ -21,7 +21,7 @@ killer. The limits read on that path:
   are not visible there.
 
 "max" and v1's unlimited (9223372036854771712) are no limit
-(``node.cgroupfs.parse_limit``), nor is an unreadable file.
+(``node.sandbox.cgroupfs.parse_limit``), nor is an unreadable file.
 
 The node's cgroup path is the running node's (the process in its pidfile), so
 ``capacity`` run from any shell sees what the node sees; without a running
@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING
 import psutil
 
 from broker.errors import ConfigError, SandboxError
-from node.cgroup_layout import Layout, Mount, read_layout
-from node.cgroupfs import Host, parse_keyed, parse_limit, read_optional
 from node.pidfile import lock_holder
+from node.sandbox.cgroupfs import Host, parse_keyed, parse_limit, read_optional
+from node.sandbox.layout import Layout, Mount, read_layout
 from node.units import format_size, parse_size
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ loading the weights) and the budget:
   lines of the default model match this formula exactly).
 * Weights = the GGUF tensor bytes: one shared page cache when mmapped and not
   repacked (``model.repack = false``), counted once; a private copy per worker
-  when repacked (see ``node.llama_engine``), counted per worker.
+  when repacked (see ``node.llama.engine``), counted per worker.
 * Runtime per worker = ``capacity.runtime_overhead`` (interpreter, libraries,
   llama.cpp's fixed buffers; measured by ``scripts/bench_memory.py``) plus the
   attention scratch that grows with the context: without flash attention
@@ -27,7 +27,7 @@ loading the weights) and the budget:
 * Grammar per worker = ``grammar_allowance``: a request with a ``json_schema``
   is sampled through a llama.cpp grammar, which checks every vocabulary token
   at every step. The peak of that grows with the vocabulary, hardly with the
-  schema (``node.grammar`` bounds the schema): ``n_vocab x
+  schema (``node.llama.grammar`` bounds the schema): ``n_vocab x
   GRAMMAR_BYTES_PER_TOKEN``, planned for every worker, since any request may
   carry a schema. Planned once per worker whatever its slots: a worker samples
   its slots one after another in one thread, so one grammar's transient peak
@@ -55,13 +55,13 @@ from typing import TYPE_CHECKING, Any
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from broker.errors import ConfigError
-from node.budget import config_size, configured_budget, node_limit
+from node.capacity.budget import config_size, configured_budget, node_limit
+from node.capacity.gguf import ModelMeta, read_gguf_meta
+from node.capacity.worker_limits import is_auto, memory_high_bytes, memory_max_bytes
 from node.config import MAX_SLOTS, is_auto_slots
 from node.engine import flash_attn_on
-from node.gguf_meta import ModelMeta, read_gguf_meta
 from node.model import resolve_model
 from node.units import format_size as _format_size
-from node.worker_memory import is_auto, memory_high_bytes, memory_max_bytes
 
 if TYPE_CHECKING:
     from node.config import NodeConfig
@@ -74,7 +74,7 @@ PAGE = 4096
 #: default model (262,144 tokens), llama-cpp-python 0.3.36, n_ctx 2048: a fresh
 #: worker's cgroup peak for a context-filling prompt and then up to 174
 #: grammar-constrained tokens was 258.4-301.0 MiB with every schema case admitted
-#: by ``node.grammar`` (the intent schema, 1 to 31 nested levels, a 256-character
+#: by ``node.llama.grammar`` (the intent schema, 1 to 31 nested levels, a 256-character
 #: string, 394 properties), against 134.7 MiB without a schema: at most 166.2 MiB
 #: more, 665 B per token, rounded up to 704 (176 MiB). The cost follows the
 #: vocabulary: at every sampled token llama.cpp matches all candidate tokens
@@ -402,7 +402,7 @@ def plan_slots(
 def check_fits(config: NodeConfig) -> Plan:
     """The plan for ``config``, or a refusal; ``edgenode start`` calls it first, and the
     node takes the workers' limits from the plan it returns (``workers.memory_max =
-    "auto"``: ``node.worker_memory``).
+    "auto"``: ``node.capacity.worker_limits``).
 
     Raises:
         ConfigError: the configured workers do not fit the budget with the margin

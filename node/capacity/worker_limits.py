@@ -1,7 +1,7 @@
 """A model worker's cgroup memory limits, from ``[workers] memory_max`` and ``memory_high``.
 
 ``memory_max`` is a size ("768M", integer bytes), "max" (no limit) or "auto". "auto"
-means the capacity plan's per-worker ``memory.max`` (``node.capacity.Plan.memory_max``:
+means the capacity plan's per-worker ``memory.max`` (``node.capacity.plan.Plan.memory_max``:
 the worker's estimate, its slots' KV (``workers.slots`` x KV per sequence), runtime and
 grammar, plus ``capacity.safety_margin``). The
 node computes it at start from the same plan ``edgenode capacity`` prints, so the two
@@ -16,21 +16,29 @@ pressure budget, ``status`` and ``edgenode capacity`` all read the limits throug
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from broker.errors import ConfigError
 from node.units import format_size, parse_size
-
-if TYPE_CHECKING:
-    from node.config import WorkersSection
 
 AUTO = "auto"
 #: The smallest per-worker memory.max accepted (bytes): below it an interpreter cannot start.
 MIN_MEMORY_MAX = 16 * 1024 * 1024
 
 
+class MemorySettings(Protocol):
+    """The ``[workers]`` keys read here, as ``node.config.WorkersSection`` holds them
+    (a protocol: the config calls ``validate_memory`` while it loads)."""
+
+    @property
+    def memory_max(self) -> str | int: ...
+
+    @property
+    def memory_high(self) -> str | int: ...
+
+
 class PlannedLimits(Protocol):
-    """What "auto" reads from the capacity plan (``node.capacity.Plan``), in bytes."""
+    """What "auto" reads from the capacity plan (``node.capacity.plan.Plan``), in bytes."""
 
     @property
     def memory_max(self) -> int: ...
@@ -39,12 +47,12 @@ class PlannedLimits(Protocol):
     def memory_high(self) -> int: ...
 
 
-def is_auto(w: WorkersSection) -> bool:
+def is_auto(w: MemorySettings) -> bool:
     """Whether ``workers.memory_max`` is "auto" (any case, spaces around allowed)."""
     return isinstance(w.memory_max, str) and w.memory_max.strip().lower() == AUTO
 
 
-def memory_max_bytes(w: WorkersSection, plan: PlannedLimits | None = None) -> int | None:
+def memory_max_bytes(w: MemorySettings, plan: PlannedLimits | None = None) -> int | None:
     """A worker's ``memory.max`` in bytes; None = "max" (no limit).
 
     "auto" is ``plan.memory_max``: the capacity plan's, computed at start.
@@ -62,7 +70,7 @@ def memory_max_bytes(w: WorkersSection, plan: PlannedLimits | None = None) -> in
     return _size_or_max("workers.memory_max", w.memory_max, ', "max" or "auto"')
 
 
-def memory_high_bytes(w: WorkersSection, plan: PlannedLimits | None = None) -> int | None:
+def memory_high_bytes(w: MemorySettings, plan: PlannedLimits | None = None) -> int | None:
     """A worker's high watermark in bytes; None = "max" (none).
 
     ``workers.memory_high`` "" is 90 % of ``memory_max``, or ``plan.memory_high``
@@ -84,9 +92,9 @@ def memory_high_bytes(w: WorkersSection, plan: PlannedLimits | None = None) -> i
     return _size_or_max("workers.memory_high", w.memory_high, ' or "max"')
 
 
-def validate_memory(w: WorkersSection) -> None:
+def validate_memory(w: MemorySettings) -> None:
     """What can be checked before there is a plan: the values' syntax; with a size, the
-    minimum and ``memory_high`` <= ``memory_max``. With "auto", ``node.capacity.check_fits``
+    minimum and ``memory_high`` <= ``memory_max``. With "auto", ``node.capacity.plan.check_fits``
     checks ``memory_high`` against the plan at start.
 
     Raises:
@@ -109,7 +117,7 @@ def validate_memory(w: WorkersSection) -> None:
         )
 
 
-def describe(w: WorkersSection, plan: PlannedLimits | None = None) -> dict[str, str | int | None]:
+def describe(w: MemorySettings, plan: PlannedLimits | None = None) -> dict[str, str | int | None]:
     """For ``status`` and ``edgenode capacity``: the setting and the limits it gives (bytes)."""
     return {
         "setting": str(w.memory_max),

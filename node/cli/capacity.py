@@ -18,8 +18,9 @@ import json
 import click
 
 from broker.errors import EdgeNodeError
-from node.budget import config_size, configured_budget
-from node.capacity import (
+from node.capacity.budget import config_size, configured_budget
+from node.capacity.gguf import ModelMeta
+from node.capacity.plan import (
     AUTO_SLOTS_PER_THREAD,
     GRAMMAR_BYTES_PER_TOKEN,
     KV_TYPES,
@@ -33,10 +34,9 @@ from node.capacity import (
     layout,
     plan_slots,
 )
+from node.capacity.worker_limits import describe, is_auto
 from node.config import MAX_SLOTS, NodeConfig, is_auto_slots, load_config
-from node.gguf_meta import ModelMeta
 from node.units import parse_size
-from node.worker_memory import describe, is_auto
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -146,7 +146,7 @@ def _manual(
     slots: int | str | None,
 ) -> Plan:
     """The textbook plan: sizes by hand (weights, KV per sequence), weights shared, no
-    runtime overhead; "auto" slots as ``node.capacity.resolve_slots`` sizes them."""
+    runtime overhead; "auto" slots as ``node.capacity.plan.resolve_slots`` sizes them."""
     budget, source = (memory, "given") if memory is not None else configured_budget(config)
     if reserve is None:
         reserve = config_size(config.capacity.reserve, "capacity.reserve")

@@ -24,11 +24,13 @@ import psutil
 from broker.client import Client
 from broker.errors import EdgeNodeError
 from node.app import Node, log_path
-from node.capacity import check_fits
-from node.cli_capacity import capacity
-from node.cli_report import report
-from node.cli_rules import load_or_exit, rules
-from node.config import NodeConfig, load_config
+from node.capacity.plan import check_fits
+from node.cli.capacity import capacity
+from node.cli.context import node_config
+from node.cli.report import report
+from node.cli.rules import load_or_exit, rules
+from node.cli.status_view import render_status
+from node.config import NodeConfig
 from node.endpoints import connect_endpoint
 from node.model import resolve_model, resolve_rules
 from node.pidfile import (
@@ -41,7 +43,6 @@ from node.pidfile import (
     wait_for_starts,
 )
 from node.pool import plan_workers
-from node.status_view import render_status
 
 #: ``edgenode status`` exit code when no node runs (LSB init-script convention).
 EXIT_NOT_RUNNING = 3
@@ -52,14 +53,6 @@ STOP_MARGIN_S = 10.0
 #: running to take theirs (s): a start takes it after its imports and config,
 #: about a second on a small board.
 START_LOCK_WAIT_S = 10.0
-
-
-def _config(ctx: click.Context) -> NodeConfig:
-    try:
-        config: NodeConfig = load_config(ctx.obj["config"])
-    except EdgeNodeError as exc:
-        raise click.ClickException(exc.message) from exc
-    return config
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -109,7 +102,7 @@ def start(ctx: click.Context, foreground: bool, wait_s: float) -> None:
     (including SIGINT, SIGTERM or SIGHUP to the start) it stops that node and
     exits 1 with the reason.
     """
-    config = _config(ctx)
+    config = node_config(ctx)
     # A node launched by a background start holds the lock already (handed over).
     if LOCK_FD_ENV not in os.environ and lock_holder(config.run_dir) is not None:
         raise click.ClickException(in_use_message(config.run_dir))
@@ -343,7 +336,7 @@ def stop(ctx: click.Context, timeout_s: float) -> None:
     already running that have not taken their lock yet are waited for (at most
     ``START_LOCK_WAIT_S``), so ``start & stop`` stops that start.
     """
-    config = _config(ctx)
+    config = node_config(ctx)
     deadline = time.monotonic() + timeout_s
     stopped: list[str] = []
     waited = False
@@ -404,7 +397,7 @@ def _alive(proc: psutil.Process) -> bool:
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
     """Show workers, queue and counters of the running node (exit 3 if none runs)."""
-    config = _config(ctx)
+    config = node_config(ctx)
     address = connect_endpoint(config.frontend)
     try:
         with Client(address, wait_ms=2000) as client:
@@ -455,7 +448,7 @@ def ask(
     temperature: float | None,
 ) -> None:
     """Ask the running node TEXT and print the answer with its usage counts."""
-    config = _config(ctx)
+    config = node_config(ctx)
     fields: dict[str, Any] = {"max_tokens": max_tokens, "route": route}
     if timeout_ms is not None:
         fields["timeout_ms"] = timeout_ms
@@ -513,7 +506,3 @@ cli.add_command(capacity)
 def main() -> None:
     """Console-script entry point."""
     cli(prog_name="edgenode")
-
-
-if __name__ == "__main__":
-    main()

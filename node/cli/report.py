@@ -1,6 +1,6 @@
 """``edgenode report``: summarize the migration log (shadow, dual, degrade, full).
 
-Register with ``cli.add_command(report)`` in ``node.cli``. The command reads only log files
+Register with ``cli.add_command(report)`` in ``node.cli.main``. The command reads only log files
 (the live one and its rotated backups), never the node's sockets, so it also works on a copy
 of the logs on another machine.
 
@@ -14,9 +14,10 @@ from pathlib import Path
 
 import click
 
-from node.migration_log import migration_log_path
-from node.report import summarize
-from node.report_view import format_report
+from node.cli.context import node_config
+from node.migration.log import migration_log_path
+from node.migration.report import summarize
+from node.migration.report_view import format_report
 
 
 @click.command()
@@ -44,9 +45,6 @@ def report(ctx: click.Context, logs: tuple[Path, ...], as_json: bool) -> None:
 
 
 def _run_dir(ctx: click.Context) -> Path:
-    # Imported here: node.cli imports this module at its top.
-    from node.cli import _config
-
     # Outside the ``edgenode`` group (tests, embedding) nobody set ctx.obj: built-in lookup.
     ctx.ensure_object(dict).setdefault("config", None)
-    return _config(ctx).run_dir
+    return node_config(ctx).run_dir

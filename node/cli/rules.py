@@ -1,6 +1,6 @@
 """``edgenode rules``: check and try rule files of the rule-engine fallback.
 
-Register with ``cli.add_command(rules)`` in ``node.cli``. The commands read only the rule
+Register with ``cli.add_command(rules)`` in ``node.cli.main``. The commands read only the rule
 file, never the node's config or sockets, so they work on a device where no node runs.
 
 Exit codes: 0 done (``test`` also exits 0 when no rule matched: that is an answer), 1 the

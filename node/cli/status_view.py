@@ -176,7 +176,7 @@ def _worker_line(proc: dict[str, Any], reg: dict[str, Any] | None) -> str:
 
 def _nice(proc: dict[str, Any]) -> str:
     """The nice level; "10/0" when the worker's autogroup, which is what ranks it
-    against the host's sessions, has another (node.priority)."""
+    against the host's sessions, has another (node.sandbox.niceness)."""
     nice, group = proc.get("nice"), proc.get("autogroup_nice")
     if nice is None:
         return "-"

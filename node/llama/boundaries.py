@@ -1,5 +1,5 @@
 """Where a text can be cut so that llama.cpp tokenizes its pieces as it would the
-whole: the piece machinery of ``node.llama_vocab.Vocab``.
+whole: the piece machinery of ``node.llama.vocab.Vocab``.
 
 Why: llama.cpp's tokenizer costs time growing with the square of the special-token
 matches in a text. Its special-token partition (``tokenizer_st_partition`` in
@@ -17,7 +17,7 @@ boundary), the stretches between forced boundaries with each one's lower bound
 (``stretches``), their grouping into pieces (``piece_spans``), and the special
 tokens' texts a piece can also be cut around (``Specials``), and counting a piece
 as parse_special would with no control-token text parsed (``count_unparsed``).
-Plain bytes and numpy arrays: reading the vocabulary and tokenizing are ``node.llama_vocab``'s, and
+Plain bytes and numpy arrays: reading the vocabulary and tokenizing are ``node.llama.vocab``'s, and
 whether a vocabulary qualifies is checked there on ``SAMPLE``.
 """
 

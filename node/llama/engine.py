@@ -16,7 +16,7 @@ llama.cpp's own server does it (tools/server: slots, ``update_slots``):
   cancelled or failed request leaves its slot at once;
 * a slot keeps its sequence's KV after a request: the next request goes to the
   free slot sharing the longest prompt prefix, and only the rest is evaluated
-  (``node.llama_slots.pick_slot``; llama-server's ``cache_prompt``).
+  (``node.llama.slots.pick_slot``; llama-server's ``cache_prompt``).
 
 Cancellation reaches inside a step with prompt chunks: llama.cpp's abort
 callback (checked by ggml-cpu after each graph node) stops ``llama_decode`` when
@@ -25,7 +25,7 @@ slot in it, and the next step runs the others' tokens again. Their output does
 not change: no token was sampled from the aborted batch. A step of decode tokens
 only is short and runs without the callback; a cancel is seen before the next.
 
-Prompts are tokenized in pieces (``node.llama_vocab.Vocab.pieces``), in time
+Prompts are tokenized in pieces (``node.llama.vocab.Vocab.pieces``), in time
 linear in their length. Special tokens never reach a client's text: masked at
 sampling (all but end-of-generation) and without text on the way out.
 """
@@ -61,11 +61,11 @@ from broker.errors import (
     Unavailable,
 )
 from node.engine import Emit, EngineSpec, Outcome, flash_attn_on
-from node.grammar import check_grammar, check_schema, trim_heap
-from node.llama_log import LLAMA_LOG as _LOG
-from node.llama_log import LOG_QUIET
-from node.llama_slots import Slot, SlotJob, TextOut, pick_slot
-from node.llama_vocab import TooManyTokens, Vocab, around_text, special_tokens
+from node.llama.grammar import check_grammar, check_schema, trim_heap
+from node.llama.log import LLAMA_LOG as _LOG
+from node.llama.log import LOG_QUIET
+from node.llama.slots import Slot, SlotJob, TextOut, pick_slot
+from node.llama.vocab import TooManyTokens, Vocab, around_text, special_tokens
 
 #: ``model.kv_type`` -> ggml_type (ggml.h), as llama_context_params.type_k/type_v take it.
 KV_GGML_TYPES = {
@@ -464,7 +464,7 @@ class LlamaEngine:
     def grammar_sampler(self, schema: dict[str, Any]) -> Any:
         """A llama.cpp grammar sampler that admits only JSON valid for ``schema``.
 
-        The schema and its grammar must stay within ``node.grammar``'s bounds,
+        The schema and its grammar must stay within ``node.llama.grammar``'s bounds,
         and llama.cpp must parse the grammar (it returns NULL otherwise, which
         as a sampler crashes the worker at the first token: SIGSEGV).
 

@@ -23,9 +23,9 @@ alone, and the message names the bound:
   at most ``MAX_GRAMMAR_NESTING`` deep (the depth of llama.cpp's parser recursion).
 
 What a schema within these bounds costs in memory is mostly the vocabulary's,
-not the schema's: ``node.capacity.grammar_allowance`` plans it, and
+not the schema's: ``node.capacity.plan.grammar_allowance`` plans it, and
 ``scripts/bench_grammar.py`` measures the largest schemas allowed here.
-A grammar llama.cpp still cannot parse gets 400 (``node.llama_engine``).
+A grammar llama.cpp still cannot parse gets 400 (``node.llama.engine``).
 """
 
 from __future__ import annotations

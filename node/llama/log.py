@@ -1,6 +1,6 @@
 """llama.cpp's and ggml's log, bridged to the worker's stderr at a chosen level.
 
-Part of the llama.cpp engine adapter (``node.llama_engine``): with it, the only
+Part of the llama.cpp engine adapter (``node.llama.engine``): with it, the only
 modules that import ``llama_cpp``.
 """
 

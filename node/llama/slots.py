@@ -1,4 +1,4 @@
-"""The per-sequence state of the batched llama engine (``node.llama_engine``), without llama.cpp.
+"""The per-sequence state of the batched llama engine (``node.llama.engine``), without llama.cpp.
 
 A llama worker serves S slots from one model and one llama context: slot ``i``
 is llama.cpp sequence ``i``, with ``n_ctx`` KV cells of its own (a non-unified

@@ -1,13 +1,13 @@
 """A model's vocabulary through llama.cpp: the node's prompt-token counter, the
 workers' tokenizing in pieces, and which tokens are special.
 
-Part of the llama.cpp engine adapter (``node.llama_engine``, ``node.llama_log``):
+Part of the llama.cpp engine adapter (``node.llama.engine``, ``node.llama.log``):
 the modules that import ``llama_cpp``. The node process loads a vocabulary
 alone (no weights) once for the broker's 413 check; each worker wraps its
 model's (``Vocab``) to tokenize prompts.
 
 Tokenizing is not cheap: ~1 µs per byte of text, and time growing with the
-square of the special-token matches (``node.llama_pieces`` says why). So the
+square of the special-token matches (``node.llama.boundaries`` says why). So the
 counter first bounds the count from the bytes and the vocabulary
 (``Vocab.lower_bound``), and tokenizes only what the bound cannot decide, in
 pieces, within ``LOOP_BYTES``; a worker tokenizes a whole prompt in pieces
@@ -28,8 +28,7 @@ import numpy as np
 from broker.protocol import ClientRequest
 from broker.service import CHAT_TOKENS_PER_MESSAGE
 from broker.token_count import TokenCount
-from node.llama_log import LLAMA_LOG, LOG_ERROR
-from node.llama_pieces import (
+from node.llama.boundaries import (
     MAX_PIECE_BYTES,
     PIECE_BYTES,
     SAMPLE,
@@ -41,6 +40,7 @@ from node.llama_pieces import (
     spell_spaces,
     stretches,
 )
+from node.llama.log import LLAMA_LOG, LOG_ERROR
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class Vocab:
 
     def lower_bound(self, text: bytes) -> int | None:
         """A lower bound on ``count(text)`` (tokens) from the bytes alone
-        (``node.llama_pieces.stretches`` says why it holds), or None when the
+        (``node.llama.boundaries.stretches`` says why it holds), or None when the
         vocabulary gives none (see ``_pair_lengths``)."""
         if self.pair_max is None:
             return None
@@ -291,7 +291,7 @@ class Vocab:
 
     def _piece_count(self, piece: bytes) -> int | None:
         """``count`` of ``piece`` without BOS at the cost of tokenizing it without
-        parse_special (``node.llama_pieces.count_unparsed``), or None."""
+        parse_special (``node.llama.boundaries.count_unparsed``), or None."""
         assert self.pair_max is not None
         if not self._controls.search(piece, 0, len(piece)):
             return self._tokens(piece)
@@ -300,7 +300,7 @@ class Vocab:
         return count_unparsed(self.pair_max, every, controls, piece, self._tokens, calls)
 
     def _pieces_hold(self, sample: bytes) -> bool:
-        """Whether cutting ``sample`` holds (``node.llama_pieces.cuts_hold``),
+        """Whether cutting ``sample`` holds (``node.llama.boundaries.cuts_hold``),
         ``bounded`` counts it exactly and ``lower_bound`` does not exceed that."""
         assert self.pair_max is not None
         holds = cuts_hold(self.pair_max, self._specials, sample, self._ids)
@@ -372,7 +372,7 @@ def _pair_lengths(
     characters) or may drop bytes their vocabulary lacks (BPE). Tokens with
     LSTRIP/RSTRIP make the partition drop the whitespace beside them, so they
     disqualify a vocabulary too. Byte-fallback tokens cover one byte and hold no
-    pair (``node.llama_pieces.hold_pairs``, ``spell_spaces``). The vocabulary is
+    pair (``node.llama.boundaries.hold_pairs``, ``spell_spaces``). The vocabulary is
     read in chunks: a worker builds this too, and its peak memory counts
     against its limit (Gemma 3: 262,144 tokens, 2.5 MB of text).
     """

@@ -2,7 +2,7 @@
 
 The broker (sans-I/O) emits plain dict records; the node process hands them to
 ``MigrationLog.write``, which stamps them, enriches ``pair`` records and appends them to
-``<run_dir>/logs/migration.jsonl``. ``edgenode report`` (``node.report``) reads them back.
+``<run_dir>/logs/migration.jsonl``. ``edgenode report`` (``node.migration.report``) reads them back.
 
 Record shapes (the broker's side; ``id`` is the client's request id):
 

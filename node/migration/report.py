@@ -1,9 +1,9 @@
-"""Summarize migration logs (``node.migration_log``) for ``edgenode report``.
+"""Summarize migration logs (``node.migration.log``) for ``edgenode report``.
 
 ``summarize`` reads each log with its rotated backups (oldest first) and returns plain data
 (JSON-able); ``verdict`` says whether a mode's evidence supports the next migration stage
-(shadow -> dual -> degrade -> full, DESIGN.md §4); ``node.report_view.format_report`` turns
-both into the text an operator reads.
+(shadow -> dual -> degrade -> full, DESIGN.md §4);
+``node.migration.report_view.format_report`` turns both into the text an operator reads.
 
 Conventions:
 

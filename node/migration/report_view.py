@@ -1,11 +1,12 @@
-"""The text of ``edgenode report``: a migration-log summary (``node.report.summarize``)
-as an operator reads it, per mode its figures and the verdict hint (``node.report.verdict``)."""
+"""The text of ``edgenode report``: a migration-log summary
+(``node.migration.report.summarize``) as an operator reads it, per mode its figures and the
+verdict hint (``node.migration.report.verdict``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from node.report import verdict
+from node.migration.report import verdict
 
 
 def format_report(summary: dict[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""Low-level cgroupfs access shared by the backends: the host's files and syscalls,
+"""Low-level cgroupfs access shared by the cgroup drivers: the host's files and syscalls,
 interface-file reads and writes with the errno explained, and killing, reaping
 and moving processes between cgroups.
 

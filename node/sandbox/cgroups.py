@@ -44,19 +44,19 @@ mostly already cached by the node) stays charged to the node's leaf; the model
 is charged to the worker. ``Sandbox.holds`` lets the supervisor verify the join
 at READY.
 
-Use. In the node, before it starts threads: ``plan_cpus`` (node.affinity), then
+Use. In the node, before it starts threads: ``plan_cpus`` (node.sandbox.cores), then
 ``Sandbox(options_for(cfg.workers, plan, cgroup_name(run_dir))).open()``; before
 each spawn ``create_worker(id, limits_for(cfg.workers, placement.cpus, capacity))``
-(``capacity``: the plan ``node.capacity.check_fits`` returned; ``create_worker``
+(``capacity``: the plan ``node.capacity.plan.check_fits`` returned; ``create_worker``
 also resets a reused cgroup); ``memory(id)`` / ``memory()`` for status and
 admission; ``close()`` after the workers are reaped. In the worker, first thing:
-``join_cgroup(paths)``, then ``node.affinity.apply_placement(cpus, nice)``, then
+``join_cgroup(paths)``, then ``node.sandbox.cores.apply_placement(cpus, nice)``, then
 load the model.
 
-Modules: node/cgroup_layout.py (what the host mounts), node/cgroupfs.py (file
-access, killing, reaping), node/cgroup_backend.py (the backend protocol and the
-values crossing it), node/cgroup_v2.py and node/cgroup_v1.py (the backends);
-this module is the facade the node and the worker use.
+Modules: node/sandbox/layout.py (what the host mounts), node/sandbox/cgroupfs.py (file
+access, killing, reaping), node/sandbox/driver.py (the cgroup driver protocol and the
+values crossing it), node/sandbox/v2.py and node/sandbox/v1.py (the drivers);
+this module's ``Sandbox`` is what the node and the worker use.
 """
 
 from __future__ import annotations
@@ -70,44 +70,18 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from broker.errors import SandboxError
-from node.affinity import CpuPlan
-from node.cgroup_backend import Backend, Limits, MemoryReading, NoBackend, SandboxOptions
-from node.cgroup_layout import Layout, Mount, parse_layout, read_layout
-from node.cgroup_v1 import V1Backend
-from node.cgroup_v2 import V2Backend
-from node.cgroupfs import KILL_WAIT_S, NODE_LEAF, V1_UNLIMITED, Host, join, pids_in
+from node.capacity.worker_limits import PlannedLimits, memory_high_bytes, memory_max_bytes
 from node.config import SANDBOX_MODES, WorkersSection
+from node.sandbox.cgroupfs import NODE_LEAF, Host, join, pids_in
+from node.sandbox.cores import CpuPlan
+from node.sandbox.driver import CgroupDriver, Limits, MemoryReading, NoCgroups, SandboxOptions
+from node.sandbox.layout import Layout, read_layout
+from node.sandbox.v1 import V1Driver
+from node.sandbox.v2 import V2Driver
 from node.units import parse_cores, quota_us
-from node.worker_memory import PlannedLimits, memory_high_bytes, memory_max_bytes
-
-__all__ = [
-    "KILL_WAIT_S",
-    "MODES",
-    "NODE_LEAF",
-    "V1_UNLIMITED",
-    "WORKER_PREFIX",
-    "Backend",
-    "Host",
-    "Layout",
-    "Limits",
-    "MemoryReading",
-    "Mount",
-    "NoBackend",
-    "Sandbox",
-    "SandboxOptions",
-    "V1Backend",
-    "V2Backend",
-    "cgroup_name",
-    "join_cgroup",
-    "limits_for",
-    "options_for",
-    "parse_layout",
-    "read_layout",
-]
 
 log = logging.getLogger("edgenode.sandbox")
 
-MODES = SANDBOX_MODES
 WORKER_PREFIX = "worker-"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
 
@@ -116,7 +90,7 @@ def limits_for(
     workers: WorkersSection, cpus: Sequence[int] = (), plan: PlannedLimits | None = None
 ) -> Limits:
     """A worker's limits from the config, its planned cores (``Placement.cpus``) and the
-    capacity plan (``node.capacity.check_fits``), which ``memory_max = "auto"`` reads.
+    capacity plan (``node.capacity.plan.check_fits``), which ``memory_max = "auto"`` reads.
 
     Raises:
         ConfigError: ``memory_max = "auto"`` and no plan.
@@ -158,19 +132,19 @@ class Sandbox:
     """
 
     def __init__(self, options: SandboxOptions, host: Host | None = None) -> None:
-        if options.mode not in MODES:
-            raise SandboxError(f"workers.sandbox must be one of {', '.join(MODES)}")
+        if options.mode not in SANDBOX_MODES:
+            raise SandboxError(f"workers.sandbox must be one of {', '.join(SANDBOX_MODES)}")
         self.options = options
         self.host = host or Host()
         self.layout = "none"
         self.reason = "not opened"
-        self.backend: Backend = NoBackend()
+        self.driver: CgroupDriver = NoCgroups()
         self._workers: dict[str, tuple[Path, ...]] = {}
 
     @property
     def active(self) -> bool:
         """Whether workers get cgroups."""
-        return self.backend.kind != "none"
+        return self.driver.kind != "none"
 
     @property
     def required(self) -> bool:
@@ -186,27 +160,27 @@ class Sandbox:
         if self.options.mode == "off":
             self.reason = 'workers.sandbox = "off"'
             return
-        backend: Backend = NoBackend()
+        driver: CgroupDriver = NoCgroups()
         try:
             layout = read_layout(self.host)
             self.layout = layout.kind
-            backend = self._choose(layout)
+            driver = self._choose(layout)
             with _keep_affinity():
-                backend.open()
+                driver.open()
         except (SandboxError, OSError) as exc:
             with contextlib.suppress(SandboxError, OSError), _keep_affinity():
-                backend.close()  # undoes only what this open did
+                driver.close()  # undoes only what this open did
             self._fail(exc)
             return
-        self.backend, self.reason = backend, ""
-        log.info("sandbox: cgroup %s (%s on a %s host)", self.base, backend.kind, self.layout)
+        self.driver, self.reason = driver, ""
+        log.info("sandbox: cgroup %s (%s on a %s host)", self.base, driver.kind, self.layout)
 
-    def _choose(self, layout: Layout) -> Backend:
+    def _choose(self, layout: Layout) -> CgroupDriver:
         strict = self.required
         if "memory" in layout.v1:
-            return V1Backend(self.host, layout, self.options, strict)
+            return V1Driver(self.host, layout, self.options, strict)
         if layout.v2 is not None:
-            return V2Backend(self.host, layout, self.options, strict)
+            return V2Driver(self.host, layout, self.options, strict)
         raise SandboxError("no cgroup filesystem with a memory controller is mounted")
 
     def _fail(self, exc: Exception) -> None:
@@ -219,7 +193,7 @@ class Sandbox:
     @property
     def base(self) -> str:
         """The node's cgroup directory (the memory hierarchy's on v1), or ""."""
-        dirs = self.backend.dirs(None)
+        dirs = self.driver.dirs(None)
         return str(dirs[0]) if dirs else ""
 
     def create_worker(self, worker_id: str, limits: Limits) -> tuple[str, ...]:
@@ -230,7 +204,7 @@ class Sandbox:
         """
         name = _cgroup_name(worker_id)
         try:
-            paths = self.backend.create(name, limits)
+            paths = self.driver.create(name, limits)
         except SandboxError as exc:
             if self.required:
                 raise
@@ -259,12 +233,12 @@ class Sandbox:
         if not self.active or (worker_id is not None and worker_id not in self._workers):
             return None
         name = _cgroup_name(worker_id) if worker_id is not None else None
-        return self.backend.read_memory(name)
+        return self.driver.read_memory(name)
 
     def remove_worker(self, worker_id: str) -> None:
         """Kill whatever is left in the worker's cgroup and remove it."""
         if self._workers.pop(worker_id, None) is not None:
-            self.backend.remove(_cgroup_name(worker_id))
+            self.driver.remove(_cgroup_name(worker_id))
 
     def close(self) -> None:
         """Remove every worker cgroup, move the node back where it came from, remove the rest.
@@ -273,20 +247,20 @@ class Sandbox:
             SandboxError: something could not be removed (the rest is still tried first).
         """
         self._workers.clear()
-        backend, self.backend = self.backend, NoBackend()
+        driver, self.driver = self.driver, NoCgroups()
         self.reason = "closed"
         with _keep_affinity():
-            backend.close()
+            driver.close()
 
     def status(self) -> dict[str, object]:
-        """For ``status``: mode, host layout, backend, node cgroup, why not active."""
+        """For ``status``: mode, host layout, driver (``backend``), node cgroup, why not active."""
         return {
             "mode": self.options.mode,
             "layout": self.layout,
-            "backend": self.backend.kind,
+            "backend": self.driver.kind,
             "cgroup": self.base or None,
             "reason": self.reason or None,
-            "reaped": list(self.backend.reaped),
+            "reaped": list(self.driver.reaped),
         }
 
     def __enter__(self) -> Sandbox:

@@ -23,7 +23,7 @@ stops the start with nothing half-started):
   worker may really use = min(its cores, whole cores of its quota (at least 1),
   the configured ``workers.threads``).
 * **Priority**: workers run at ``nice`` 0..19 (lower than the host's processes),
-  and so do their autogroups and cpu cgroups: see node.priority.
+  and so do their autogroups and cpu cgroups: see node.sandbox.niceness.
 
 The worker applies its placement to itself, first thing in ``main()`` and before
 any thread exists (zmq's I/O thread, llama.cpp's pool): on Linux affinity and
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from broker.errors import ConfigError, SandboxError
-from node.priority import check_nice, renice, set_autogroup_nice
+from node.sandbox.niceness import check_nice, renice, set_autogroup_nice
 
 log = logging.getLogger("edgenode.affinity")
 

@@ -1,7 +1,8 @@
-"""What a cgroup backend is (``Backend``), the values that cross it (``Limits``,
-``SandboxOptions``, ``MemoryReading``), and what the v1 and v2 backends share:
-choosing controllers and tearing the node's tree down. ``NoBackend`` is the
-backend without cgroups (``off``, or ``auto`` on a host that cannot have them).
+"""What a cgroup driver is (``CgroupDriver``: how the sandbox drives cgroup v2, v1 or
+none), the values that cross it (``Limits``, ``SandboxOptions``, ``MemoryReading``), and
+what the v1 and v2 drivers share: choosing controllers and tearing the node's tree down.
+``NoCgroups`` is the driver without cgroups (``off``, or ``auto`` on a host that cannot
+have them).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from broker.errors import SandboxError
-from node.cgroupfs import (
+from node.sandbox.cgroupfs import (
     NODE_LEAF,
     Host,
     attempt,
@@ -35,7 +36,7 @@ class Limits:
     """One worker's limits. Bytes, µs, core numbers; None = no limit.
 
     ``cpus`` empty = the parent's cores. ``nice`` (0..19) becomes the cgroup's
-    CPU weight where the cpu controller is in use (``node.affinity.nice_weight``).
+    CPU weight where the cpu controller is in use (``node.sandbox.cores.nice_weight``).
     """
 
     memory_max: int | None = None
@@ -122,7 +123,7 @@ class MemoryReading:
         return {**dataclasses.asdict(self), "over_high": self.over_high}
 
 
-class Backend(Protocol):
+class CgroupDriver(Protocol):
     """One cgroup implementation. ``name`` is a worker's directory name."""
 
     kind: str
@@ -141,7 +142,7 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-class NoBackend:
+class NoCgroups:
     """No cgroups (``off``, or ``auto`` on a host that cannot have them)."""
 
     kind = "none"

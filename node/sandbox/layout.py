@@ -1,9 +1,9 @@
 """Which cgroup filesystems a host has and where this process sits in them.
 
 Read once at ``Sandbox.open`` from /proc/self/mountinfo and /proc/self/cgroup
-(proc(5)). ``kind`` decides the backend: ``v2`` (unified), ``v1`` (legacy),
+(proc(5)). ``kind`` decides the driver: ``v2`` (unified), ``v1`` (legacy),
 ``hybrid`` (v1 controllers plus a v2 mount, normally controller-less; the v1
-backend serves it) or ``none``.
+driver serves it) or ``none``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from node.cgroupfs import Host
+from node.sandbox.cgroupfs import Host
 
 _V1_CONTROLLERS = frozenset(
     {

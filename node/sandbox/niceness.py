@@ -117,7 +117,7 @@ def autogroup_nice(path: Path = AUTOGROUP) -> int | None:
         return None
 
 
-def process_priority(pid: int, proc: Path = Path("/proc")) -> dict[str, int | None]:
+def process_niceness(pid: int, proc: Path = Path("/proc")) -> dict[str, int | None]:
     """How the scheduler ranks process ``pid``: its main thread's ``nice`` and its
     autogroup's (``autogroup_nice``; None without autogroups or when unreadable)."""
     try:

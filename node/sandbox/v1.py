@@ -1,9 +1,9 @@
-"""The cgroup v1 backend, for legacy and hybrid hosts: the same relative path in
+"""The cgroup v1 driver, for legacy and hybrid hosts: the same relative path in
 each controller's hierarchy (memory, cpu, cpuset: what systemd's
 CGROUP_DELEGATION.md advises).
 
 Which files each worker gets and why (the memsw write order, the cpuset copied
-from the parent, the watermark v1 lacks): "Per worker" in node/sandbox.py.
+from the parent, the watermark v1 lacks): "Per worker" in node/sandbox/cgroups.py.
 """
 
 from __future__ import annotations
@@ -12,16 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from broker.errors import SandboxError
-from node.affinity import format_cpus
-from node.cgroup_backend import (
-    Limits,
-    MemoryReading,
-    SandboxOptions,
-    close_trees,
-    select_controllers,
-)
-from node.cgroup_layout import Layout
-from node.cgroupfs import (
+from node.sandbox.cgroupfs import (
     NODE_LEAF,
     Host,
     destroy,
@@ -37,7 +28,16 @@ from node.cgroupfs import (
     reap_stale,
     write_if_present,
 )
-from node.priority import nice_weight
+from node.sandbox.cores import format_cpus
+from node.sandbox.driver import (
+    Limits,
+    MemoryReading,
+    SandboxOptions,
+    close_trees,
+    select_controllers,
+)
+from node.sandbox.layout import Layout
+from node.sandbox.niceness import nice_weight
 
 
 @dataclass
@@ -54,7 +54,7 @@ class _Hierarchy:
         return self.base / NODE_LEAF
 
 
-class V1Backend:
+class V1Driver:
     """Legacy and hybrid hosts: the same relative path in each controller's hierarchy."""
 
     kind = "v1"

@@ -1,8 +1,8 @@
-"""The cgroup v2 backend: one unified tree, controllers enabled top-down.
+"""The cgroup v2 driver: one unified tree, controllers enabled top-down.
 
 The node moves into its ``node`` leaf before enabling controllers because of
 the "no internal processes" rule (cgroup-v2.rst 2-4-4). Which files each
-worker gets and why: "Per worker" in node/sandbox.py.
+worker gets and why: "Per worker" in node/sandbox/cgroups.py.
 """
 
 from __future__ import annotations
@@ -10,16 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from broker.errors import SandboxError
-from node.affinity import format_cpus
-from node.cgroup_backend import (
-    Limits,
-    MemoryReading,
-    SandboxOptions,
-    close_trees,
-    select_controllers,
-)
-from node.cgroup_layout import Layout
-from node.cgroupfs import (
+from node.sandbox.cgroupfs import (
     NODE_LEAF,
     Host,
     destroy,
@@ -36,10 +27,19 @@ from node.cgroupfs import (
     reap_stale,
     write_if_present,
 )
-from node.priority import cpu_weight_v2
+from node.sandbox.cores import format_cpus
+from node.sandbox.driver import (
+    Limits,
+    MemoryReading,
+    SandboxOptions,
+    close_trees,
+    select_controllers,
+)
+from node.sandbox.layout import Layout
+from node.sandbox.niceness import cpu_weight_v2
 
 
-class V2Backend:
+class V2Driver:
     """The unified hierarchy: one tree, controllers enabled top-down.
 
     Its ``original``, ``parent``, ``base`` and ``leaf`` make it the one
