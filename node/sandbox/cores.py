@@ -197,12 +197,6 @@ def usable_threads(
     return threads
 
 
-def threads_for_quota(quota_us: int | None, period_us: int, n_cpus: int) -> int:
-    """Like ``usable_threads`` for a quota read from cgroupfs (µs per period, None = max)."""
-    cores = None if quota_us is None or quota_us < 0 else quota_us / period_us
-    return usable_threads(n_cpus, cores)
-
-
 # ---------------------------------------------------------------- in the worker
 
 

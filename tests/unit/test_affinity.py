@@ -22,7 +22,6 @@ from node.sandbox.cores import (
     pin,
     plan_cpus,
     split_cores,
-    threads_for_quota,
     usable_threads,
 )
 from node.sandbox.niceness import (
@@ -105,13 +104,6 @@ def test_quota_and_configured_threads_cap_n_threads() -> None:
 )
 def test_usable_threads(cpus: int, quota: float | None, cap: int | None, threads: int) -> None:
     assert usable_threads(cpus, quota, cap) == threads
-
-
-def test_threads_for_a_quota_read_from_cgroupfs() -> None:
-    assert threads_for_quota(150_000, 100_000, 4) == 1
-    assert threads_for_quota(200_000, 100_000, 4) == 2
-    assert threads_for_quota(None, 100_000, 4) == 4
-    assert threads_for_quota(-1, 100_000, 3) == 3  # v1 "no quota"
 
 
 @pytest.mark.parametrize(
