@@ -1,4 +1,5 @@
-"""Start and stop a real edgenode process for integration and system tests."""
+"""Start and stop a real edgenode process, for the integration and system tests and the
+benchmarks in scripts/ (a module of the package, so that nothing edits ``sys.path``)."""
 
 from __future__ import annotations
 

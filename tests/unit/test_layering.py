@@ -180,6 +180,21 @@ def test_node_keeps_few_modules_at_its_top_level() -> None:
     )
 
 
+def test_no_script_or_test_edits_sys_path() -> None:
+    """The harness is ``node.testing``: scripts and tests import it like any module."""
+    bad = []
+    for path in sorted([*(REPO / "scripts").rglob("*.py"), *(REPO / "tests").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "path"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "sys"
+            ):
+                bad.append(f"  {path.relative_to(REPO)}:{node.lineno}")
+    assert not bad, "sys.path used:\n" + "\n".join(bad)
+
+
 def test_the_checker_sees_every_kind_of_import(tmp_path: Path) -> None:
     """Top-level, ``TYPE_CHECKING``, function-local, ``from pkg import module`` and
     relative imports all make an edge, and a two-module loop is a component."""
