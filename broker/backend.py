@@ -21,8 +21,9 @@ from broker import protocol as p
 from broker.admission import AdmissionGate
 from broker.delivery import ReplyKind
 from broker.errors import ErrorCode, ProtocolError
+from broker.exits import ExitCause, blames_its_request, not_retried
 from broker.jobs import JobTable
-from broker.kinds import DegradeReason, EngineKind
+from broker.kinds import DegradeReason, EngineKind, FinalOutcome
 from broker.protocol import WorkerCommand
 from broker.records import BrokerSettings, Job, WorkerEvent
 from broker.replies import final_reply
@@ -54,7 +55,7 @@ class Owner(Protocol):
         body: dict[str, Any],
         now: float,
         deliver: bool = True,
-        counted: str | None = None,
+        counted: FinalOutcome | None = None,
     ) -> None:
         """Send ``job``'s one final reply ``body`` to its client (``counted``: the
         outcome counter it was counted under)."""
@@ -123,7 +124,11 @@ class WorkerConversation:
             if known is not None:
                 # It will re-register under a fresh identity: stop routing to this one.
                 self.lose_worker(
-                    known, f"protocol error: {exc.message}", now, notify=False, failure=False
+                    known,
+                    ExitCause("protocol_error", detail=exc.message),
+                    now,
+                    notify=False,
+                    failure=False,
                 )
             else:
                 self.send(identity, WorkerCommand.DISCONNECT, {"reason": "protocol error"})
@@ -150,7 +155,7 @@ class WorkerConversation:
                 worker.slots = slots
                 self.dispatch(now)
         elif command is WorkerCommand.DISCONNECT:
-            self.lose_worker(worker, "disconnected", now, notify=False, failure=False)
+            self.lose_worker(worker, ExitCause("disconnected"), now, notify=False, failure=False)
 
     def _register(self, identity: bytes, body: dict[str, Any], now: float) -> None:
         if self.workers.get(identity) is not None:
@@ -162,9 +167,7 @@ class WorkerConversation:
             return
         stale = self.workers.by_worker_id(worker.worker_id)
         if stale is not None:
-            self.lose_worker(
-                stale, "replaced by a new incarnation", now, notify=False, failure=False
-            )
+            self.lose_worker(stale, ExitCause("replaced"), now, notify=False, failure=False)
         self.workers.add(worker)
         self.owner.events.append(WorkerEvent("ready", worker.worker_id, worker.info.get("pid")))
         self.dispatch(now)
@@ -283,8 +286,8 @@ class WorkerConversation:
             # normal interval between ticks is forgiven.
             self.workers.excuse(now - self.last_tick - interval)
         self.last_tick = now
-        for worker, reason in self.workers.verdicts(now, dead_after, s.stall_timeout_ms / 1000):
-            self.lose_worker(worker, reason, now)
+        for worker, verdict in self.workers.verdicts(now, dead_after, s.stall_timeout_ms / 1000):
+            self.lose_worker(worker, ExitCause(verdict), now)
         if now >= self.next_heartbeat:
             self.next_heartbeat = now + s.heartbeat_interval_ms / 1000
             for worker in self.workers:
@@ -310,21 +313,21 @@ class WorkerConversation:
             self.jobs.arm("ack", job.rid, now + grace)
             return
         self.late_acks.pop(job.rid, None)
-        self.lose_worker(worker, "hung: no ack to CANCEL within the grace", now)
+        self.lose_worker(worker, ExitCause("hung"), now)
 
     # ------------------------------------------------------------------ loss
 
-    def worker_exited(self, worker_id: str, reason: str, now: float) -> None:
+    def worker_exited(self, worker_id: str, cause: ExitCause, now: float) -> None:
         """The supervisor reaped this worker's process: fail over without waiting."""
         worker = self.workers.by_worker_id(worker_id)
         if worker is not None:
             # A crash is the pool's failure; an exit while the node stops is not.
-            self.lose_worker(worker, reason, now, notify=False, failure=not self.owner.draining)
+            self.lose_worker(worker, cause, now, notify=False, failure=not self.owner.draining)
 
     def lose_worker(
         self,
         worker: WorkerState,
-        reason: str,
+        cause: ExitCause,
         now: float,
         *,
         notify: bool = True,
@@ -332,21 +335,25 @@ class WorkerConversation:
     ) -> None:
         """Unregister ``worker``; re-dispatch, hand over or answer its requests.
 
+        ``cause``: why it is lost; whether its request is blamed reads its fields
+        (``broker.exits.blames_its_request``), its words go to the worker's
+        DISCONNECT, the breaker and the replies.
         ``notify``: tell the supervisor to kill it (the broker's own verdict).
         ``failure``: count it against the model pool's circuit breaker (not for
         a clean DISCONNECT or an incarnation replaced by a newer one).
         """
+        reason = cause.describe()
         self.workers.remove(worker.identity)
         self.stats.levels.running(worker.identity, (), now)
         self.stats.count("workers_lost")
         if notify:
             pid = worker.info.get("pid")
-            self.owner.events.append(WorkerEvent("lost", worker.worker_id, pid, reason))
+            self.owner.events.append(WorkerEvent("lost", worker.worker_id, pid, cause))
         # If it is merely slow it must not keep the requests: make it re-register.
         self.send(worker.identity, WorkerCommand.DISCONNECT, {"reason": reason})
         if worker.kind == "llm" and failure and not worker.active:
             self.router.worker_failed(None, now, reason)
-        blamed = blames_its_request(reason, len(worker.active), worker.kind, failure=failure)
+        blamed = blames_its_request(cause, len(worker.active), worker.kind, failure=failure)
         for rid in sorted(worker.active):
             job = self.jobs.get(rid)
             if job is None:
@@ -374,19 +381,18 @@ class WorkerConversation:
                 job.first_token_at = None
                 self.gate.push(job, front=True)  # it waited longest
             elif not self.owner.fall_back(job, "worker_lost", now):
-                self._give_up(job, reason, now, blamed, worker.kind)
+                self._give_up(job, cause, now, blamed, worker.kind)
         if worker.kind == "llm" and not self.workers.of_kind("llm"):
             for queued in list(self.gate):  # nobody left to run them: the rules answer
                 self.owner.fall_back(queued, "no_model_worker", now)
         self.dispatch(now)
 
-    def _give_up(self, job: Job, reason: str, now: float, blamed: bool, kind: EngineKind) -> None:
-        if blamed and kind == "rules":
-            reason += " (not retried: the rule engine failed running this request)"
-        elif blamed and OOM_KILLED in reason:
-            reason += " (not retried: the worker ran out of memory running this request)"
-        elif blamed:
-            reason += " (not retried: the worker crashed running this request)"
+    def _give_up(
+        self, job: Job, cause: ExitCause, now: float, blamed: bool, kind: EngineKind
+    ) -> None:
+        reason = cause.describe()
+        if blamed:
+            reason += f" ({not_retried(cause, kind)})"
         self.stats.count("worker_lost")
         body = p.error_reply(
             job.req.id,
@@ -398,53 +404,3 @@ class WorkerConversation:
         )
         self.owner.answer(job, body, now)
         self.owner.forget(job)
-
-
-#: Signals of a crash inside the worker's own (native) code, as the supervisor
-#: words them ("killed by SIGSEGV", node.supervisor.describe_exit). The request
-#: it was running is the likeliest cause (a grammar llama.cpp cannot parse
-#: dereferenced a null pointer: found in a break-it session), so it is not
-#: re-dispatched: a poison request would take every worker down in turn. A
-#: plain SIGKILL (kill -9, our own verdicts) or a missed heartbeat says nothing
-#: about the request, which is re-dispatched once as before.
-CRASH_SIGNALS = ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT")
-
-#: How the node words an OOM kill the worker's cgroup recorded (node.pool), in
-#: place of the SIGKILL alone. A worker's cgroup holds that worker and its one
-#: sequence, so what outgrew the limit is the running request's memory (its
-#: KV, a json_schema's grammar): run again on an identical worker it was
-#: OOM-killed there too (break-it session, memory_max 256M and a schema).
-OOM_KILLED = "OOM-killed in its cgroup"
-
-
-def crashed_running_it(reason: str) -> bool:
-    """Whether a worker's exit ``reason`` blames what it was running: a native
-    crash (``CRASH_SIGNALS``) or an OOM kill in its cgroup (``OOM_KILLED``)."""
-    return OOM_KILLED in reason or any(f"killed by {name}" in reason for name in CRASH_SIGNALS)
-
-
-def blames_its_request(
-    reason: str, running: int, kind: EngineKind = "llm", *, failure: bool = True
-) -> bool:
-    """Whether a lost worker's request is the poison one, never to be run again.
-
-    A crash or OOM kill (``crashed_running_it``) with one request in flight blames
-    that request. With several (an S-slot worker) none can be told from the
-    others, so none is blamed: each that streamed nothing is re-dispatched once,
-    like any lost request, and a request is never re-dispatched twice. A poison
-    request therefore takes down at most two workers: the one it shared, and
-    the one it was retried on.
-
-    A rule worker lost by a failure (dead, stalled, hung, exited; not a clean
-    DISCONNECT, a replacement or the node stopping: ``failure``) with one request
-    in flight blames it whatever the reason: the rule engine is deterministic and
-    answers in microseconds, so what stopped it was that request, and the
-    restarted rule worker would die of it too (issue 11: a catastrophic regex
-    killed the rule worker twice). An operator's SIGSTOP during those
-    microseconds is the only false verdict, and costs that one request.
-    """
-    if running != 1:
-        return False
-    if kind == "rules":
-        return failure
-    return crashed_running_it(reason)

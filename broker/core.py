@@ -29,9 +29,10 @@ from broker.backend import WorkerConversation
 from broker.breaker import BreakerSettings
 from broker.delivery import Delivery, GoneCause, Outgoing, ReplyKind
 from broker.errors import EdgeNodeError, ErrorCode
+from broker.exits import ExitCause
 from broker.handover import Handover
 from broker.jobs import JobTable
-from broker.kinds import PRESSURE_LEVELS, CpuLevel, DegradeReason
+from broker.kinds import PRESSURE_LEVELS, CpuLevel, DegradeReason, FinalOutcome
 from broker.protocol import ClientRequest, WorkerCommand
 from broker.records import BrokerSettings, Job, WorkerEvent
 from broker.routing import PoolView, Route, Router, RoutingSettings
@@ -311,9 +312,10 @@ class Broker:
         """Handle one backend message ``[identity, "", "EDGE/W1", command, body]``."""
         self.backend.handle(frames, now)
 
-    def worker_exited(self, worker_id: str, reason: str, now: float) -> None:
-        """The supervisor reaped this worker's process: fail over without waiting."""
-        self.backend.worker_exited(worker_id, reason, now)
+    def worker_exited(self, worker_id: str, cause: ExitCause, now: float) -> None:
+        """The supervisor reaped this worker's process (``cause``: how it ended):
+        fail over without waiting."""
+        self.backend.worker_exited(worker_id, cause, now)
 
     # ------------------------------------------------------------------ time
 
@@ -366,7 +368,7 @@ class Broker:
         body: dict[str, Any],
         now: float,
         deliver: bool = True,
-        counted: str | None = None,
+        counted: FinalOutcome | None = None,
     ) -> None:
         """Send ``job``'s one final reply; the client may reuse its id at once.
 

@@ -27,6 +27,7 @@ from enum import Enum
 from typing import Any
 
 from broker import protocol as p
+from broker.kinds import FinalOutcome
 
 #: Interval of backlog rounds by time (s). The loop also tries when the
 #: frontend polls writable, but POLLOUT on a ROUTER means that *some* peer has
@@ -89,7 +90,7 @@ class Outgoing:
     client: bytes
     body: dict[str, Any]
     kind: ReplyKind = ReplyKind.FINAL
-    counted: str | None = None
+    counted: FinalOutcome | None = None
 
     @property
     def request(self) -> tuple[bytes, Any]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.errors import ProtocolError
+from broker.exits import Verdict
 from broker.kinds import EngineKind
 
 #: The engines the broker routes to, from READY's ``engine`` (``test``, the integration
@@ -152,17 +153,17 @@ class WorkerRegistry:
 
     def verdicts(
         self, now: float, dead_after_s: float, stall_after_s: float
-    ) -> list[tuple[WorkerState, str]]:
-        """Workers to give up on, with the reason: silent for ``dead_after_s``
-        (any traffic counts), or busy with a frozen progress counter for
-        ``stall_after_s``. Every worker is checked, busy ones included (the
-        zguide broker only purged idle ones)."""
-        out = []
+    ) -> list[tuple[WorkerState, Verdict]]:
+        """Workers to give up on, with the verdict: ``dead`` (silent for
+        ``dead_after_s``; any traffic counts), or ``stalled`` (busy with a frozen
+        progress counter for ``stall_after_s``). Every worker is checked, busy
+        ones included (the zguide broker only purged idle ones)."""
+        out: list[tuple[WorkerState, Verdict]] = []
         for w in self._by_identity.values():
             if now - w.last_seen > dead_after_s:
-                out.append((w, "dead: missed heartbeats"))
+                out.append((w, "dead"))
             elif w.active and now - w.progress_at > stall_after_s:
-                out.append((w, "stalled: no progress while busy"))
+                out.append((w, "stalled"))
         return out
 
     def of_kind(self, kind: str) -> list[WorkerState]:
