@@ -82,7 +82,7 @@ class Outgoing:
     """One reply for the client ``client`` (its ROUTER routing id).
 
     The body is packed only when sent, so a ``dropped_partials`` marker can
-    still be added to it. ``counted``: the outcome counter a final was counted
+    still be added to it. ``counted``: the outcome (``FinalOutcome``) a final was counted
     under (e.g. ``ok``); if it never reaches its client, it counts as
     ``client_gone`` instead.
     """

@@ -85,7 +85,10 @@ class ExitCause:
     @property
     def crashed(self) -> bool:
         """Whether it blames what the process was running: a native crash
-        (``CRASH_SIGNALS``) or an OOM kill in its own cgroup (test_core_poison)."""
+        (``CRASH_SIGNALS``) or an OOM kill in its own cgroup, which holds that
+        worker alone, so what outgrew the limit was its request's memory (its KV,
+        a json_schema's grammar) and an identical worker would die of it too
+        (test_core_poison, tests/system/test_isolation.py)."""
         return self.oom_killed or self.signal in CRASH_SIGNALS
 
     def describe(self) -> str:
