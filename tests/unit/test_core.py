@@ -173,6 +173,20 @@ def test_the_io_loop_may_take_the_outbox_at_any_time(h: BrokerHarness) -> None:
     h.assert_each_answered_once()
 
 
+def test_breaker_transitions_reach_the_outbox_after_a_take(h: BrokerHarness) -> None:
+    # The circuit breaker appends to the outbox's ``transitions`` list itself: taking
+    # the outbox must empty that list in place, never leave the breaker a stale one.
+    breaker = h.broker.router.breaker
+    h.broker.outbox.take()
+    for _ in range(breaker.settings.minimum_calls):
+        breaker.note_failure(0.0, "llm-0 died")
+    (opened,) = h.broker.outbox.take().transitions
+    assert (opened.old.value, opened.new.value) == ("closed", "open")
+    breaker.state(breaker.settings.open_wait_ms / 1000)
+    (half,) = h.broker.outbox.take().transitions
+    assert (half.old.value, half.new.value) == ("open", "half_open")
+
+
 # --------------------------------------------------------------------------- replies
 
 
