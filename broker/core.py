@@ -17,7 +17,7 @@ parts and asks them, each of which owns its state and never calls back:
 * ``broker.lifecycle``: how a job ends (answer, hand over, drop) and what that
   causes, through ``broker.jobs``'s checked state transitions;
 * ``broker.handover``: degrade mode's fallbacks and hedges to the rules;
-* ``broker.retry``: whether a lost worker's request runs again.
+* ``broker.exits``: why a worker is gone, and whether its request runs again.
 
 Invariant: every accepted client request gets exactly one final reply
 (``ok`` or ``error``), whatever happens to its worker.
@@ -35,16 +35,16 @@ from broker.breaker import BreakerSettings
 from broker.delivery import Delivery, GoneCause, ReplyKind
 from broker.dispatch import Dispatcher
 from broker.errors import EdgeNodeError, ErrorCode, ProtocolError
+from broker.exits import ExitCause, blames_its_request, not_retried
 from broker.handover import Handover
 from broker.jobs import JobTable
-from broker.kinds import PRESSURE_LEVELS, CpuLevel, EngineKind
+from broker.kinds import PRESSURE_LEVELS, CpuLevel, EngineKind, FinalOutcome
 from broker.lifecycle import Lifecycle
 from broker.liveness import Liveness
 from broker.outbox import Outbox
 from broker.protocol import ClientRequest, WorkerCommand
 from broker.records import BrokerSettings, Job, JobState, WorkerEvent
 from broker.replies import final_reply
-from broker.retry import OOM_KILLED, blames_its_request
 from broker.routing import PoolView, Route, Router, RoutingSettings
 from broker.stats import Stats
 from broker.token_count import TokenCounter
@@ -309,7 +309,11 @@ class Broker:
             if known is not None:
                 # It will re-register under a fresh identity: stop routing to this one.
                 self._lose_worker(
-                    known, f"protocol error: {exc.message}", now, notify=False, failure=False
+                    known,
+                    ExitCause("protocol_error", detail=exc.message),
+                    now,
+                    notify=False,
+                    failure=False,
                 )
             else:
                 self.outbox.worker(identity, WorkerCommand.DISCONNECT, {"reason": "protocol error"})
@@ -336,7 +340,7 @@ class Broker:
                 worker.slots = slots
                 self.dispatcher.dispatch(now)
         elif command is WorkerCommand.DISCONNECT:
-            self._lose_worker(worker, "disconnected", now, notify=False, failure=False)
+            self._lose_worker(worker, ExitCause("disconnected"), now, notify=False, failure=False)
 
     def _register(self, identity: bytes, body: dict[str, Any], now: float) -> None:
         if self.workers.get(identity) is not None:
@@ -348,9 +352,7 @@ class Broker:
             return
         stale = self.workers.by_worker_id(worker.worker_id)
         if stale is not None:
-            self._lose_worker(
-                stale, "replaced by a new incarnation", now, notify=False, failure=False
-            )
+            self._lose_worker(stale, ExitCause("replaced"), now, notify=False, failure=False)
         self.workers.add(worker)
         self.outbox.events.append(WorkerEvent("ready", worker.worker_id, worker.info.get("pid")))
         self.dispatcher.dispatch(now)
@@ -401,17 +403,18 @@ class Broker:
         self.stats.count(outcome)
         self._end(job, reply, now, counted=outcome)
 
-    def worker_exited(self, worker_id: str, reason: str, now: float) -> None:
-        """The supervisor reaped this worker's process: fail over without waiting."""
+    def worker_exited(self, worker_id: str, cause: ExitCause, now: float) -> None:
+        """The supervisor reaped this worker's process (``cause``: how it ended):
+        fail over without waiting."""
         worker = self.workers.by_worker_id(worker_id)
         if worker is not None:
             # A crash is the pool's failure; an exit while the node stops is not.
-            self._lose_worker(worker, reason, now, notify=False, failure=not self.draining)
+            self._lose_worker(worker, cause, now, notify=False, failure=not self.draining)
 
     def _lose_worker(
         self,
         worker: WorkerState,
-        reason: str,
+        cause: ExitCause,
         now: float,
         *,
         notify: bool = True,
@@ -419,21 +422,25 @@ class Broker:
     ) -> None:
         """Unregister ``worker``; re-dispatch, hand over or answer its requests.
 
+        ``cause``: why it is lost; whether its request is blamed reads its fields
+        (``broker.exits.blames_its_request``), its words go to the worker's
+        DISCONNECT, the breaker and the replies.
         ``notify``: tell the supervisor to kill it (the broker's own verdict).
         ``failure``: count it against the model pool's circuit breaker (not for
         a clean DISCONNECT or an incarnation replaced by a newer one).
         """
+        reason = cause.describe()
         self.workers.remove(worker.identity)
         self.stats.levels.running(worker.identity, (), now)
         self.stats.count("workers_lost")
         if notify:
             pid = worker.info.get("pid")
-            self.outbox.events.append(WorkerEvent("lost", worker.worker_id, pid, reason))
+            self.outbox.events.append(WorkerEvent("lost", worker.worker_id, pid, cause))
         # If it is merely slow it must not keep the requests: make it re-register.
         self.outbox.worker(worker.identity, WorkerCommand.DISCONNECT, {"reason": reason})
         if worker.kind == "llm" and failure and not worker.active:
             self.router.worker_failed(None, now, reason)
-        blamed = blames_its_request(reason, len(worker.active), worker.kind, failure=failure)
+        blamed = blames_its_request(cause, len(worker.active), worker.kind, failure=failure)
         for rid in sorted(worker.active):
             job = self.jobs.get(rid)
             if job is None:
@@ -457,19 +464,18 @@ class Broker:
                 # Output the client never saw can be thrown away and made again.
                 self.life.requeue(job)
             elif not self.handover.fall_back(job, "worker_lost", now):
-                self._give_up(job, reason, now, blamed, worker.kind)
+                self._give_up(job, cause, now, blamed, worker.kind)
         if worker.kind == "llm" and not self.workers.of_kind("llm"):
             for queued in list(self.gate):  # nobody left to run them: the rules answer
                 self.handover.fall_back(queued, "no_model_worker", now)
         self.dispatcher.dispatch(now)
 
-    def _give_up(self, job: Job, reason: str, now: float, blamed: bool, kind: EngineKind) -> None:
-        if blamed and kind == "rules":
-            reason += " (not retried: the rule engine failed running this request)"
-        elif blamed and OOM_KILLED in reason:
-            reason += " (not retried: the worker ran out of memory running this request)"
-        elif blamed:
-            reason += " (not retried: the worker crashed running this request)"
+    def _give_up(
+        self, job: Job, cause: ExitCause, now: float, blamed: bool, kind: EngineKind
+    ) -> None:
+        reason = cause.describe()
+        if blamed:
+            reason += f" ({not_retried(cause, kind)})"
         self.stats.count("worker_lost")
         body = p.error_reply(
             job.req.id,
@@ -499,8 +505,8 @@ class Broker:
                     self.dispatcher.dispatch(now)
             elif kind == "ack":
                 self._ack_overdue(job, now)
-        for worker, reason in self.liveness.verdicts(now):
-            self._lose_worker(worker, reason, now)
+        for worker, verdict in self.liveness.verdicts(now):
+            self._lose_worker(worker, ExitCause(verdict), now)
         self.liveness.heartbeats(now)
 
     def _ack_overdue(self, job: Job, now: float) -> None:
@@ -513,7 +519,7 @@ class Broker:
         if again is not None:
             self.jobs.arm("ack", job.rid, again)
             return
-        self._lose_worker(worker, "hung: no ack to CANCEL within the grace", now)
+        self._lose_worker(worker, ExitCause("hung"), now)
 
     def next_wakeup(self, now: float) -> float:
         """Seconds until the next ``tick`` is due (the I/O loop's poll timeout)."""
@@ -547,7 +553,7 @@ class Broker:
         now: float,
         *,
         deliver: bool = True,
-        counted: str | None = None,
+        counted: FinalOutcome | None = None,
     ) -> None:
         """``body`` is ``job``'s final: a hedge's answers the client only if the
         rules win (``Handover.take_hedge``, which otherwise drops it); any other

@@ -25,6 +25,7 @@ from broker.admission import AdmissionGate
 from broker.delivery import ReplyKind
 from broker.dispatch import Dispatcher
 from broker.jobs import JobTable
+from broker.kinds import FinalOutcome
 from broker.outbox import Outbox
 from broker.records import Job, JobState
 from broker.routing import Router
@@ -66,7 +67,7 @@ class Lifecycle:
         now: float,
         *,
         deliver: bool = True,
-        counted: str | None = None,
+        counted: FinalOutcome | None = None,
     ) -> None:
         """Send ``job``'s one final reply ``body`` (``ANSWERED``); the client may
         reuse its id at once.

@@ -18,6 +18,7 @@ verdicts; what happens to a lost worker's requests is the core's
 
 from __future__ import annotations
 
+from broker.exits import Verdict
 from broker.outbox import Outbox
 from broker.protocol import WorkerCommand
 from broker.records import BrokerSettings
@@ -60,9 +61,10 @@ class Liveness:
 
     # ------------------------------------------------------------------ verdicts
 
-    def verdicts(self, now: float) -> list[tuple[WorkerState, str]]:
-        """Workers to give up on at ``now``, with the reason (``dead: ...`` or
-        ``stalled: ...``). Every worker is checked, busy ones included (the
+    def verdicts(self, now: float) -> list[tuple[WorkerState, Verdict]]:
+        """Workers to give up on at ``now``, with the verdict: ``dead`` (silent
+        for liveness x interval; any traffic counts) or ``stalled`` (busy with a
+        frozen progress counter). Every worker is checked, busy ones included (the
         zguide broker only purged idle ones)."""
         s = self.settings
         interval = s.heartbeat_interval_ms / 1000
@@ -75,12 +77,12 @@ class Liveness:
             self._excuse(now - self._last_tick - interval)
         self._last_tick = now
         stall_after = s.stall_timeout_ms / 1000
-        out = []
+        out: list[tuple[WorkerState, Verdict]] = []
         for w in self.workers:
             if now - w.last_seen > dead_after:
-                out.append((w, "dead: missed heartbeats"))
+                out.append((w, "dead"))
             elif w.active and now - w.progress_at > stall_after:
-                out.append((w, "stalled: no progress while busy"))
+                out.append((w, "stalled"))
         return out
 
     def ack_overdue(self, rid: int, worker: WorkerState, now: float) -> float | None:

@@ -20,6 +20,7 @@ from typing import Any
 from broker import protocol as p
 from broker.breaker import Transition
 from broker.delivery import Outgoing, ReplyKind
+from broker.kinds import FinalOutcome
 from broker.protocol import WorkerCommand
 from broker.records import WorkerEvent
 
@@ -54,7 +55,7 @@ class Outbox(Effects):
         identity: bytes,
         body: dict[str, Any],
         kind: ReplyKind = ReplyKind.FINAL,
-        counted: str | None = None,
+        counted: FinalOutcome | None = None,
     ) -> None:
         """Queue ``body`` for the client ``identity``; ``kind`` tells a streamed
         chunk (which may be dropped) from a final reply, ``counted`` is the

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Literal
 
 from broker import protocol as p
 from broker.breaker import Permit
 from broker.errors import ConfigError
+from broker.exits import ExitCause
 from broker.kinds import DegradeReason
 from broker.protocol import ClientRequest
 
@@ -131,12 +133,11 @@ class Job:
 class WorkerEvent:
     """Something the supervisor must act on: ``kind`` is ``ready`` or ``lost``.
 
-    A ``lost`` reason starts with the verdict: ``dead:`` (silent for
-    liveness x interval), ``stalled:`` (busy, progress counter frozen) or
-    ``hung:`` (no ack to CANCEL).
+    A ``lost`` event's ``cause`` carries the broker's verdict (one of
+    ``broker.exits.KILL_VERDICTS``): the supervisor kills the process.
     """
 
-    kind: str
+    kind: Literal["ready", "lost"]
     worker_id: str
     pid: int | None
-    reason: str = ""
+    cause: ExitCause | None = None

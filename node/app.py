@@ -161,7 +161,7 @@ class Node:
         loop = self._bind(broker, pool, migration, on_tick)
         wake_r, wake_w = self._install_signals(loop)
         try:
-            pool.start(lambda wid, why: broker.worker_exited(wid, why, time.monotonic()))
+            pool.start(lambda wid, cause: broker.worker_exited(wid, cause, time.monotonic()))
             log.info(
                 "edgenode serving on %s (%d model workers x %d slots, mode %s, pid %d)",
                 c.frontend,
@@ -357,7 +357,8 @@ def _on_effects(pool: WorkerPool, migration: MigrationLog, effects: Effects) -> 
         if event.kind == "ready":
             pool.supervisor.worker_ready(event.worker_id, event.pid)
         elif event.kind == "lost":
-            pool.lose(event.worker_id, event.pid, event.reason)
+            assert event.cause is not None  # the broker gives every loss its cause
+            pool.lose(event.worker_id, event.pid, event.cause)
     for record in effects.records:
         migration.write(record)
     for t in effects.transitions:
