@@ -46,7 +46,7 @@ from broker.token_count import BoundedTokenCounter, TokenCount, TokenCounter
 from broker.workers import WorkerRegistry
 
 if TYPE_CHECKING:
-    from broker.core import BrokerSettings, Job
+    from broker.records import BrokerSettings, Job
 
 #: The pool as admission plays it forward: per worker, when each of its usable
 #: slots is free (s from now; a heap).
@@ -362,7 +362,7 @@ class AdmissionGate:
 
     def _left_s(self, job: Job, now: float, level: int) -> float:
         """Predicted work left (s) of the running ``job`` at batch ``level``."""
-        if job.replied:
+        if job.settled:
             return 0.0
         started = now if job.dispatched_at is None else job.dispatched_at
         return max(0.0, self._job_service_s(job, level) - (now - started))

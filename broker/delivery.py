@@ -27,6 +27,7 @@ from enum import Enum
 from typing import Any
 
 from broker import protocol as p
+from broker.kinds import FinalOutcome
 
 #: Interval of backlog rounds by time (s). The loop also tries when the
 #: frontend polls writable, but POLLOUT on a ROUTER means that *some* peer has
@@ -81,7 +82,7 @@ class Outgoing:
     """One reply for the client ``client`` (its ROUTER routing id).
 
     The body is packed only when sent, so a ``dropped_partials`` marker can
-    still be added to it. ``counted``: the outcome counter a final was counted
+    still be added to it. ``counted``: the outcome (``FinalOutcome``) a final was counted
     under (e.g. ``ok``); if it never reaches its client, it counts as
     ``client_gone`` instead.
     """
@@ -89,7 +90,7 @@ class Outgoing:
     client: bytes
     body: dict[str, Any]
     kind: ReplyKind = ReplyKind.FINAL
-    counted: str | None = None
+    counted: FinalOutcome | None = None
 
     @property
     def request(self) -> tuple[bytes, Any]:

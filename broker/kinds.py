@@ -37,3 +37,19 @@ DegradeReason = Literal[
     "latency_budget",
     "worker_lost",
 ]
+
+#: How a final reply was counted (the ``Stats`` counter it added one to, moved
+#: to ``client_gone`` if it never reaches its client: ``Outgoing.counted``):
+#: ``ok``, or ``error_`` and the lowercased ``ErrorCode`` name
+#: (``broker.replies.ERROR_OUTCOMES``).
+FinalOutcome = Literal[
+    "ok",
+    "error_bad_request",
+    "error_not_found",
+    "error_too_large",
+    "error_overloaded",
+    "error_cancelled",
+    "error_internal",
+    "error_unavailable",
+    "error_deadline_exceeded",
+]

@@ -1,16 +1,19 @@
-"""The broker's records: its settings, an accepted request, a worker event.
+"""The broker's records: its settings, an accepted request and its state, a worker event.
 
-Plain data shared by the core, the admission gate and the I/O loop; the state
-that changes lives in ``broker.core.Broker``.
+Plain data shared by the core, the admission gate and the I/O loop. A job's
+state changes only through ``broker.jobs.JobTable``'s transitions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import Literal
 
 from broker import protocol as p
 from broker.breaker import Permit
 from broker.errors import ConfigError
+from broker.exits import ExitCause
 from broker.kinds import DegradeReason
 from broker.protocol import ClientRequest
 
@@ -59,6 +62,30 @@ class BrokerSettings:
             )
 
 
+class JobState(Enum):
+    """Where a job is in its life (``broker.jobs.JobTable`` moves it).
+
+    ``QUEUED`` -> ``RUNNING`` (dispatched) -> back to ``QUEUED`` once if its
+    worker is lost (re-dispatched). A job is *settled* when nothing more of it
+    reaches its client: ``ANSWERED`` (its one final reply is out, or was due to
+    a client that is gone), ``HANDED_OVER`` (another job answers its client: a
+    fallback or a winning hedge) or ``DROPPED`` (a hedge whose answer nobody
+    takes; a running one finishes, its FINAL only frees the slot). A settled
+    job still running is told to stop: ``CANCELLING`` until its worker acks.
+    """
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    CANCELLING = "cancelling"
+    ANSWERED = "answered"
+    HANDED_OVER = "handed_over"
+    DROPPED = "dropped"
+
+
+#: The states of a job that still owes its client a final reply.
+OPEN_STATES = frozenset({JobState.QUEUED, JobState.RUNNING})
+
+
 @dataclass
 class Job:
     """One accepted client request while the broker owns it.
@@ -73,6 +100,8 @@ class Job:
     model request's hedge (kept once it ended, so a request is hedged once).
     ``prompt_tokens`` is the admission gate's count (or estimate) of the
     prompt, for predicting its service time (None until it is queued).
+    ``state`` is where it is in its life (``JobState``); ``worker`` the worker
+    holding it (running or cancelling), ``attempts`` its re-dispatches.
     """
 
     rid: int
@@ -84,7 +113,7 @@ class Job:
     dispatched_at: float | None = None
     first_token_at: float | None = None
     chunks: list[str] = field(default_factory=list)
-    replied: bool = False
+    state: JobState = JobState.QUEUED
     attempts: int = 0
     kind: str = "llm"
     degraded: DegradeReason | None = None
@@ -94,17 +123,21 @@ class Job:
     hedged_by: int | None = None
     prompt_tokens: float | None = None
 
+    @property
+    def settled(self) -> bool:
+        """Whether its client's final is decided: answered, handed over or dropped."""
+        return self.state not in OPEN_STATES
+
 
 @dataclass(frozen=True)
 class WorkerEvent:
     """Something the supervisor must act on: ``kind`` is ``ready`` or ``lost``.
 
-    A ``lost`` reason starts with the verdict: ``dead:`` (silent for
-    liveness x interval), ``stalled:`` (busy, progress counter frozen) or
-    ``hung:`` (no ack to CANCEL).
+    A ``lost`` event's ``cause`` carries the broker's verdict (one of
+    ``broker.exits.KILL_VERDICTS``): the supervisor kills the process.
     """
 
-    kind: str
+    kind: Literal["ready", "lost"]
     worker_id: str
     pid: int | None
-    reason: str = ""
+    cause: ExitCause | None = None

@@ -11,6 +11,7 @@ from typing import Any
 
 from broker import protocol as p
 from broker.errors import ErrorCode
+from broker.kinds import FinalOutcome
 from broker.records import Job
 
 #: The ``finish_reason`` values of PROTOCOL §4.2; a worker's other values become "stop".
@@ -20,6 +21,17 @@ FINISH_REASONS = frozenset({"stop", "length"})
 USAGE_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 #: Largest count a C client reading ``int64_t`` can hold.
 MAX_COUNT = 2**63 - 1
+#: The outcome an error reply is counted under, per wire code.
+ERROR_OUTCOMES: dict[ErrorCode, FinalOutcome] = {
+    ErrorCode.BAD_REQUEST: "error_bad_request",
+    ErrorCode.NOT_FOUND: "error_not_found",
+    ErrorCode.TOO_LARGE: "error_too_large",
+    ErrorCode.OVERLOADED: "error_overloaded",
+    ErrorCode.CANCELLED: "error_cancelled",
+    ErrorCode.INTERNAL: "error_internal",
+    ErrorCode.UNAVAILABLE: "error_unavailable",
+    ErrorCode.DEADLINE_EXCEEDED: "error_deadline_exceeded",
+}
 
 
 def ms(seconds: float) -> int:
@@ -61,7 +73,7 @@ def confidence(value: object) -> float:
 
 def final_reply(
     job: Job, kind: str, worker_id: str, body: dict[str, Any], now: float
-) -> tuple[dict[str, Any], str]:
+) -> tuple[dict[str, Any], FinalOutcome]:
     """Turn a worker's FINAL ``body`` for ``job`` into the client's reply.
 
     Timings (ms) count from acceptance: ``queue_ms`` until dispatch, ``ttft_ms``
@@ -106,4 +118,4 @@ def final_reply(
     message = body.get("message")
     if not isinstance(message, str) or not message:
         message = "worker reported an error"
-    return p.error_reply(job.req.id, code, message, text=text or ""), f"error_{code.name.lower()}"
+    return p.error_reply(job.req.id, code, message, text=text or ""), ERROR_OUTCOMES[code]

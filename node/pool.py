@@ -3,8 +3,8 @@
 ``WorkerPool`` owns everything the node does to keep its worker processes
 fenced in: it plans cores (``node.sandbox.cores``), opens the node's cgroups
 (``node.sandbox.cgroups``) before any zmq thread exists, gives each model worker a
-fresh cgroup before every spawn, supervises the processes, turns an OOM kill
-seen in a cgroup into an exit reason, and removes every cgroup on stop.
+fresh cgroup before every spawn, supervises the processes, adds an OOM kill
+seen in a cgroup to a worker's exit cause, and removes every cgroup on stop.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from broker.backend import OOM_KILLED
+from broker.exits import ExitCause
 from node.capacity.plan import resolve_slots
 from node.capacity.worker_limits import PlannedLimits
 from node.config import NodeConfig, WorkersSection
@@ -184,8 +184,8 @@ class WorkerPool:
             while fh.read(1 << 20):
                 pass
 
-    def start(self, on_exit: Callable[[str, str], None]) -> None:
-        """Spawn every worker; ``on_exit(worker_id, reason)`` hears of each exit."""
+    def start(self, on_exit: Callable[[str, ExitCause], None]) -> None:
+        """Spawn every worker; ``on_exit(worker_id, cause)`` hears of each exit."""
         self.supervisor.on_exit = on_exit
         self.supervisor.start()
 
@@ -207,33 +207,34 @@ class WorkerPool:
         self._oom_base[spec.worker_id] = reading.oom_kills if reading is not None else 0
         return dataclasses.replace(spec, cgroup_procs=paths)
 
-    def _explain(self, worker_id: str, returncode: int) -> str | None:
-        """Name an OOM kill the cgroup recorded during this process's life
-        (the signal alone says SIGKILL)."""
+    def _explain(self, worker_id: str, cause: ExitCause) -> ExitCause:
+        """``cause`` with the OOM kill the cgroup recorded during this process's
+        life, if any (the signal alone says SIGKILL)."""
         reading = self.memory(worker_id)
         new = 0 if reading is None else reading.oom_kills - self._oom_base.get(worker_id, 0)
         if reading is None or new <= 0:
-            return None
+            return cause
         self._oom_base[worker_id] = reading.oom_kills
         self.oom_kills[worker_id] = self.oom_kills.get(worker_id, 0) + new
         limit = format_size(reading.limit) if reading.limit is not None else "its limit"
-        return f"{OOM_KILLED} at memory.max {limit}"
+        return dataclasses.replace(cause, oom_killed=True, memory_max=limit)
 
-    def lose(self, worker_id: str, pid: int | None, reason: str) -> None:
-        """The broker gave up on ``worker_id`` (dead, stalled, hung): kill it.
+    def lose(self, worker_id: str, pid: int | None, cause: ExitCause) -> None:
+        """The broker gave up on ``worker_id`` (``cause``: dead, stalled, hung): kill it.
 
         A verdict on a worker whose working set was at its cgroup's limit says so
-        in the exit reason (``MemoryReading.near_limit``): it was most likely stuck
+        in the exit cause (``MemoryReading.near_limit``): it was most likely stuck
         in reclaim rather than hung in its own code, and the fix is a larger
         ``workers.memory_max`` or a smaller context, not a shorter timeout.
         """
         reading = self.memory(worker_id) if worker_id != RULES_WORKER else None
         if reading is not None and reading.near_limit and reading.limit is not None:
-            reason += (
-                f", at its memory limit (working set {format_size(reading.working_set)}"
-                f" of memory.max {format_size(reading.limit)})"
+            at_limit = (
+                f"working set {format_size(reading.working_set)}"
+                f" of memory.max {format_size(reading.limit)}"
             )
-        self.supervisor.worker_lost(worker_id, pid, reason)
+            cause = dataclasses.replace(cause, at_limit=at_limit)
+        self.supervisor.worker_lost(worker_id, pid, cause)
 
     # ------------------------------------------------------------------ readings
 

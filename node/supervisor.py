@@ -17,11 +17,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
 from typing import IO, Any
 
+from broker.exits import KILL_VERDICTS, ExitCause
 from node.config import WorkersSection
 from node.engine import EngineKind
 from node.worker import DETERMINISTIC_EXITS, EXIT_MESSAGE_MAX_BYTES, WorkerSpec, exit_meaning
@@ -47,8 +48,8 @@ class WorkerHandle:
     restart_at: float | None = None
     last_exit: str = ""
     #: Why the node killed the current process (broker verdict, READY timeout);
-    #: prefixed to its exit reason once reaped, cleared at the next spawn.
-    kill_reason: str = ""
+    #: its verdict goes with the exit once reaped, cleared at the next spawn.
+    kill_cause: ExitCause | None = None
     log_file: IO[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -65,12 +66,12 @@ class Supervisor:
         log_dir: each worker's stderr goes to ``<log_dir>/<worker_id>.log``.
         ready_timeout_s: a worker not READY by then is killed and restarted.
         backoff_s / backoff_max_s: restart delay, doubled per consecutive failure.
-        on_exit: told ``(worker_id, reason)`` when a process exits, so the broker
+        on_exit: told ``(worker_id, cause)`` when a process exits, so the broker
             fails over its requests without waiting for missed heartbeats.
         prepare: called before every spawn (restarts included) with the worker's
             spec; returns the spec to spawn with (e.g. with a fresh cgroup).
-        explain: ``(worker_id, returncode) -> reason or None``: a better exit reason
-            than the signal alone (e.g. the cgroup saw an OOM kill).
+        explain: ``(worker_id, cause) -> cause``: a fuller cause than the exit
+            alone (e.g. the cgroup saw an OOM kill).
         clock: monotonic seconds.
         log_max_bytes: a worker's log over this many bytes is rotated when the
             worker (re)spawns (``open_worker_log``; 0 = never).
@@ -83,11 +84,11 @@ class Supervisor:
         ready_timeout_s: float,
         backoff_s: float,
         backoff_max_s: float,
-        on_exit: Callable[[str, str], None] | None = None,
+        on_exit: Callable[[str, ExitCause], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         log_level: str = "info",
         prepare: Callable[[WorkerSpec], WorkerSpec] | None = None,
-        explain: Callable[[str, int], str | None] | None = None,
+        explain: Callable[[str, ExitCause], ExitCause] | None = None,
         log_max_bytes: int = WorkersSection.log_max_bytes,
     ) -> None:
         self.handles = {s.worker_id: WorkerHandle(s) for s in specs}
@@ -139,7 +140,7 @@ class Supervisor:
             close_fds=True,
         )
         handle.state = "starting"
-        handle.kill_reason = ""
+        handle.kill_cause = None
         handle.started_at = self.clock()
         handle.restart_at = None
         log.info("spawned %s pid %d", handle.spec.worker_id, handle.proc.pid)
@@ -154,15 +155,17 @@ class Supervisor:
         handle.state = "ready"
         handle.failures_in_row = 0
 
-    def worker_lost(self, worker_id: str, pid: int | None, reason: str) -> None:
-        """The broker gave up on this worker (dead, stalled, hung): kill it; tick restarts."""
+    def worker_lost(self, worker_id: str, pid: int | None, cause: ExitCause) -> None:
+        """The broker gave up on this worker (``cause``: its verdict, dead, stalled or
+        hung): kill it; tick restarts."""
         handle = self.handles.get(worker_id)
         if handle is None or handle.pid is None or (pid is not None and pid != handle.pid):
             return
-        log.warning("killing %s pid %d: %s", worker_id, handle.pid, reason)
-        handle.last_exit = handle.kill_reason = reason
-        verdict = reason.split(":", 1)[0]
-        handle.state = verdict if verdict in ("dead", "stalled", "hung") else "lost"
+        handle.last_exit = cause.describe()
+        log.warning("killing %s pid %d: %s", worker_id, handle.pid, handle.last_exit)
+        handle.kill_cause = cause
+        verdict = cause.verdict
+        handle.state = verdict if verdict is not None and verdict in KILL_VERDICTS else "lost"
         _killpg(handle.pid, signal.SIGKILL)
 
     # ------------------------------------------------------------------ time
@@ -178,8 +181,8 @@ class Supervisor:
                 and proc is not None
                 and now - handle.started_at > self.ready_timeout_s
             ):
-                handle.last_exit = f"not READY within {self.ready_timeout_s:.0f}s"
-                handle.kill_reason = handle.last_exit
+                handle.kill_cause = ExitCause("not_ready", detail=f"{self.ready_timeout_s:.0f}s")
+                handle.last_exit = handle.kill_cause.describe()
                 _killpg(proc.pid, signal.SIGKILL)
             if (
                 handle.state == "restarting"
@@ -205,20 +208,20 @@ class Supervisor:
 
     def _reaped(self, handle: WorkerHandle, code: int, now: float) -> None:
         handle.proc = None
-        detail = self._exit_message(handle) if code in DETERMINISTIC_EXITS else ""
-        reason = describe_exit(code, handle.spec.engine.kind, detail)
-        better = self.explain(handle.spec.worker_id, code) if self.explain is not None else None
-        if better:
-            reason = f"{better} ({reason})"
-        if handle.kill_reason and code < 0:
-            reason = f"{handle.kill_reason} ({reason})"
-        handle.last_exit = reason
-        log.warning("%s exited: %s", handle.spec.worker_id, reason)
+        message = self._exit_message(handle) if code in DETERMINISTIC_EXITS else ""
+        cause = exit_cause(code, handle.spec.engine.kind, message)
+        if self.explain is not None:
+            cause = self.explain(handle.spec.worker_id, cause)
+        kill = handle.kill_cause
+        if kill is not None and cause.signal is not None:  # killed for it, not on its own
+            cause = replace(cause, verdict=kill.verdict, detail=kill.detail, at_limit=kill.at_limit)
+        handle.last_exit = cause.describe()
+        log.warning("%s exited: %s", handle.spec.worker_id, handle.last_exit)
         if self.on_exit is not None:
-            self.on_exit(handle.spec.worker_id, reason)
+            self.on_exit(handle.spec.worker_id, cause)
         if self.stopping:
             handle.state = "stopped"
-        elif code in DETERMINISTIC_EXITS:
+        elif cause.deterministic:
             handle.state = "failed"  # a new process would fail the same way
         else:
             handle.failures_in_row += 1
@@ -327,25 +330,25 @@ def open_worker_log(path: Path, max_bytes: int) -> IO[bytes]:
     return open(path, "ab")  # the caller closes it (at the next spawn or at stop)
 
 
-def describe_exit(code: int, kind: EngineKind = "llama", detail: str = "") -> str:
-    """A human reason for a ``Popen.returncode`` (negative = killed by a signal).
+def exit_cause(code: int, kind: EngineKind = "llama", message: str = "") -> ExitCause:
+    """The cause of a ``Popen.returncode`` (negative = killed by a signal).
 
     Args:
         code: the return code.
-        kind: the worker's engine: a rule worker's exit 66 says "rules failed to
+        kind: the worker's engine: a rule worker's exit 66 means "rules failed to
             load", a model worker's "model failed to load".
-        detail: the worker's own one-line reason (``--exit-message-file``), appended
-            to a deterministic exit's meaning.
+        message: the worker's own one-line reason (``--exit-message-file``), kept
+            for a deterministic exit.
     """
     if code < 0:
         try:
-            return f"killed by {signal.Signals(-code).name}"
+            return ExitCause(signal=signal.Signals(-code).name)
         except ValueError:
-            return f"killed by signal {-code}"
-    meaning = exit_meaning(code, kind)
-    if meaning is None:
-        return f"exit {code}"
-    return f"exit {code}: {meaning}: {detail}" if detail else f"exit {code}: {meaning}"
+            return ExitCause(signal=f"signal {-code}")
+    meaning = exit_meaning(code, kind) or ""
+    return ExitCause(
+        code=code, deterministic=code in DETERMINISTIC_EXITS, meaning=meaning, message=message
+    )
 
 
 def _killpg(pid: int | None, sig: int) -> None:

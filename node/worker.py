@@ -35,7 +35,7 @@ from typing import Any
 import zmq
 
 from broker import protocol as p
-from broker.errors import EdgeNodeError, InternalError
+from broker.errors import EdgeNodeError, ErrorCode, InternalError
 from broker.protocol import WorkerCommand
 from node.config import MAX_DURATION_MS as MAX_POLL_MS
 from node.engine import (
@@ -287,10 +287,13 @@ class WorkerLoop:
             return
         if len(self.running) >= self.spec.slots or rid in self.running:
             # The broker's credit says a slot is free: refuse rather than queue.
-            self._send(
-                WorkerCommand.FINAL,
-                {"rid": rid, "status": "error", "code": 503, "message": "worker has no free slot"},
-            )
+            busy = {
+                "rid": rid,
+                "status": "error",
+                "code": int(ErrorCode.UNAVAILABLE),
+                "message": "worker has no free slot",
+            }
+            self._send(WorkerCommand.FINAL, busy)
             return
         cancelled = threading.Event()
         self.running[rid] = cancelled
@@ -426,7 +429,7 @@ def final_body(rid: int, outcome: Outcome) -> dict[str, Any]:
     """The FINAL body of request ``rid`` from how it ended (PROTOCOL: worker FINAL)."""
     if isinstance(outcome, dict):
         return {"rid": rid, "status": "ok", **outcome}
-    status = "cancelled" if outcome.code == 499 else "error"
+    status = "cancelled" if outcome.code == ErrorCode.CANCELLED else "error"
     message = clip(outcome.message)
     log.info("request %s ended %s: %s", rid, status, message)
     return {

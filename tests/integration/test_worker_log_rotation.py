@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from broker.exits import ExitCause
 from node.config import from_dict
 from node.engine import EngineSpec
 from node.pool import WorkerPool
@@ -34,7 +35,7 @@ def test_spawns_rotate_an_oversized_worker_log(tmp_path: Path) -> None:
         with open(log, "ab") as out:  # stands in for a chatty worker
             out.write(b"first process\n" * 20)
 
-        sup.worker_lost("llm-0", first, "dead: test")
+        sup.worker_lost("llm-0", first, ExitCause("dead"))
         deadline = time.monotonic() + 10
         while sup.handles["llm-0"].pid in (None, first):
             assert time.monotonic() < deadline, sup.status()

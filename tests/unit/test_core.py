@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from broker import protocol as p
+from broker.exits import ExitCause
 from broker.protocol import WorkerCommand
 from broker.stats import RETRY_AFTER_MAX_MS, RETRY_AFTER_MIN_MS
 from brokerkit import (
@@ -152,25 +153,39 @@ def test_credit_message_resizes_the_worker(h: BrokerHarness) -> None:
     h.assert_each_answered_once()
 
 
-def test_the_io_loop_may_swap_the_outboxes_for_empty_lists(h: BrokerHarness) -> None:
-    # broker/loop.py takes what is queued by swapping each list for a new one: every part
-    # of the broker must append to the current list, never to one it kept a reference to.
+def test_the_io_loop_may_take_the_outbox_at_any_time(h: BrokerHarness) -> None:
+    # broker/loop.py takes what is queued with ``Outbox.take``: every part of the broker
+    # must append to the live outbox afterwards, never to a list taken away from it.
     h.ready(W1, 0.0, worker_id="llm-0")
-    h.broker.to_workers, h.broker.to_clients, h.broker.events = [], [], []
+    h.broker.outbox.take()
     h.send(generate("a"), 0.1)
     h.tick(0.1)
-    commands = [p.parse_worker_frames(f[1:])[0] for f in h.broker.to_workers]
+    commands = [p.parse_worker_frames(f[1:])[0] for f in h.broker.outbox.workers]
     assert commands == [REQUEST, WorkerCommand.HEARTBEAT]
-    h.broker.to_workers = []
-    h.broker.worker_exited("llm-0", "killed by SIGKILL", 0.2)
+    h.broker.outbox.take()
+    h.broker.worker_exited("llm-0", ExitCause(signal="SIGKILL"), 0.2)
     h.broker.tick(0.2)  # the re-queued request has no worker left: its deadline answers
-    assert [p.parse_worker_frames(f[1:])[0] for f in h.broker.to_workers] == [DISCONNECT]
-    h.broker.to_workers = []
+    assert [p.parse_worker_frames(f[1:])[0] for f in h.broker.outbox.workers] == [DISCONNECT]
+    h.broker.outbox.workers.clear()
     h.tick(10.2)
     assert only_reply(h)["code"] == 504
     h.ready(W2, 10.3, worker_id="llm-0")
     assert [e.kind for e in h.drain_events()] == ["ready"]
     h.assert_each_answered_once()
+
+
+def test_breaker_transitions_reach_the_outbox_after_a_take(h: BrokerHarness) -> None:
+    # The circuit breaker appends to the outbox's ``transitions`` list itself: taking
+    # the outbox must empty that list in place, never leave the breaker a stale one.
+    breaker = h.broker.router.breaker
+    h.broker.outbox.take()
+    for _ in range(breaker.settings.minimum_calls):
+        breaker.note_failure(0.0, "llm-0 died")
+    (opened,) = h.broker.outbox.take().transitions
+    assert (opened.old.value, opened.new.value) == ("closed", "open")
+    breaker.state(breaker.settings.open_wait_ms / 1000)
+    (half,) = h.broker.outbox.take().transitions
+    assert (half.old.value, half.new.value) == ("open", "half_open")
 
 
 # --------------------------------------------------------------------------- replies
@@ -285,7 +300,7 @@ def test_unknown_worker_is_told_to_disconnect(
     h.worker_send(W1, command, body, 0.0)
     out = h.drain_workers()
     assert [(m.identity, m.command) for m in out] == [(W1, DISCONNECT)]
-    assert len(h.broker.workers) == 0 and h.broker.events == []
+    assert len(h.broker.workers) == 0 and h.broker.outbox.events == []
     h.send(generate("a"), 0.1)  # and it did not become a worker with credit
     assert h.drain_workers() == []
     h.broker.abort_all("test over", 0.0)
@@ -501,7 +516,7 @@ def test_no_ack_within_the_cancel_grace_loses_the_worker(h: BrokerHarness) -> No
     h.tick(0.7, keepalive=(W1,))  # grace (200 ms) is over: the worker is hung
     (event,) = h.drain_events()
     assert (event.kind, event.worker_id) == ("lost", "llm-0")
-    assert "CANCEL" in event.reason
+    assert "CANCEL" in event.cause.describe()
     assert [(m.identity, m.command) for m in h.drain_workers()] == [(W1, DISCONNECT)]
     assert h.broker.workers.get(W1) is None
     h.final(W1, rid, 0.8, status="cancelled")  # a late ack from the lost incarnation
@@ -545,7 +560,7 @@ def test_a_late_ack_from_a_worker_still_producing_tokens_is_waited_for(h: Broker
     h.tick(now + 0.3, keepalive=(W1,))
     h.tick(now + 0.35, keepalive=(W1,))
     (event,) = h.drain_events()
-    assert (event.kind, event.worker_id) == ("lost", "llm-0") and "CANCEL" in event.reason
+    assert (event.kind, event.worker_id) == ("lost", "llm-0") and "CANCEL" in event.cause.describe()
     assert third > second
     h.assert_each_answered_once()
 
@@ -584,7 +599,7 @@ def test_the_brokers_own_pause_is_not_held_against_its_workers(h: BrokerHarness)
     assert h.drain_events() == []
     h.tick(5.31, keepalive=(b"llm-0-again",))
     (event,) = h.drain_events()
-    assert (event.kind, event.worker_id, event.reason) == (
+    assert (event.kind, event.worker_id, event.cause.describe()) == (
         "lost",
         "llm-1",
         "dead: missed heartbeats",
@@ -602,7 +617,7 @@ def test_silent_workers_are_dead_even_behind_a_live_one(h: BrokerHarness) -> Non
     h.tick(0.31, keepalive=(W1,))
     (event,) = h.drain_events()
     assert (event.kind, event.worker_id) == ("lost", "silent")
-    assert event.reason.startswith("dead")
+    assert event.cause.describe().startswith("dead")
     assert DISCONNECT in [m.command for m in h.drain_workers() if m.identity == W2]
     assert h.broker.workers.get(W2) is None and h.broker.workers.get(W1) is not None
     h.assert_each_answered_once()
@@ -619,7 +634,7 @@ def test_busy_worker_without_progress_is_stalled(h: BrokerHarness) -> None:
     h.tick(1.1, keepalive=(W1,))
     (event,) = h.drain_events()
     assert (event.kind, event.worker_id) == ("lost", "llm-0")
-    assert event.reason.startswith("stalled")
+    assert event.cause.describe().startswith("stalled")
     assert DISCONNECT in [m.command for m in h.drain_workers()]
     # Nothing was streamed: the request waits for the restarted incarnation.
     h.ready(b"worker-ident-1b", 1.2, worker_id="llm-0")
@@ -670,7 +685,7 @@ def test_worker_making_progress_is_not_stalled(h: BrokerHarness) -> None:
     assert h.drain_events() == []
     h.tick(4.05, keepalive=(W1,))
     (event,) = h.drain_events()
-    assert event.reason.startswith("stalled")
+    assert event.cause.describe().startswith("stalled")
     reply = only_reply(h)  # it had streamed: no re-dispatch, a typed error with the text
     assert (reply["code"], reply["reason"]) == (503, "worker_lost")
     assert reply["text"] == "t" * 15
@@ -757,7 +772,7 @@ def test_lost_worker_after_the_deadline_is_not_redispatched(h: BrokerHarness) ->
     busy = W1 if bodies(out, W1, REQUEST) else W2
     idle = W2 if busy == W1 else W1
     busy_id = "llm-0" if busy == W1 else "llm-1"
-    h.broker.worker_exited(busy_id, "exit code -9", 0.25)  # reaped; no tick in between
+    h.broker.worker_exited(busy_id, ExitCause(signal="SIGKILL"), 0.25)  # reaped; no tick in between
     reply = only_reply(h)
     assert (reply["code"], reply["reason"]) == (503, "worker_lost")
     assert bodies(h.drain_workers(), idle, REQUEST) == []

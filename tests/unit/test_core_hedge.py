@@ -15,6 +15,7 @@ from typing import Any
 
 from broker import protocol as p
 from broker.breaker import BreakerSettings
+from broker.exits import ExitCause
 from broker.protocol import WorkerCommand
 from broker.routing import RoutingSettings
 from brokerkit import FAST, RULES, W1, W2, BrokerHarness, ToWorker, bodies, generate
@@ -86,7 +87,7 @@ def test_a_rule_miss_at_the_budget_is_dropped_and_the_model_answers() -> None:
     assert "degrade_reason" not in reply and reply["total_ms"] == 900
     assert hedge_counters(h, 1.0) == {"hedge_model_kept": 1}
     assert h.credit(W1) == 1 and h.credit(RULES) == 1
-    (record,) = h.broker.router.records
+    (record,) = h.broker.outbox.records
     assert (record["event"], record["status"], record["hedge"]) == ("llm", "ok", "model_kept")
     h.assert_each_answered_once()
 
@@ -108,7 +109,7 @@ def test_a_rule_match_at_the_budget_answers_and_then_cancels_the_model() -> None
     h.final(W1, model, 0.3, status="cancelled", code=499)
     assert h.credit(W1) == 1
     assert hedge_counters(h, 0.3) == {"hedge_rules_won": 1, "fallback_latency_budget": 1}
-    (record,) = h.broker.router.records
+    (record,) = h.broker.outbox.records
     assert (record["event"], record["reason"], record["hedge"]) == (
         "fallback",
         "latency_budget",
@@ -295,9 +296,9 @@ def test_a_lost_model_worker_still_falls_back_to_a_rule_miss() -> None:
     h.ready(W2, 0.0, worker_id="w2")
     h.send(generate("q", prompt="sing me a song"), 0.0)
     (first,) = bodies(h.drain_workers(), W1, REQUEST)
-    h.broker.worker_exited(W1.decode(), "killed by SIGKILL", 0.05)
+    h.broker.worker_exited(W1.decode(), ExitCause(signal="SIGKILL"), 0.05)
     (again,) = bodies(h.drain_workers(), W2, REQUEST)  # re-dispatched once
-    h.broker.worker_exited("w2", "killed by SIGKILL", 0.1)
+    h.broker.worker_exited("w2", ExitCause(signal="SIGKILL"), 0.1)
     (asked,) = bodies(h.drain_workers(), RULES, REQUEST)
     h.final(RULES, asked["rid"], 0.11, **NO_MATCH)
     (reply,) = h.replies()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.backend import crashed_running_it
+from broker.exits import ExitCause
 from broker.protocol import WorkerCommand
 from broker.routing import RoutingSettings
 from brokerkit import FAST, W1, W2, BrokerHarness, bodies, generate
@@ -31,7 +31,7 @@ def _start_on_w1(h: BrokerHarness) -> None:
 @pytest.mark.parametrize("signal", ["SIGSEGV", "SIGABRT", "SIGBUS", "SIGILL", "SIGFPE"])
 def test_a_crash_running_a_request_is_not_passed_on(h: BrokerHarness, signal: str) -> None:
     _start_on_w1(h)
-    h.broker.worker_exited("llm-0", f"killed by {signal}", 0.1)
+    h.broker.worker_exited("llm-0", ExitCause(signal=signal), 0.1)
     assert bodies(h.drain_workers(), W2, REQUEST) == []  # llm-1 is spared
     (reply,) = h.replies()
     assert reply["code"] == 503 and reply["reason"] == "worker_lost"
@@ -41,7 +41,7 @@ def test_a_crash_running_a_request_is_not_passed_on(h: BrokerHarness, signal: st
 
 def test_a_sigkill_is_not_the_requests_fault_and_it_is_run_again(h: BrokerHarness) -> None:
     _start_on_w1(h)
-    h.broker.worker_exited("llm-0", "killed by SIGKILL", 0.1)
+    h.broker.worker_exited("llm-0", ExitCause(signal="SIGKILL"), 0.1)
     (again,) = bodies(h.drain_workers(), W2, REQUEST)
     assert again["prompt"] == "the poison"
     h.final(W2, again["rid"], 0.3)
@@ -52,7 +52,8 @@ def test_a_sigkill_is_not_the_requests_fault_and_it_is_run_again(h: BrokerHarnes
 def test_an_oom_kill_running_a_request_is_not_passed_on(h: BrokerHarness) -> None:
     _start_on_w1(h)
     oom = "OOM-killed in its cgroup at memory.max 256 MiB (killed by SIGKILL)"
-    h.broker.worker_exited("llm-0", oom, 0.1)
+    cause = ExitCause(signal="SIGKILL", oom_killed=True, memory_max="256 MiB")
+    h.broker.worker_exited("llm-0", cause, 0.1)
     assert bodies(h.drain_workers(), W2, REQUEST) == []  # llm-1 is spared
     (reply,) = h.replies()
     assert (reply["code"], reply["reason"]) == (503, "worker_lost")
@@ -62,13 +63,13 @@ def test_an_oom_kill_running_a_request_is_not_passed_on(h: BrokerHarness) -> Non
     h.assert_each_answered_once()
 
 
-def test_crash_wording_is_the_supervisors() -> None:
-    from node.supervisor import describe_exit
+def test_crash_causes_are_the_supervisors() -> None:
+    from node.supervisor import exit_cause
 
-    assert crashed_running_it(describe_exit(-11)) and crashed_running_it(describe_exit(-6))
-    assert not crashed_running_it(describe_exit(-9))
-    assert not crashed_running_it("dead: missed heartbeats")
-    assert not crashed_running_it(describe_exit(3))
+    assert exit_cause(-11).crashed and exit_cause(-6).crashed
+    assert not exit_cause(-9).crashed
+    assert not ExitCause("dead").crashed
+    assert not exit_cause(3).crashed
 
 
 def test_a_crash_of_a_multi_slot_worker_retries_each_request_once(h: BrokerHarness) -> None:
@@ -79,12 +80,12 @@ def test_a_crash_of_a_multi_slot_worker_retries_each_request_once(h: BrokerHarne
     h.send(generate("b", prompt="innocent"), 0.0)
     assert len(bodies(h.drain_workers(), W1, REQUEST)) == 2
     h.ready(W2, 0.05, worker_id="llm-1", slots=2)
-    h.broker.worker_exited("llm-0", "killed by SIGSEGV", 0.1)
+    h.broker.worker_exited("llm-0", ExitCause(signal="SIGSEGV"), 0.1)
     again = bodies(h.drain_workers(), W2, REQUEST)
     assert sorted(b["prompt"] for b in again) == ["innocent", "the poison"]
     assert h.replies() == []
     h.ready(W1, 0.2, worker_id="llm-0", slots=2)  # restarted
-    h.broker.worker_exited("llm-1", "killed by SIGSEGV", 0.3)
+    h.broker.worker_exited("llm-1", ExitCause(signal="SIGSEGV"), 0.3)
     assert bodies(h.drain_workers(), W1, REQUEST) == []  # a third worker is spared
     replies = h.replies()
     assert [(r["code"], r["reason"]) for r in replies] == [(503, "worker_lost")] * 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from broker.exits import ExitCause
 from broker.protocol import WorkerCommand
 from broker.routing import RoutingSettings
 from brokerkit import FAST, RULES, W1, BrokerHarness, bodies, generate
@@ -45,11 +46,18 @@ def test_a_rule_worker_dead_on_a_request_does_not_get_it_again(h: BrokerHarness)
     h.assert_each_answered_once()
 
 
-@pytest.mark.parametrize("reason", ["exited with code 1", "killed by SIGKILL", "killed by SIGSEGV"])
+@pytest.mark.parametrize(
+    ("cause", "reason"),
+    [
+        (ExitCause(code=1), "exit 1"),
+        (ExitCause(signal="SIGKILL"), "killed by SIGKILL"),
+        (ExitCause(signal="SIGSEGV"), "killed by SIGSEGV"),
+    ],
+)
 def test_a_rule_worker_that_exits_on_a_request_does_not_get_it_again(
-    h: BrokerHarness, reason: str
+    h: BrokerHarness, cause: ExitCause, reason: str
 ) -> None:
-    h.broker.worker_exited("rules-0", reason, 0.1)
+    h.broker.worker_exited("rules-0", cause, 0.1)
     (reply,) = h.replies()
     assert reply["code"] == 503 and reply["message"].endswith(
         f"{reason} (not retried: the rule engine failed running this request)"

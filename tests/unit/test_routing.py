@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from broker.breaker import BreakerSettings
+from broker.exits import ExitCause
 from broker.protocol import WorkerCommand
 from broker.routing import RoutingSettings
 from brokerkit import FAST, RULES, W1, W2, BrokerHarness, bodies, generate
@@ -51,8 +52,8 @@ def test_worker_crashes_do_open_the_breaker() -> None:
     h.send(generate("a"), 0.0)
     h.send(generate("b"), 0.0)
     h.drain_workers()
-    h.broker.worker_exited("llm-0", "killed by SIGKILL", 0.1)
-    h.broker.worker_exited("llm-1", "killed by SIGKILL", 0.1)
+    h.broker.worker_exited("llm-0", ExitCause(signal="SIGKILL"), 0.1)
+    h.broker.worker_exited("llm-1", ExitCause(signal="SIGKILL"), 0.1)
     assert breaker_state(h, 0.2) == "open"
 
 
@@ -62,7 +63,7 @@ def test_clean_disconnects_and_stopping_workers_are_not_failures() -> None:
     h.ready(W2, 0.0, worker_id="llm-1")
     h.worker_send(W1, WorkerCommand.DISCONNECT, {"reason": "worker stopping"}, 0.1)
     h.broker.draining = True
-    h.broker.worker_exited("llm-1", "exit 0", 0.2)
+    h.broker.worker_exited("llm-1", ExitCause(code=0), 0.2)
     h.ready(W2, 0.3, worker_id="llm-1")
     h.ready(b"newer", 0.4, worker_id="llm-1")  # replaces the W2 incarnation
     assert h.broker.router.breaker.snapshot(0.5)["failures"] == 0
