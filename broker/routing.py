@@ -274,7 +274,7 @@ def _outcome(job: Job, body: dict[str, Any], now: float) -> dict[str, Any]:
         "ttft_ms": ttft,
         "worker": body.get("worker"),
         "code": body.get("code"),
-        # What tells the model's failures from the broker's refusals (node.report).
+        # What tells the model's failures from the broker's refusals (node.migration.report).
         "reason": body.get("reason"),
         "dispatched": job.dispatched_at is not None,
     }

@@ -84,7 +84,7 @@ def batch_cost(level: float) -> float:
 
     Prefill is not scaled by it: a prompt is evaluated in chunks of up to
     ``n_batch`` tokens in the same ``llama_decode`` as the other slots' one token
-    each (``node.llama_engine``'s step), which adds little to a step that is
+    each (``node.llama.engine``'s step), which adds little to a step that is
     already compute-bound, so an unmeasured level borrows the nearest level's
     prefill rate as it is (the first request measured there corrects it).
     """

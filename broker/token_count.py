@@ -1,7 +1,7 @@
 """What the broker may learn of a prompt's size in tokens, and at what cost.
 
 The node injects a counter built on the model's own vocabulary
-(``node.llama_vocab``); the broker core only sees these shapes. Counting runs on
+(``node.llama.vocab``); the broker core only sees these shapes. Counting runs on
 the broker's single loop, so a counter may bound its own work
 (``BoundedTokenCounter``) and answer with a lower bound instead of a count.
 """
@@ -30,7 +30,7 @@ class TokenCount:
 @runtime_checkable
 class BoundedTokenCounter(Protocol):
     """A ``TokenCounter`` that can also answer within a fixed budget of work: the
-    node's llama.cpp one (``node.llama_vocab``), whose exact count of a 256 KB body
+    node's llama.cpp one (``node.llama.vocab``), whose exact count of a 256 KB body
     held the loop for 0.2 s to minutes."""
 
     def __call__(self, req: ClientRequest) -> int:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from broker.protocol import Cancelled, ProtocolError
+from broker.errors import Cancelled, ProtocolError
 from fallback.rule_keys import Condition
 from fallback.rules import Rule, RuleSet, load_rules
 from fallback.template import Unconvertible, render_json, render_text

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from broker.protocol import ConfigError
+from broker.errors import ConfigError
 from fallback.regex import Regex
 from fallback.rule_keys import (
     Condition,

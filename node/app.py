@@ -27,20 +27,20 @@ from broker.errors import ConfigError
 from broker.loop import BrokerLoop
 from broker.outbox import Effects
 from broker.token_count import TokenCounter
-from node.budget import tightest_limit
-from node.capacity import check_fits
-from node.cgroup_layout import Layout, read_layout
-from node.cgroupfs import Host
+from node.capacity.budget import tightest_limit
+from node.capacity.plan import check_fits
+from node.capacity.worker_limits import describe, memory_max_bytes
 from node.config import NodeConfig
 from node.endpoints import check_free
 from node.engine import EngineSpec, make_token_counter
-from node.migration_log import MigrationLog, migration_log_path
+from node.migration.log import MigrationLog, migration_log_path
 from node.model import RULES_SNAPSHOT, resolve_model, resolve_rules, snapshot_rules
 from node.pidfile import RunLock, inherited_lock_fd, remove_pidfile, write_pidfile
 from node.pool import WorkerPool
 from node.pressure import CpuPressureMonitor, PressureMonitor, cpu_psi_file
+from node.sandbox.cgroupfs import Host
+from node.sandbox.layout import Layout, read_layout
 from node.units import parse_size
-from node.worker_memory import describe, memory_max_bytes
 
 log = logging.getLogger("edgenode.node")
 
@@ -342,7 +342,7 @@ def _layout() -> Layout | None:
 
 def _cpu_monitor(config: NodeConfig, pool: WorkerPool) -> CpuPressureMonitor:
     """CPU PSI of the node's cgroup on v2, else of the host (``node.pressure``)."""
-    v2 = Path(pool.sandbox.base) if pool.sandbox.backend.kind == "v2" else None
+    v2 = Path(pool.sandbox.base) if pool.sandbox.driver.kind == "v2" else None
     path, why = cpu_psi_file(v2, configured=config.pressure.cpu_psi)
     if path is None and config.pressure.cpu_warn_pct:
         log.warning("CPU pressure is not measured: %s", why)

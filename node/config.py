@@ -20,10 +20,10 @@ from broker.errors import ConfigError
 from broker.protocol import MAX_TOKENS_LIMIT, message_limits
 from broker.records import BrokerSettings
 from broker.routing import MODES, RoutingSettings
+from node.capacity.worker_limits import validate_memory
 from node.endpoints import parse_endpoint
 from node.engine import ModelEngineKind
 from node.units import parse_cores, parse_size
-from node.worker_memory import validate_memory
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,7 +35,7 @@ ENGINES: tuple[str, ...] = get_args(ModelEngineKind)
 SANDBOX_MODES = ("auto", "required", "off")
 #: The most sequences (slots) one worker may run: ``workers.slots`` in [1, MAX_SLOTS].
 MAX_SLOTS = 64
-#: ``workers.slots = "auto"``: sized by ``node.capacity.resolve_slots``.
+#: ``workers.slots = "auto"``: sized by ``node.capacity.plan.resolve_slots``.
 AUTO_SLOTS = "auto"
 
 
@@ -72,7 +72,7 @@ class WorkersSection:
     engine: ModelEngineKind = "llama"
     threads: int = 2
     #: Sequences per model worker: an integer in [1, ``MAX_SLOTS``] or "auto"
-    #: (``node.capacity.resolve_slots`` turns it into an int at start).
+    #: (``node.capacity.plan.resolve_slots`` turns it into an int at start).
     slots: int | str = 4
     ready_timeout_ms: int = 60_000
     stop_grace_ms: int = 5000
@@ -82,7 +82,7 @@ class WorkersSection:
     test_load_ms: int = 0
     #: Bytes; a worker's log above it is rotated when the worker (re)spawns (0 = never).
     log_max_bytes: int = 4 * 1024 * 1024
-    # Isolation (issue 4): see etc/edgenode.toml, node/sandbox.py and node/affinity.py.
+    # Isolation (issue 4): see etc/edgenode.toml, node/sandbox/cgroups.py and node/sandbox/cores.py.
     sandbox: str = "auto"
     cgroup_root: str = ""
     memory_max: str | int = "1G"
@@ -94,7 +94,7 @@ class WorkersSection:
 
 @dataclass(frozen=True)
 class CapacitySection:
-    """The memory budget the capacity model plans against (see ``node.capacity``).
+    """The memory budget the capacity model plans against (see ``node.capacity.plan``).
 
     Sizes are strings in binary units ("8G" = 8 GiB, "256M" = 256 MiB).
     """
@@ -127,7 +127,7 @@ class PressureSection:
     and the host's CPU pressure line.
 
     ``budget`` = "" uses the tightest memory limit on the node's cgroup path
-    (``node.budget``: systemd's MemoryMax, a parent's limit), else the sum of
+    (``node.capacity.budget``: systemd's MemoryMax, a parent's limit), else the sum of
     the workers' limits; or a size like "3G" (never above that cgroup limit).
     ``cpu_warn_pct`` / ``cpu_clear_pct``: PSI ``some avg10`` (percent of the
     last ~10 s in which a runnable task waited for a CPU, ``node.pressure``) at
@@ -285,7 +285,7 @@ MAX_LOG_BACKUPS = 1000
 #: ``workers.cpu_quota`` ceiling in cores: x86-64's largest CONFIG_NR_CPUS
 #: (MAXSMP). Above it a quota means nothing; infinity would overflow the µs.
 MAX_CPU_QUOTA = 8192
-#: ``model.kv_type`` names (``node.capacity.KV_TYPES`` maps them to GGML types;
+#: ``model.kv_type`` names (``node.capacity.plan.KV_TYPES`` maps them to GGML types;
 #: a unit test keeps the two in step).
 KV_TYPE_NAMES = ("f16", "q8_0", "q4_0")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -416,7 +416,7 @@ def validate(config: NodeConfig) -> NodeConfig:
     _core_list("node.cpus", config.node.cpus)
     _validate_endpoints(config)
     _validate_pressure(p)
-    if not 0 <= config.capacity.safety_margin < 1:  # as node.capacity.Plan demands
+    if not 0 <= config.capacity.safety_margin < 1:  # as node.capacity.plan.Plan demands
         raise ConfigError(
             f"capacity.safety_margin must be in [0, 1), got {config.capacity.safety_margin}"
         )
@@ -507,7 +507,7 @@ def _int_tuple(key: str, value: list[Any]) -> tuple[int, ...]:
 
 def _validate_isolation(w: WorkersSection) -> None:
     """The sandbox and affinity keys (issue 4); cores are checked against the
-    host's allowed set later, by ``node.affinity.plan_cpus`` at start."""
+    host's allowed set later, by ``node.sandbox.cores.plan_cpus`` at start."""
     if w.cgroup_root and (not w.cgroup_root.startswith("/") or ".." in w.cgroup_root.split("/")):
         raise ConfigError(
             f'workers.cgroup_root must be "" or a cgroup path like "/edgenode.slice", '

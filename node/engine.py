@@ -1,10 +1,9 @@
 """The engine seam: what a worker runs a request with.
 
-``make_engine`` builds the configured engine inside the worker process. The
-llama.cpp adapter lives in ``node.llama_engine`` (with ``node.llama_log`` and
-``node.llama_vocab``, the only modules importing ``llama_cpp``); ``TestEngine``
-here is a fast deterministic stand-in for broker and process tests, never for
-the model's own end-to-end tests.
+The worker builds the configured engine (``node.worker.make_engine``). The
+llama.cpp adapter lives in ``node.llama`` (the only package importing
+``llama_cpp``); ``TestEngine`` here is a fast deterministic stand-in for broker
+and process tests, never for the model's own end-to-end tests.
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ def flash_attn_on(kv_type: str, wanted: bool) -> bool:
     (ggml-cpu/ops.cpp, ``ggml_compute_forward_flash_attn_ext_f16``), so a greedy
     slot's text can change with its neighbours and with prefix reuse (near
     ties; tests/system/test_slots.py fails with it). The capacity model plans
-    its smaller attention scratch (``node.capacity.attention_scratch``).
+    its smaller attention scratch (``node.capacity.plan.attention_scratch``).
     """
     return wanted or kv_type != "f16"
 
@@ -97,7 +96,7 @@ class Engine(Protocol):
 @runtime_checkable
 class BatchEngine(Protocol):
     """An engine that runs up to ``slots`` requests together, stepped by one thread
-    (``node.llama_engine.LlamaEngine``: continuous batching in one llama context).
+    (``node.llama.engine.LlamaEngine``: continuous batching in one llama context).
 
     ``submit`` gives a request a slot (raising ``EdgeNodeError`` for a request
     refused before it starts); ``step`` advances every running request by one
@@ -217,27 +216,13 @@ def make_token_counter(spec: EngineSpec) -> Callable[[ClientRequest], int]:
     """The prompt-token counter matching ``spec``'s engine (for the broker's 413 check)."""
     if spec.kind == "test":
         return count_words
-    from node.llama_vocab import make_token_counter as llama_counter
+    from node.llama.vocab import make_token_counter as llama_counter
 
     return llama_counter(spec.model_path)
 
 
-def make_engine(spec: EngineSpec) -> Engine:
-    """Build the engine named by ``spec.kind``: ``llama``, ``test`` or ``rules``
-    (the rule engine, with ``model_path`` naming its rules file)."""
-    if spec.kind == "test":
-        return TestEngine(spec)
-    if spec.kind == "rules":
-        from fallback.engine import RuleEngine
-
-        return RuleEngine.from_file(spec.model_path)
-    from node.llama_engine import LlamaEngine  # llama_cpp loads only where needed
-
-    return LlamaEngine(spec)
-
-
 def load_error_line(exc: Exception) -> str:
-    """One line saying why ``make_engine`` failed, for the worker's status.
+    """One line saying why ``node.worker.make_engine`` failed, for the worker's status.
 
     A bad rules file gives its first error, e.g. ``/run/rules.toml: not valid TOML:
     ... (+2 more)``; anything else the first line of its message.

@@ -1,8 +1,8 @@
 """The worker pool on this host: core plan, cgroups, supervisor, rule worker.
 
 ``WorkerPool`` owns everything the node does to keep its worker processes
-fenced in: it plans cores (``node.affinity``), opens the node's cgroups
-(``node.sandbox``) before any zmq thread exists, gives each model worker a
+fenced in: it plans cores (``node.sandbox.cores``), opens the node's cgroups
+(``node.sandbox.cgroups``) before any zmq thread exists, gives each model worker a
 fresh cgroup before every spawn, supervises the processes, adds an OOM kill
 seen in a cgroup to a worker's exit cause, and removes every cgroup on stop.
 """
@@ -16,22 +16,23 @@ from pathlib import Path
 from typing import Any
 
 from broker.exits import ExitCause
-from node.affinity import CpuPlan, pin_all_threads, plan_cpus
-from node.capacity import resolve_slots
+from node.capacity.plan import resolve_slots
+from node.capacity.worker_limits import PlannedLimits
 from node.config import NodeConfig, WorkersSection
 from node.endpoints import connect_endpoint
 from node.engine import EngineSpec
-from node.priority import process_priority
-from node.sandbox import MemoryReading, Sandbox, cgroup_name, limits_for, options_for
+from node.sandbox.cgroups import Sandbox, cgroup_name, limits_for, options_for
+from node.sandbox.cores import CpuPlan, pin_all_threads, plan_cpus
+from node.sandbox.driver import MemoryReading
+from node.sandbox.niceness import process_niceness
 from node.supervisor import Supervisor
 from node.units import format_size, parse_cores
 from node.worker import WorkerSpec
-from node.worker_memory import PlannedLimits
 
 log = logging.getLogger("edgenode.pool")
 
 RULES_WORKER = "rules-0"
-NO_PRIORITY: dict[str, int | None] = {"nice": None, "autogroup_nice": None}
+NO_NICENESS: dict[str, int | None] = {"nice": None, "autogroup_nice": None}
 
 
 def plan_workers(w: WorkersSection, node_cpus: Sequence[int] = ()) -> CpuPlan:
@@ -61,10 +62,10 @@ class WorkerPool:
             snapshot it validated at start, ``node.model.snapshot_rules``), or None
             for no rule worker.
         run_dir: logs go to ``<run_dir>/logs``; the cgroup name derives from it.
-        capacity: the capacity plan (``node.capacity.check_fits``), whose limits
+        capacity: the capacity plan (``node.capacity.plan.check_fits``), whose limits
             ``workers.memory_max = "auto"`` gives every model worker's cgroup.
         slots: sequences per model worker (the plan's ``slots``); None resolves
-            ``workers.slots`` with ``node.capacity.resolve_slots``. The rule
+            ``workers.slots`` with ``node.capacity.plan.resolve_slots``. The rule
             worker always has one.
 
     Raises:
@@ -165,7 +166,7 @@ class WorkerPool:
         self.sandbox.open()
         if self.plan.node:
             # The broker (and its zmq threads, created later) stays on the node's
-            # cores: the host's never see a token relayed (node/affinity.py).
+            # cores: the host's never see a token relayed (node/sandbox/cores.py).
             pin_all_threads(self.plan.node)
         self._prefault()
 
@@ -248,7 +249,7 @@ class WorkerPool:
 
     def status(self) -> list[dict[str, Any]]:
         """Per worker: process state, cgroup, memory, OOM kills, cpus, threads, slots,
-        nice levels (``nice``, ``autogroup_nice``: see node.priority)."""
+        nice levels (``nice``, ``autogroup_nice``: see node.sandbox.niceness)."""
         out = []
         for entry, spec in zip(self.supervisor.status(), self.specs, strict=True):
             wid = entry["worker_id"]
@@ -261,7 +262,7 @@ class WorkerPool:
                 "threads": spec.engine.threads,
                 "slots": spec.slots,
                 "engine": spec.engine.kind,
-                **(process_priority(entry["pid"]) if entry["pid"] else NO_PRIORITY),
+                **(process_niceness(entry["pid"]) if entry["pid"] else NO_NICENESS),
             }
             out.append(entry)
         return out

@@ -2,11 +2,11 @@
 
 **Memory.** psutil's ``virtual_memory()`` describes the host, not the cgroup
 the node lives in, so the reading comes from the node's cgroup
-(``node.sandbox``). The figure compared against the budget is the *working
+(``node.sandbox.cgroups``). The figure compared against the budget is the *working
 set*: usage minus inactive file pages, as the kubelet computes it, because the
 mmapped weights sit in page cache that the kernel reclaims before it OOM-kills
 anything — counting them would make a healthy node look full. The budget is
-never above the tightest limit on the node's cgroup path (``node.budget``), so
+never above the tightest limit on the node's cgroup path (``node.capacity.budget``), so
 ``critical`` comes before the OOM killer.
 
 Levels: ``ok`` -> ``high`` at ``high_pct`` of the budget (or when v2 reports
@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from broker.kinds import CpuLevel
-from node.budget import CgroupLimit, cut_to_limit
+from node.capacity.budget import CgroupLimit, cut_to_limit
 from node.config import PressureSection
 from node.units import parse_size
 
 if TYPE_CHECKING:
-    from node.sandbox import MemoryReading
+    from node.sandbox.driver import MemoryReading
 
 log = logging.getLogger("edgenode.pressure")
 
@@ -56,7 +56,8 @@ class MemorySource(Protocol):
     def memory(self, worker_id: str | None = None) -> MemoryReading | None: ...
 
 
-#: The tightest memory limit on the node's cgroup path, read on each poll (``node.budget``).
+#: The tightest memory limit on the node's cgroup path, read on each poll
+#: (``node.capacity.budget``).
 LimitSource = Callable[[], CgroupLimit | None]
 
 
@@ -82,7 +83,7 @@ class PressureMonitor:
 
     def budget(self, reading: MemoryReading) -> int | None:
         """Bytes the node may use: ``pressure.budget``, else the tightest cgroup limit on
-        the node's path (``node.budget``; the node cgroup's own, ``reading.limit``,
+        the node's path (``node.capacity.budget``; the node cgroup's own, ``reading.limit``,
         included), else the default the node computed (its workers' limits plus its
         own share). A configured budget is cut to that cgroup limit."""
         limit = self.limit() if self.limit is not None else None

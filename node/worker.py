@@ -37,7 +37,6 @@ import zmq
 from broker import protocol as p
 from broker.errors import EdgeNodeError, ErrorCode, InternalError
 from broker.protocol import WorkerCommand
-from node.affinity import apply_placement
 from node.config import MAX_DURATION_MS as MAX_POLL_MS
 from node.engine import (
     LOADS,
@@ -46,10 +45,11 @@ from node.engine import (
     EngineKind,
     EngineSpec,
     Outcome,
+    TestEngine,
     load_error_line,
-    make_engine,
 )
-from node.sandbox import join_cgroup
+from node.sandbox.cgroups import join_cgroup
+from node.sandbox.cores import apply_placement
 
 log = logging.getLogger("edgenode.worker")
 
@@ -482,6 +482,20 @@ def clip(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     if len(message) <= limit:
         return message
     return f"{message[:limit]}... [{len(message) - limit} more characters]"
+
+
+def make_engine(spec: EngineSpec) -> Engine:
+    """Build the engine named by ``spec.kind``: ``llama``, ``test`` or ``rules``
+    (the rule engine, with ``model_path`` naming its rules file)."""
+    if spec.kind == "test":
+        return TestEngine(spec)
+    if spec.kind == "rules":
+        from fallback.engine import RuleEngine
+
+        return RuleEngine.from_file(spec.model_path)
+    from node.llama.engine import LlamaEngine  # llama_cpp loads only where needed
+
+    return LlamaEngine(spec)
 
 
 def main(argv: list[str] | None = None) -> int:

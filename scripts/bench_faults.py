@@ -22,17 +22,13 @@ import os
 import random
 import signal
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
 from broker.errors import DeadlineExceeded
-from node.report import percentile
-from nodeproc import NodeProcess
+from node.migration.report import percentile
+from node.testing import NodeProcess
 
 LONG_PROMPT = "The robot moved across the warehouse floor carefully. " * 78
 

@@ -6,7 +6,7 @@ llama engine, the default model, one worker, ``workers.sandbox = "required"`` so
 the worker has its own memory cgroup), sends ONE request, reads the worker's
 cgroup peak (v1 ``memory.max_usage_in_bytes``, v2 ``memory.peak``: what
 ``memory.max`` is compared with, so what OOM-kills) and its ``/proc/<pid>/smaps``
-private memory afterwards, and compares them with the plan of ``node.capacity``.
+private memory afterwards, and compares them with the plan of ``node.capacity.plan``.
 
 Every request's prompt fills the context (``--fill``, the default: the KV cache
 and the attention scratch fully touched, as in ``scripts/bench_memory.py``)
@@ -19,12 +19,12 @@ worst case of one request. Cases:
   next level (``child``); ``arr<N>``: N nested arrays of strings (``minItems`` 1);
 * ``str<N>``: a string of ``maxLength`` N; ``wide<N>``: N required string
   properties;
-* the largest schemas ``node.grammar`` admits (``*-max``) and one step beyond
+* the largest schemas ``node.llama.grammar`` admits (``*-max``) and one step beyond
   each bound (``*-over``), which must get 413 without the worker noticing.
 
 Each case gets a fresh node, so one case's heap never carries into the next.
 ``grammar extra`` is the case's peak minus the plain case's; the plan's
-``grammar`` allowance (``node.capacity.grammar_allowance``) must cover it, and
+``grammar`` allowance (``node.capacity.plan.grammar_allowance``) must cover it, and
 ``memory.max`` the whole peak.
 
 With ``--slots S`` the worker has S slots and each case sends S such requests
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import threading
 import time
 from pathlib import Path
@@ -50,14 +49,11 @@ import psutil
 
 from broker.errors import EdgeNodeError
 from fallback.intents import INTENT_SCHEMA
-from node.capacity import Plan, config_plan
-from node.cgroupfs import read_int
+from node.capacity.plan import Plan, config_plan
 from node.config import load_config
+from node.sandbox.cgroupfs import read_int
+from node.testing import NodeProcess
 from node.units import format_size
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from nodeproc import NodeProcess
 
 MiB = 1 << 20
 
@@ -102,7 +98,7 @@ def wide_object(n: int) -> dict[str, Any]:
 def cases() -> dict[str, dict[str, Any] | None]:
     """Every case by name (None = no schema). Nested cases need more tokens to reach
     their innermost level than ``--max-tokens`` may give: see ``tokens_for``."""
-    from node.grammar import MAX_REPEAT, MAX_SCHEMA_DEPTH
+    from node.llama.grammar import MAX_REPEAT, MAX_SCHEMA_DEPTH
 
     # Each object level is two maps deep (the object, its "properties"); the
     # innermost string one more. Arrays are one map per level.
@@ -129,7 +125,7 @@ def cases() -> dict[str, dict[str, Any] | None]:
 def tokens_for(name: str, asked: int) -> int:
     """Tokens to generate for a case: enough to reach a nested case's innermost level
     (about 10 per object level, ``{"name":"abcd","child":``; 2 per array level)."""
-    from node.grammar import MAX_SCHEMA_DEPTH
+    from node.llama.grammar import MAX_SCHEMA_DEPTH
 
     levels = {"obj-max": (MAX_SCHEMA_DEPTH - 1) // 2, "arr-max": MAX_SCHEMA_DEPTH - 1}
     for kind, per_level in (("obj", 10), ("arr", 2)):
@@ -141,11 +137,11 @@ def tokens_for(name: str, asked: int) -> int:
 
 
 def _widest() -> int:
-    """The most required string properties ``node.grammar`` admits (schema and grammar)."""
+    """The most required string properties ``node.llama.grammar`` admits (schema and grammar)."""
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
     from broker.errors import TooLarge
-    from node.grammar import check_grammar, check_schema
+    from node.llama.grammar import check_grammar, check_schema
 
     def admitted(n: int) -> bool:
         schema = wide_object(n)

@@ -62,24 +62,19 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import psutil
 import zmq
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
 from bench_memory import smaps
 
 from broker import protocol as p
 from broker.client import Client
 from node.config import WorkersSection
+from node.migration.report import percentile
 from node.model import resolve_model
-from node.report import percentile
+from node.testing import NodeProcess
 from node.units import format_size
-from nodeproc import NodeProcess
 
 MiB = 1 << 20
 N_CTX = 2048  # the default model.n_ctx

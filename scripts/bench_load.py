@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,10 +40,8 @@ from typing import Any
 import msgpack
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from node.report import percentile
-from nodeproc import NodeProcess
+from node.migration.report import percentile
+from node.testing import NodeProcess
 
 PROMPT = "Q: Which room has the lights on?\nA:"
 MAX_TOKENS = 16
@@ -110,7 +107,7 @@ def offer(endpoint: str, rate: float, seconds: float) -> list[dict[str, Any]]:
 
 
 def p99(values: list[float]) -> float | None:
-    """The 99th percentile (``node.report.percentile``), to 0.1; None if empty."""
+    """The 99th percentile (``node.migration.report.percentile``), to 0.1; None if empty."""
     return round(percentile(values, 99), 1) if values else None
 
 

@@ -8,7 +8,7 @@ measured), puts W x S context-filling prompts in flight at once, so every slot o
 every worker holds a full-context sequence (its KV cache and the attention scratch
 fully touched: the steady-state peak), checks from ``status`` that each worker
 really had S requests at once, then compares each model worker with the plan of
-``node.capacity`` (``config_plan`` of the node's own config, as ``edgenode start``
+``node.capacity.plan`` (``config_plan`` of the node's own config, as ``edgenode start``
 computed it), against ``plan.per_worker`` less the grammar allowance (these
 prompts carry no ``json_schema``; ``scripts/bench_grammar.py`` measures that term):
 
@@ -42,24 +42,19 @@ multi-slot llama engine (``workers.slots`` reaching the worker).
 from __future__ import annotations
 
 import argparse
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import psutil
 
 from broker.client import Client
-from node.capacity import Plan, config_plan
+from node.capacity.plan import Plan, config_plan
 from node.config import MAX_SLOTS, load_config
 from node.model import resolve_model
 from node.pool import RULES_WORKER
+from node.testing import NodeProcess
 from node.units import format_size
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from nodeproc import NodeProcess
 
 MiB = 1 << 20
 #: How often status is polled while the prompts run, to see how many requests

@@ -25,14 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from node.report import percentile
-from nodeproc import NodeProcess
+from node.migration.report import percentile
+from node.testing import NodeProcess
 
 SYSTEM = (
     "You are the voice assistant of a greenhouse controller. The greenhouse has four zones: "

@@ -14,7 +14,7 @@ fixed gap between requests, so that drift in the host's load hits both alike; th
 node's copies drain before each baseline block. Latency is the client's: send to final
 reply. The script prints p50/p99 of each and the ratio of the p99s, then runs the fixed
 command list in ``dual`` mode on a third node and prints the agreement from the migration
-log, through ``node.report`` like ``edgenode report``.
+log, through ``node.migration.report`` like ``edgenode report``.
 
 Usage: ``python scripts/bench_shadow.py [--requests 1000] [--blocks 20] [--gap-ms 20]
 [--workers 2] [--cpus 1] [--nice 10]``.
@@ -26,18 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from broker.client import Client
 from fallback.intents import EVAL_COMMANDS, INTENT_PROMPT, INTENT_SCHEMA
-from node.report import percentile, summarize
-from node.report_view import format_report
-from nodeproc import NodeProcess
+from node.migration.report import percentile, summarize
+from node.migration.report_view import format_report
+from node.testing import NodeProcess
 
 COMMANDS = EVAL_COMMANDS
 WARMUP = 20

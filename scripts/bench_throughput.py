@@ -15,7 +15,7 @@ explicitly to every backend) and at most 128 generated tokens per request, at 1,
   sending its requests one after another, divided by the batch's wall time (the
   first request sent to the last reply);
 * **TTFT p50 / p99**: from sending a request to its first streamed text, over every
-  request of the batch, by nearest rank (``node.report.percentiles``). With 6-16
+  request of the batch, by nearest rank (``node.migration.report.percentiles``). With 6-16
   requests per level p99 is the slowest request's TTFT.
 
 Prompt caching is left at each backend's default (the node and llama-server reuse
@@ -28,7 +28,7 @@ served the same prompt reuses more than the BOS token; the JSON counts those
 The backends:
 
 * ``node WxS``: edgenode (``edgenode start --foreground`` in a private run dir,
-  ``tests/nodeproc.NodeProcess``) with W llama workers of S slots each
+  ``node.testing.NodeProcess``) with W llama workers of S slots each
   (``--layout WxS``, repeatable), ``workers.threads = --threads`` (the node caps it
   at each worker's share of the cores: 2 workers on 2 cores get 1 thread each;
   the report shows what the workers got), ``routing.mode = "full"`` and no rules, so
@@ -118,12 +118,11 @@ from typing import IO, Any, cast
 import psutil
 import zmq
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+from node.migration.report import percentiles
+from node.model import resolve_model
+from node.testing import DIE_WITH_HARNESS, NodeProcess
 
-from node.model import resolve_model  # noqa: E402
-from node.report import percentiles  # noqa: E402
-from nodeproc import _DIE_WITH_HARNESS, NodeProcess  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 MAX_TOKENS = 128
 N_CTX = 2048
@@ -149,7 +148,7 @@ WARMUP_PROMPT = "A list of ten things you can find in a kitchen drawer:"
 #: Requests per client at each level: each level takes ~15-40 s here.
 REQUESTS_PER_CLIENT = {1: 6, 2: 4, 4: 3, 8: 2}
 QUICK_LEVELS = (1, 4)
-PERCENTILE_METHOD = "nearest rank (node.report.percentiles)"
+PERCENTILE_METHOD = "nearest rank (node.migration.report.percentiles)"
 
 
 @dataclass(frozen=True)
@@ -234,12 +233,12 @@ def spawn(
     argv: list[str], cpus: Sequence[int], nice: int, log: Path, **kw: Any
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` under ``taskset -c cpus`` and ``nice``, in a session of its own,
-    as a child that gets SIGTERM when this process dies (tests/nodeproc.py's wrapper).
+    as a child that gets SIGTERM when this process dies (node/testing.py's wrapper).
     Call from the main thread only (PR_SET_PDEATHSIG follows the starting thread)."""
     taskset, nice_bin = shutil.which("taskset"), shutil.which("nice")
     if taskset is None or nice_bin is None:
         raise SystemExit("taskset and nice (util-linux, coreutils) are needed")
-    cmd = [sys.executable, "-c", _DIE_WITH_HARNESS, str(os.getpid())]
+    cmd = [sys.executable, "-c", DIE_WITH_HARNESS, str(os.getpid())]
     cmd += [taskset, "-c", cpu_list(cpus), nice_bin, "-n", str(nice), *argv]
     with open(log, "ab") as err:
         return subprocess.Popen(cmd, stderr=err, start_new_session=True, **kw)
@@ -348,7 +347,7 @@ def serve_direct(model: str, threads: int, repack: bool, flash_attn: bool | None
     """
     import llama_cpp
 
-    from node.llama_engine import _model_params  # the node's own use_extra_bufts switch
+    from node.llama.engine import _model_params  # the node's own use_extra_bufts switch
 
     with _model_params(repack):
         llm = llama_cpp.Llama(

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from nodeproc import NodeProcess
+from node.testing import NodeProcess
 
 #: Fast heartbeats for tests (DESIGN.md: tests use ~100 ms).
 FAST_BROKER = {

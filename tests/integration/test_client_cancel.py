@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 
 from broker.errors import Cancelled, ErrorCode, NotFound, ProtocolError, Unavailable
-from nodeproc import NodeProcess
+from node.testing import NodeProcess
 
 NodeFactory = Callable[..., NodeProcess]
 

@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 
 from fallback.intents import INTENT_SCHEMA
-from nodeproc import Collector, NodeProcess, wait_for
+from node.testing import Collector, NodeProcess, wait_for
 
 NodeFactory = Callable[..., NodeProcess]
 

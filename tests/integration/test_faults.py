@@ -24,8 +24,8 @@ from broker.client import Client
 from broker.errors import EdgeNodeError
 from node.engine import EngineSpec
 from node.model import resolve_model
+from node.testing import REPO, Collector, NodeProcess, wait_for
 from node.worker import WorkerSpec
-from nodeproc import REPO, Collector, NodeProcess, wait_for
 
 NodeFactory = Callable[..., NodeProcess]
 

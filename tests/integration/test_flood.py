@@ -14,7 +14,7 @@ from collections.abc import Callable
 import msgpack
 import psutil
 
-from nodeproc import Collector, NodeProcess
+from node.testing import Collector, NodeProcess
 
 NodeFactory = Callable[..., NodeProcess]
 

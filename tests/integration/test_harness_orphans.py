@@ -1,4 +1,4 @@
-"""A test or benchmark killed with SIGKILL leaves no node behind (``tests/nodeproc.py``).
+"""A test or benchmark killed with SIGKILL leaves no node behind (``node/testing.py``).
 
 The harness starts nodes in their own session, so nothing else would stop them:
 orphan nodes were found running an hour later.
@@ -15,14 +15,13 @@ from pathlib import Path
 
 import psutil
 
-from nodeproc import REPO, NodeProcess, leftover_processes, node_cgroup_dirs, wait_for
+from node.testing import REPO, NodeProcess, leftover_processes, node_cgroup_dirs, wait_for
 
 #: The harness under test: start a node, say what it made, then wait to be killed.
 HARNESS = """
 import json, sys, time
-sys.path.insert(0, sys.argv[1])
-from nodeproc import NodeProcess
-node = NodeProcess(json.loads(sys.argv[2])).start()
+from node.testing import NodeProcess
+node = NodeProcess(json.loads(sys.argv[1])).start()
 status = node.status()
 pids = [node.proc.pid] + [p["pid"] for p in status["processes"] if p["pid"]]
 print(json.dumps({"run_dir": str(node.run_dir), "pids": pids}), flush=True)
@@ -46,7 +45,7 @@ def test_a_killed_harness_takes_its_node_and_workers_along(tmp_path: Path) -> No
     stderr = tmp_path / "harness.err"
     with open(stderr, "wb") as err:
         harness = subprocess.Popen(
-            [sys.executable, "-c", HARNESS, str(REPO / "tests"), json.dumps(sections)],
+            [sys.executable, "-c", HARNESS, json.dumps(sections)],
             stdout=subprocess.PIPE,
             stderr=err,
             cwd=REPO,

@@ -18,7 +18,7 @@ import pytest
 
 from broker import protocol as p
 from broker.errors import TooLarge
-from nodeproc import Collector, NodeProcess
+from node.testing import Collector, NodeProcess
 
 NodeFactory = Callable[..., NodeProcess]
 MiB = 2**20

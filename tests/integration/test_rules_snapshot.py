@@ -20,8 +20,8 @@ from typing import Any
 from node.engine import EngineSpec
 from node.model import RULES_SNAPSHOT
 from node.supervisor import Supervisor
+from node.testing import NodeProcess, ask_rules, wait_for
 from node.worker import WorkerSpec
-from nodeproc import NodeProcess, ask_rules, wait_for
 
 NodeFactory = Callable[..., NodeProcess]
 

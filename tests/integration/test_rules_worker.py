@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from fallback.engine import HANG_ON_ENV, MAX_MATCH_CHARS
-from nodeproc import NodeProcess, ask_rules, leftover_processes, wait_for
+from node.testing import NodeProcess, ask_rules, leftover_processes, wait_for
 
 NodeFactory = Callable[..., NodeProcess]
 

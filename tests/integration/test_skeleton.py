@@ -14,8 +14,8 @@ import zmq
 
 from broker.client import Reply
 from broker.errors import ProtocolError
-from node.priority import autogroups_enabled
-from nodeproc import NodeProcess, leftover_processes
+from node.sandbox.niceness import autogroups_enabled
+from node.testing import NodeProcess, leftover_processes
 
 NodeFactory = Callable[..., NodeProcess]
 
@@ -200,7 +200,7 @@ def test_reserved_cores_keep_the_whole_node_off_the_hosts_cores(make_node: NodeF
         assert psutil.Process(by_id[wid]["pid"]).cpu_affinity() == [1]
         assert psutil.Process(by_id[wid]["pid"]).nice() == 10
         # ... and so is its session's autogroup, else nice 10 ranks it only
-        # within its own session (node/priority.py).
+        # within its own session (node/sandbox/niceness.py).
         assert by_id[wid]["nice"] == 10
         assert by_id[wid]["autogroup_nice"] == (10 if autogroups_enabled() else None)
     with node.client() as client:

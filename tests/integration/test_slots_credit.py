@@ -8,7 +8,7 @@ import random
 from collections.abc import Callable
 
 from fallback.intents import INTENT_SCHEMA
-from nodeproc import Collector, NodeProcess, wait_for
+from node.testing import Collector, NodeProcess, wait_for
 
 NodeFactory = Callable[..., NodeProcess]
 

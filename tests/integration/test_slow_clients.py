@@ -20,7 +20,7 @@ import pytest
 
 from broker.client import Client, Stream
 from broker.errors import EdgeNodeError
-from nodeproc import REPO, NodeProcess, wait_for
+from node.testing import REPO, NodeProcess, wait_for
 
 NodeFactory = Callable[..., NodeProcess]
 

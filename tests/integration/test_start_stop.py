@@ -18,8 +18,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from node.sandbox import Host, read_layout
-from nodeproc import NodeProcess, node_cgroup_dirs, node_processes, wait_for
+from node.sandbox.cgroupfs import Host
+from node.sandbox.layout import read_layout
+from node.testing import NodeProcess, node_cgroup_dirs, node_processes, wait_for
 
 NodeFactory = Callable[..., NodeProcess]
 

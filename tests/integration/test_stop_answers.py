@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nodeproc import Collector, NodeProcess, leftover_processes, wait_for
+from node.testing import Collector, NodeProcess, leftover_processes, wait_for
 
 NodeFactory = Callable[..., NodeProcess]
 

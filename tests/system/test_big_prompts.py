@@ -23,9 +23,9 @@ import pytest
 
 from broker.errors import TooLarge
 from broker.protocol import ClientRequest
-from node.llama_vocab import LOOP_BYTES, PromptCounter, make_token_counter
+from node.llama.vocab import LOOP_BYTES, PromptCounter, make_token_counter
 from node.model import resolve_model
-from nodeproc import Collector, NodeProcess
+from node.testing import Collector, NodeProcess
 
 pytestmark = pytest.mark.system
 

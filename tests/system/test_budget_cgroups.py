@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from node.cgroupfs import Host
-from node.sandbox import read_layout
-from nodeproc import NodeProcess, wait_for
+from node.sandbox.cgroupfs import Host
+from node.sandbox.layout import read_layout
+from node.testing import NodeProcess, wait_for
 
 pytestmark = pytest.mark.system
 

@@ -21,9 +21,11 @@ from pathlib import Path
 import pytest
 
 from broker.errors import SandboxError
-from node.affinity import format_cpus
-from node.sandbox import Host as CgroupHost
-from node.sandbox import Limits, Sandbox, SandboxOptions, read_layout
+from node.sandbox.cgroupfs import Host as CgroupHost
+from node.sandbox.cgroups import Sandbox
+from node.sandbox.cores import format_cpus
+from node.sandbox.driver import Limits, SandboxOptions
+from node.sandbox.layout import read_layout
 
 pytestmark = pytest.mark.system
 
@@ -35,7 +37,7 @@ _names = itertools.count()
 CHILD = textwrap.dedent(
     """
     import os, sys, time
-    from node.sandbox import join_cgroup
+    from node.sandbox.cgroups import join_cgroup
     join_cgroup(sys.argv[2:])
     action = sys.argv[1]
     if action == "hog":  # allocate and touch 200 MB
@@ -58,7 +60,7 @@ CHILD = textwrap.dedent(
 CRASHING_NODE = textwrap.dedent(
     """
     import subprocess, sys, time
-    from node.sandbox import Limits, Sandbox, SandboxOptions
+    from node.sandbox.cgroups import Limits, Sandbox, SandboxOptions
     box = Sandbox(SandboxOptions(mode="required", name=sys.argv[1]))
     box.open()
     paths = box.create_worker("w0", Limits(memory_max=256 * 2**20))

@@ -32,9 +32,9 @@ import pytest
 
 from broker.client import Reply
 from broker.errors import Unavailable
-from node.cgroupfs import Host
-from node.sandbox import read_layout
-from nodeproc import NodeProcess, wait_for
+from node.sandbox.cgroupfs import Host
+from node.sandbox.layout import read_layout
+from node.testing import NodeProcess, wait_for
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(300)]
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from fallback.intents import EVAL_COMMANDS, INTENT_PROMPT, INTENT_SCHEMA
-from nodeproc import Collector, NodeProcess
+from node.testing import Collector, NodeProcess
 
 pytestmark = pytest.mark.system
 

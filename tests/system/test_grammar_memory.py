@@ -1,8 +1,8 @@
 """JSON-schema requests against workers whose cgroups have exactly the capacity plan's
 memory.max, set by hand or by ``workers.memory_max = "auto"`` (real model, real cgroup, root).
 
-The plan's grammar allowance (node.capacity.grammar_allowance) must cover what the
-largest schemas node.grammar admits cost: each request here fills the context first,
+The plan's grammar allowance (node.capacity.plan.grammar_allowance) must cover what the
+largest schemas node.llama.grammar admits cost: each request here fills the context first,
 so the KV cache and the attention scratch are touched, then generates under the grammar.
 ``scripts/bench_grammar.py`` measures the same cases with numbers.
 """
@@ -19,12 +19,12 @@ from test_cgroups import _skip_reason
 
 from broker.errors import TooLarge
 from fallback.intents import INTENT_PROMPT, INTENT_SCHEMA
-from node.capacity import config_plan
-from node.cgroupfs import read_int
+from node.capacity.plan import config_plan
 from node.config import from_dict
-from node.grammar import MAX_REPEAT, MAX_SCHEMA_DEPTH
+from node.llama.grammar import MAX_REPEAT, MAX_SCHEMA_DEPTH
 from node.model import resolve_model
-from nodeproc import NodeProcess
+from node.sandbox.cgroupfs import read_int
+from node.testing import NodeProcess
 
 pytestmark = pytest.mark.system
 
@@ -113,7 +113,7 @@ def test_a_worker_at_the_plans_memory_max_survives_the_largest_schemas(
     assert memory["oom_kills"] == 0 and memory["limit"] == plan.memory_max
     assert memory["peak"] is None or memory["peak"] <= plan.memory_max
     assert Path(after["cgroup"]).name == "worker-llm-0"
-    # The sampler's freed vectors went back to the system (node.grammar.trim_heap):
+    # The sampler's freed vectors went back to the system (node.llama.grammar.trim_heap):
     # what the worker keeps is about a plain request's, not that plus the grammar's.
     assert private_bytes(after["pid"], str(resolve_model("default"))) < (
         plan.per_worker - plan.grammar + 32 * MiB

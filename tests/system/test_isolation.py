@@ -34,13 +34,14 @@ import pytest
 from test_cgroups import _gone, _skip_reason
 
 from broker.client import Client
-from node.affinity import format_cpus
-from node.cgroup_backend import NEAR_LIMIT
-from node.cgroupfs import parse_keyed, read_int, read_optional
-from node.sandbox import NODE_LEAF, cgroup_name, read_layout
-from node.sandbox import Host as CgroupHost
-from nodeproc import Collector, NodeProcess, leftover_processes
-from nodeproc import wait_for as _wait_for
+from node.sandbox.cgroupfs import NODE_LEAF, parse_keyed, read_int, read_optional
+from node.sandbox.cgroupfs import Host as CgroupHost
+from node.sandbox.cgroups import cgroup_name
+from node.sandbox.cores import format_cpus
+from node.sandbox.driver import NEAR_LIMIT
+from node.sandbox.layout import read_layout
+from node.testing import Collector, NodeProcess, leftover_processes
+from node.testing import wait_for as _wait_for
 
 pytestmark = pytest.mark.system
 

@@ -17,10 +17,10 @@ import llama_cpp.llama_cpp as llama_c
 import numpy as np
 import pytest
 
-from node.capacity import kv_bytes_per_token, kv_cells
+from node.capacity.gguf import read_gguf_meta
+from node.capacity.plan import kv_bytes_per_token, kv_cells
 from node.engine import EngineSpec
-from node.gguf_meta import read_gguf_meta
-from node.llama_engine import LlamaEngine
+from node.llama.engine import LlamaEngine
 from node.model import resolve_model
 
 pytestmark = pytest.mark.system

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from broker.errors import Unavailable
-from nodeproc import NodeProcess, wait_for
+from node.testing import NodeProcess, wait_for
 
 pytestmark = pytest.mark.system
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from nodeproc import NodeProcess
+from node.testing import NodeProcess
 
 pytestmark = pytest.mark.system
 

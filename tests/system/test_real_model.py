@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from nodeproc import NodeProcess, leftover_processes
+from node.testing import NodeProcess, leftover_processes
 
 pytestmark = pytest.mark.system
 

@@ -1,4 +1,4 @@
-"""A request's ``json_schema`` against the real llama.cpp engine: schemas over node.grammar's
+"""A request's ``json_schema`` against the real llama.cpp engine: schemas over node.llama.grammar's
 bounds get 413, a grammar llama.cpp cannot parse gets 400, and neither costs the engine
 anything. Before the bounds, both kinds crashed the worker with SIGSEGV (exit 139):
 llama-cpp-python chains the NULL sampler llama.cpp returns for a grammar it refuses."""
@@ -13,8 +13,8 @@ import pytest
 
 from broker.errors import ErrorCode, ProtocolError, TooLarge
 from node.engine import EngineSpec
-from node.grammar import MAX_REPEAT
-from node.llama_engine import LlamaEngine
+from node.llama.engine import LlamaEngine
+from node.llama.grammar import MAX_REPEAT
 from node.model import resolve_model
 
 pytestmark = pytest.mark.system

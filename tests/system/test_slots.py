@@ -18,7 +18,7 @@ import pytest
 
 from broker.errors import Cancelled, EdgeNodeError
 from node.engine import EngineSpec, Outcome
-from node.llama_engine import LlamaEngine
+from node.llama.engine import LlamaEngine
 from node.model import resolve_model
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(240)]

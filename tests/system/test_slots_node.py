@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from fallback.intents import INTENT_SCHEMA
-from nodeproc import Collector, NodeProcess, wait_for
+from node.testing import Collector, NodeProcess, wait_for
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(180)]
 

@@ -8,7 +8,7 @@ llama.cpp's special-token partition (``tokenizer_st_partition`` in
 ``"<b><i>"`` 4.8 s, of random words 0.05 s. With a large context such a prompt
 outlived the stall timeout, the worker was killed, and the request killed the
 next one too. The engine now counts first (a lower bound from the bytes),
-then tokenizes in pieces cut where no token can span (``node.llama_pieces``).
+then tokenizes in pieces cut where no token can span (``node.llama.boundaries``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import pytest
 
 from broker.errors import Cancelled, TooLarge
 from node.engine import EngineSpec
-from node.llama_engine import LlamaEngine
-from node.llama_vocab import PromptCounter, make_token_counter
+from node.llama.engine import LlamaEngine
+from node.llama.vocab import PromptCounter, make_token_counter
 from node.model import resolve_model
 
 pytestmark = pytest.mark.system

@@ -7,9 +7,9 @@ from typing import Any
 
 from click.testing import CliRunner
 
-from node.cli_capacity import capacity
+from node.cli.capacity import capacity
 from node.config import from_dict
-from node.sandbox import Host
+from node.sandbox.cgroupfs import Host
 
 MiB, GiB = 1 << 20, 1 << 30
 TEXTBOOK = ["--memory", "8G", "--weights", "4.2G", "--kv-per-seq", "256M", "--reserve", "1.5G"]

@@ -6,7 +6,7 @@ import pytest
 
 from broker.errors import ConfigError
 from brokerkit import BrokerHarness
-from node.gguf_meta import ModelMeta, read_gguf_meta
+from node.capacity.gguf import ModelMeta, read_gguf_meta
 from node.model import resolve_model
 
 
@@ -18,11 +18,11 @@ def h() -> BrokerHarness:
 
 @pytest.fixture(autouse=True)
 def _no_host_memory_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Budgets stay what a test configures whatever cgroup runs the tests: ``node.budget``
+    """Budgets stay what a test configures whatever cgroup runs the tests: ``node.capacity.budget``
     cuts them to the node's cgroup limit, read from the real host (a CI container's
     limit, a node running in the default run directory). Tests of that path use fake
     trees (test_budget_path.py) and patch ``node_limit`` themselves."""
-    monkeypatch.setattr("node.budget.node_limit", lambda config, host=None: None)
+    monkeypatch.setattr("node.capacity.budget.node_limit", lambda config, host=None: None)
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from broker.errors import ConfigError, SandboxError
-from node import priority
-from node.affinity import (
+from node.sandbox import niceness
+from node.sandbox.cores import (
     Placement,
     apply_placement,
     format_cpus,
@@ -22,15 +22,14 @@ from node.affinity import (
     pin,
     plan_cpus,
     split_cores,
-    threads_for_quota,
     usable_threads,
 )
-from node.priority import (
+from node.sandbox.niceness import (
     autogroup_nice,
     autogroups_enabled,
     cpu_weight_v2,
     nice_weight,
-    process_priority,
+    process_niceness,
     set_autogroup_nice,
 )
 from node.units import parse_cores, quota_us
@@ -105,13 +104,6 @@ def test_quota_and_configured_threads_cap_n_threads() -> None:
 )
 def test_usable_threads(cpus: int, quota: float | None, cap: int | None, threads: int) -> None:
     assert usable_threads(cpus, quota, cap) == threads
-
-
-def test_threads_for_a_quota_read_from_cgroupfs() -> None:
-    assert threads_for_quota(150_000, 100_000, 4) == 1
-    assert threads_for_quota(200_000, 100_000, 4) == 2
-    assert threads_for_quota(None, 100_000, 4) == 4
-    assert threads_for_quota(-1, 100_000, 3) == 3  # v1 "no quota"
 
 
 @pytest.mark.parametrize(
@@ -224,7 +216,7 @@ def test_set_autogroup_nice_only_lowers_and_only_for_a_session_leader(
 ) -> None:
     f = tmp_path / "autogroup"
     f.write_text("/autogroup-52 nice 5\n")
-    monkeypatch.setattr(priority, "autogroups_enabled", lambda: True)
+    monkeypatch.setattr(niceness, "autogroups_enabled", lambda: True)
     monkeypatch.setattr(os, "getsid", lambda _pid: os.getpid())
     assert set_autogroup_nice(10, f) is True
     assert f.read_text() == "10\n"  # what the kernel is given; it shows "/autogroup-52 nice 10"
@@ -234,7 +226,7 @@ def test_set_autogroup_nice_only_lowers_and_only_for_a_session_leader(
     monkeypatch.setattr(os, "getsid", lambda _pid: os.getpid() + 1)  # not a session leader
     assert set_autogroup_nice(15, f) is False
     assert f.read_text() == "/autogroup-52 nice 10\n"
-    monkeypatch.setattr(priority, "autogroups_enabled", lambda: False)
+    monkeypatch.setattr(niceness, "autogroups_enabled", lambda: False)
     monkeypatch.setattr(os, "getsid", lambda _pid: os.getpid())
     assert set_autogroup_nice(15, f) is False  # no autogroups: the thread's nice is enough
 
@@ -243,8 +235,8 @@ def test_set_autogroup_nice_only_lowers_and_only_for_a_session_leader(
 #: autogroup's. A process in the kernel's default autogroup (a CI runner that never called
 #: setsid) reads an empty /proc/self/autogroup: autogroup_nice() is None there.
 PLACE = (
-    "import os, sys; from node.affinity import apply_placement; "
-    "from node.priority import autogroup_nice; "
+    "import os, sys; from node.sandbox.cores import apply_placement; "
+    "from node.sandbox.niceness import autogroup_nice; "
     "apply_placement(tuple(os.sched_getaffinity(0)), 12); "
     "print(os.getpriority(os.PRIO_PROCESS, 0), autogroup_nice())"
 )
@@ -269,7 +261,7 @@ def run_code(code: str, *, new_session: bool = False) -> str:
 @needs_autogroups
 def test_a_worker_in_its_own_session_renices_its_autogroup() -> None:
     # The case that made nice 10 useless: a session of its own is an autogroup
-    # that competes with the host's at nice 0 (node/priority.py).
+    # that competes with the host's at nice 0 (node/sandbox/niceness.py).
     out = run_code(PLACE, new_session=True).split()
     assert out == ["12", "12"]
 
@@ -282,17 +274,17 @@ def test_a_process_that_is_not_a_session_leader_leaves_its_sessions_autogroup_al
     assert autogroup_nice() == before
 
 
-def test_process_priority_reads_nice_and_autogroup() -> None:
-    me = process_priority(os.getpid())
+def test_process_niceness_reads_nice_and_autogroup() -> None:
+    me = process_niceness(os.getpid())
     assert me["nice"] == os.getpriority(os.PRIO_PROCESS, 0)
     assert me["autogroup_nice"] == (autogroup_nice() if autogroups_enabled() else None)
-    gone = process_priority(2**22 + 12345)  # above pid_max's default: no such process
+    gone = process_niceness(2**22 + 12345)  # above pid_max's default: no such process
     assert gone == {"nice": None, "autogroup_nice": None}
 
 
 #: A process with a thread started before it pins itself, like the node after numpy's import.
 PIN_ALL = (
-    "import os, threading; from node.affinity import pin_all_threads; "
+    "import os, threading; from node.sandbox.cores import pin_all_threads; "
     "stop = threading.Event(); t = threading.Thread(target=stop.wait); t.start(); "
     "core = min(os.sched_getaffinity(0)); pin_all_threads([core]); "
     "print(sorted({min(os.sched_getaffinity(int(x))) for x in os.listdir('/proc/self/task')}), "

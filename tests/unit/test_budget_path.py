@@ -15,12 +15,18 @@ from pathlib import Path
 
 import pytest
 
-import node.budget
+import node.capacity.budget
 from capacitykit import fake_host
-from node.budget import CgroupLimit, configured_budget, detect_budget, node_limit, tightest_limit
-from node.cgroup_backend import MemoryReading
+from node.capacity.budget import (
+    CgroupLimit,
+    configured_budget,
+    detect_budget,
+    node_limit,
+    tightest_limit,
+)
 from node.config import NodeConfig, PressureSection, from_dict
 from node.pressure import PressureMonitor
+from node.sandbox.driver import MemoryReading
 
 MiB, GiB = 1 << 20, 1 << 30
 V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev - cgroup2 cgroup2 rw,nsdelegate\n"
@@ -91,7 +97,7 @@ def test_v1_a_parent_that_does_not_account_its_children_does_not_limit_them(
         **v1_cgroup("p/c", limit=str(GiB)),
     }
     host = fake_host(tmp_path, V1_MOUNTS, "4:memory:/p/c\n", files)
-    assert node.budget.cgroup_memory_limit(host) == GiB
+    assert node.capacity.budget.cgroup_memory_limit(host) == GiB
 
 
 # ---------------------------------------------------------------- v2
@@ -123,7 +129,9 @@ def test_the_cgroup_root_is_the_nodes_path_when_no_node_runs(
 ) -> None:
     """The node's tree goes under workers.cgroup_root: its limit is the budget,
     not the limits (none) of the shell's own cgroup."""
-    monkeypatch.setattr(node.budget, "node_limit", node_limit)  # the real one, on a fake host
+    monkeypatch.setattr(
+        node.capacity.budget, "node_limit", node_limit
+    )  # the real one, on a fake host
     files = {
         "sys/fs/cgroup/user.slice/memory.max": "max",
         "sys/fs/cgroup/edgenode.slice/memory.max": str(600 * MiB),
@@ -185,7 +193,7 @@ def test_a_configured_budget_above_the_cgroup_limit_is_cut_to_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     limit = CgroupLimit(GiB, "/sys/fs/cgroup/memory/p/memory.limit_in_bytes")
-    monkeypatch.setattr(node.budget, "node_limit", lambda config, host=None: limit)
+    monkeypatch.setattr(node.capacity.budget, "node_limit", lambda config, host=None: limit)
     cfg = from_dict({"capacity": {"memory_budget": "8G"}})
     budget, source = configured_budget(cfg)
     assert budget == GiB

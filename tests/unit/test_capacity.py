@@ -16,8 +16,9 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from broker.errors import ConfigError
 from capacitykit import TEXTBOOK, GiB, MiB, config, fake_host, run_cli
-from node.budget import cgroup_memory_limit
-from node.capacity import (
+from node.capacity.budget import cgroup_memory_limit
+from node.capacity.gguf import ModelMeta, read_gguf_meta
+from node.capacity.plan import (
     Plan,
     advice,
     attention_scratch,
@@ -27,9 +28,8 @@ from node.capacity import (
     kv_bytes_per_token,
     kv_cells,
 )
-from node.cgroupfs import Host
 from node.config import from_dict
-from node.gguf_meta import ModelMeta, read_gguf_meta
+from node.sandbox.cgroupfs import Host
 from node.units import parse_size
 
 
@@ -160,7 +160,7 @@ def test_default_config_plans_the_real_default_model(gemma: ModelMeta) -> None:
     assert meta == gemma
     assert plan.kv_per_token == 18_432 and plan.kv_type == "f16" and plan.n_ctx == 2048
     assert plan.runtime_per_worker == 88 * MiB + 32 * MiB
-    assert plan.grammar == 176 * MiB  # node.capacity.grammar_allowance
+    assert plan.grammar == 176 * MiB  # node.capacity.plan.grammar_allowance
     assert plan.per_worker == 36 * MiB + 120 * MiB + 176 * MiB
     assert plan.total == gemma.weights_bytes + 2 * plan.per_worker
     assert plan.budget == 8 * GiB and plan.budget_source == "capacity.memory_budget"

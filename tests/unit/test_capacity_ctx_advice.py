@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from node.capacity import (
+from node.capacity.gguf import ModelMeta
+from node.capacity.plan import (
     CTX_PAD,
     Plan,
     _replan,
@@ -17,7 +18,6 @@ from node.capacity import (
     model_plan,
 )
 from node.config import INT32_MAX
-from node.gguf_meta import ModelMeta
 from node.units import parse_size
 
 #: A Gemma-3-270M-like model (18 layers x 1 KV head x 256/256), with no file behind it.

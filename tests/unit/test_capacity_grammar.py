@@ -15,7 +15,8 @@ from gguf import GGUFWriter
 
 from broker.errors import ConfigError
 from capacitykit import config, with_layout
-from node.capacity import (
+from node.capacity.gguf import ModelMeta, read_gguf_meta
+from node.capacity.plan import (
     GRAMMAR_BYTES_PER_TOKEN,
     PAGE,
     Plan,
@@ -24,8 +25,7 @@ from node.capacity import (
     config_plan,
     grammar_allowance,
 )
-from node.cli_capacity import capacity
-from node.gguf_meta import ModelMeta, read_gguf_meta
+from node.cli.capacity import capacity
 
 MiB, GiB = 1 << 20, 1 << 30
 GEMMA_VOCAB = 262_144

@@ -14,7 +14,8 @@ import pytest
 
 from broker.errors import ConfigError
 from capacitykit import TEXTBOOK, GiB, MiB, config, run_cli
-from node.capacity import (
+from node.capacity.gguf import ModelMeta
+from node.capacity.plan import (
     AUTO_SLOTS_PER_THREAD,
     PAGE,
     Plan,
@@ -25,9 +26,8 @@ from node.capacity import (
     resolve_slots,
 )
 from node.config import MAX_SLOTS, from_dict
-from node.gguf_meta import ModelMeta
 from node.pool import RULES_WORKER, WorkerPool
-from node.sandbox import limits_for
+from node.sandbox.cgroups import limits_for
 
 #: The default model's worker, one slot: KV 36 MiB + runtime 120 MiB + grammar 176 MiB.
 KV, RUNTIME, GRAMMAR = 36 * MiB, 120 * MiB, 176 * MiB

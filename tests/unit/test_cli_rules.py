@@ -7,7 +7,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from node.cli_rules import rules
+from node.cli.rules import rules
 
 SHIPPED = str(Path(__file__).resolve().parents[2] / "etc" / "rules.toml")
 

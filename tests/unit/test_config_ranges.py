@@ -16,10 +16,10 @@ from click.testing import CliRunner
 
 from broker.errors import ConfigError
 from broker.protocol import MAX_TOKENS_LIMIT
-from node import cli as node_cli
 from node import config as cfg
-from node.capacity import KV_TYPES
-from node.cli import cli
+from node.capacity.plan import KV_TYPES
+from node.cli import main as node_cli
+from node.cli.main import cli
 from node.config import NodeConfig, from_dict, load_config, to_dict
 
 #: (key, a value that must be refused). Several per key where the range has two

@@ -13,9 +13,9 @@ from broker.errors import ConfigError
 from broker.protocol import WorkerCommand
 from broker.routing import RoutingSettings
 from brokerkit import FAST, RULES, W1, BrokerHarness, bodies, generate
+from node.cli.status_view import render_status
 from node.config import PressureSection, from_dict, validate
 from node.pressure import CpuPressureMonitor, cpu_psi_file, parse_psi
-from node.status_view import render_status
 
 #: What kernel 6.18 writes (/proc/pressure/cpu on this machine).
 PSI = (

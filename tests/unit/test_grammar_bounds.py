@@ -1,4 +1,4 @@
-"""The bounds on a request's ``json_schema`` (node.grammar): what is refused with 413, what
+"""The bounds on a request's ``json_schema`` (node.llama.grammar): what is refused with 413, what
 passes, and that the largest schemas allowed make grammars within the grammar bounds (the
 real converter of llama-cpp-python, no model)."""
 
@@ -14,7 +14,7 @@ from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from broker.errors import ErrorCode, ProtocolError, TooLarge
 from fallback.intents import INTENT_SCHEMA
-from node.grammar import (
+from node.llama.grammar import (
     MAX_GRAMMAR_BYTES,
     MAX_GRAMMAR_NESTING,
     MAX_REPEAT,
@@ -123,7 +123,7 @@ def test_the_longest_string_allowed_makes_a_grammar_within_the_grammar_bounds() 
 #: top in use, so that only malloc_trim can give their pages back.
 TRIM_CHILD = """
 import ctypes
-from node.grammar import trim_heap
+from node.llama.grammar import trim_heap
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]

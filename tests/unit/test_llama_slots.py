@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from node.llama_slots import MIN_REUSE, Slot, SlotJob, TextOut, common_prefix, pick_slot
+from node.llama.slots import MIN_REUSE, Slot, SlotJob, TextOut, common_prefix, pick_slot
 
 
 def test_common_prefix_counts_the_shared_head() -> None:

@@ -12,14 +12,14 @@ import pytest
 from click.testing import CliRunner
 
 from broker.errors import ConfigError
-from node.capacity import Plan, check_fits, config_plan
-from node.cgroup_backend import Limits
-from node.cli_capacity import capacity
+from node.capacity.gguf import ModelMeta
+from node.capacity.plan import Plan, check_fits, config_plan
+from node.capacity.worker_limits import describe, is_auto, memory_high_bytes, memory_max_bytes
+from node.cli.capacity import capacity
+from node.cli.status_view import render_status
 from node.config import WorkersSection, from_dict, load_config, validate
-from node.gguf_meta import ModelMeta
-from node.sandbox import limits_for
-from node.status_view import render_status
-from node.worker_memory import describe, is_auto, memory_high_bytes, memory_max_bytes
+from node.sandbox.cgroups import limits_for
+from node.sandbox.driver import Limits
 
 MiB, GiB = 1 << 20, 1 << 30
 #: A plan by hand: 100 MiB per worker, so memory.max ~110 MiB and memory.high ~105 MiB.

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from node.migration_log import MigrationLog, migration_log_path
-from node.report import log_files, summarize
+from node.migration.log import MigrationLog, migration_log_path
+from node.migration.report import log_files, summarize
 
 RULES_KITCHEN = '{"intent":"lights_on","room":"kitchen"}'
 

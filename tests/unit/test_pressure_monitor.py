@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from node.cgroup_backend import MemoryReading
 from node.config import PressureSection
 from node.pressure import PressureMonitor
+from node.sandbox.driver import MemoryReading
 
 MiB = 1 << 20
 

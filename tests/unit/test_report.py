@@ -1,4 +1,5 @@
-"""node.report (summarize, percentiles, format_report) and ``edgenode report`` via CliRunner."""
+"""node.migration.report (summarize, percentiles), its view (format_report) and
+``edgenode report`` via CliRunner."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from node.cli_report import report
-from node.migration_log import MigrationLog
-from node.report import log_files, percentile, percentiles, summarize, verdict
-from node.report_view import format_report
+from node.cli.report import report
+from node.migration.log import MigrationLog
+from node.migration.report import log_files, percentile, percentiles, summarize, verdict
+from node.migration.report_view import format_report
 
 AGREE = '{"intent":"lights_on","room":"Kitchen"}'
 OFF = '{"intent":"lights_off","room":"kitchen"}'

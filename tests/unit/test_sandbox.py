@@ -17,21 +17,13 @@ from pathlib import Path
 import pytest
 
 from broker.errors import ConfigError, SandboxError
+from node.capacity.worker_limits import memory_high_bytes
 from node.config import WorkersSection, from_dict, validate
-from node.sandbox import (
-    V1_UNLIMITED,
-    Host,
-    Limits,
-    Sandbox,
-    SandboxOptions,
-    cgroup_name,
-    join_cgroup,
-    limits_for,
-    options_for,
-    parse_layout,
-)
+from node.sandbox.cgroupfs import V1_UNLIMITED, Host
+from node.sandbox.cgroups import Sandbox, cgroup_name, join_cgroup, limits_for, options_for
+from node.sandbox.driver import Limits, SandboxOptions
+from node.sandbox.layout import parse_layout
 from node.units import format_size, parse_size
-from node.worker_memory import memory_high_bytes
 
 NODE_PID = 4242
 SERVICE = "/system.slice/edgenode.service"
@@ -329,7 +321,7 @@ def test_v2_nested_own_cgroup_gets_node_leaf_and_workers(kernel: FakeKernel) -> 
     box = Sandbox(opts(nice=10), kernel.host())
     box.open()
     base = own / "edgenode"
-    assert box.active and box.backend.kind == "v2" and box.layout == "v2"
+    assert box.active and box.driver.kind == "v2" and box.layout == "v2"
     assert box.base == str(base)
     assert kernel.procs(base / "node") == [NODE_PID]  # the node left its own cgroup
     assert (own / "cgroup.subtree_control").read_text() == "cpu cpuset memory"
@@ -479,7 +471,7 @@ def test_missing_delegated_root_is_a_clear_error(kernel: FakeKernel) -> None:
 def test_hybrid_uses_v1_and_copies_cpuset_from_the_parent(kernel: FakeKernel) -> None:
     dirs = v1_host(kernel)
     with Sandbox(opts(nice=10), kernel.host()) as box:
-        assert box.backend.kind == "v1" and box.layout == "hybrid"
+        assert box.driver.kind == "v1" and box.layout == "hybrid"
         mem_base = dirs["memory"] / "edgenode"
         cpuset_base = dirs["cpuset"] / "edgenode"  # own cpuset is "/": a child of the root
         cpu_base = dirs["cpu,cpuacct"] / "edgenode"

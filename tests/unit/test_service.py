@@ -10,7 +10,7 @@ from broker.records import BrokerSettings
 from broker.service import BatchLevels, Ratio, ServiceModel, batch_cost, byte_bound, level_key
 from broker.stats import Stats
 from brokerkit import W1, W2, BrokerHarness, generate
-from node.status_view import render_status
+from node.cli.status_view import render_status
 
 #: A worker identity for ``BatchLevels``.
 W = b"w"

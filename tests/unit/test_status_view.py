@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from node.status_view import render_status
+from node.cli.status_view import render_status
 
 
 def _proc(wid: str, nice: int | None, group: int | None) -> dict[str, Any]:

@@ -1,0 +1,1 @@
+"""The ``edgenode`` command line (``node.cli.main``) and its commands' views."""

@@ -1,0 +1,508 @@
+"""The ``edgenode`` command line: start, stop, status, ask.
+
+Options given to the group apply to every command and are also read from the
+environment: ``--config``/``EDGENODE_CONFIG``, ``--run-dir``/``EDGENODE_RUN_DIR``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+import psutil
+
+from broker.client import Client
+from broker.errors import EdgeNodeError
+from node.app import Node, log_path
+from node.capacity.plan import check_fits
+from node.cli.capacity import capacity
+from node.cli.context import node_config
+from node.cli.report import report
+from node.cli.rules import load_or_exit, rules
+from node.cli.status_view import render_status
+from node.config import NodeConfig
+from node.endpoints import connect_endpoint
+from node.model import resolve_model, resolve_rules
+from node.pidfile import (
+    LOCK_FD_ENV,
+    ForeignHolderError,
+    RunLock,
+    in_use_message,
+    lock_holder,
+    signal_holder,
+    wait_for_starts,
+)
+from node.pool import plan_workers
+
+#: ``edgenode status`` exit code when no node runs (LSB init-script convention).
+EXIT_NOT_RUNNING = 3
+#: Added to a stopping node's own grace (2 x workers.stop_grace_ms) before a failed
+#: start kills it (s): closing sockets and removing cgroups takes well under this.
+STOP_MARGIN_S = 10.0
+#: How long ``stop`` waits, when no node holds the lock, for starts already
+#: running to take theirs (s): a start takes it after its imports and config,
+#: about a second on a small board.
+START_LOCK_WAIT_S = 10.0
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "-c",
+    "--config",
+    "config_path",
+    envvar="EDGENODE_CONFIG",
+    type=click.Path(),
+    help="TOML config file (default: /etc/edgenode/edgenode.toml if present, "
+    "else built-in defaults = etc/edgenode.toml).",
+)
+@click.option(
+    "--run-dir",
+    envvar="EDGENODE_RUN_DIR",
+    type=click.Path(),
+    help="Pidfile, sockets and logs (default: $XDG_RUNTIME_DIR/edgenode or /tmp/edgenode-<uid>).",
+)
+@click.pass_context
+def cli(ctx: click.Context, config_path: str | None, run_dir: str | None) -> None:
+    """edgenode: a small GGUF model served over ZeroMQ, fenced off from the host's workload."""
+    if run_dir:
+        os.environ["EDGENODE_RUN_DIR"] = str(Path(run_dir).resolve())  # children inherit it
+    if config_path:
+        config_path = str(Path(config_path).resolve())
+        os.environ["EDGENODE_CONFIG"] = config_path
+    ctx.obj = {"config": config_path}
+
+
+@cli.command()
+@click.option("--foreground", is_flag=True, help="Run in this process; Ctrl-C stops it.")
+@click.option(
+    "--wait-s",
+    default=180.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Background start: how long to wait for every worker to be READY.",
+)
+@click.pass_context
+def start(ctx: click.Context, foreground: bool, wait_s: float) -> None:
+    """Start the node (background by default, with a pidfile and logs in the run dir).
+
+    One node per run directory: the node holds a lock on it for its whole life.
+    A background start takes that lock before it launches the node and hands it
+    over, so a ``stop`` issued meanwhile stops the start and its node. It succeeds
+    only when the node it launched answers with every worker ready; otherwise
+    (including SIGINT, SIGTERM or SIGHUP to the start) it stops that node and
+    exits 1 with the reason.
+    """
+    config = node_config(ctx)
+    # A node launched by a background start holds the lock already (handed over).
+    if LOCK_FD_ENV not in os.environ and lock_holder(config.run_dir) is not None:
+        raise click.ClickException(in_use_message(config.run_dir))
+    if foreground:
+        _check_startable(config)
+        logging.basicConfig(
+            level=config.node.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        )
+        try:
+            sys.exit(Node(config).run())
+        except EdgeNodeError as exc:
+            raise click.ClickException(exc.message) from exc
+    _start_background(config, wait_s)
+
+
+def _check_startable(config: NodeConfig) -> None:
+    """Fail here, clearly, before anything starts.
+
+    Raises:
+        click.ClickException: no model, a config that cannot fit, an impossible
+            core reservation, or a bad rules file (every error, as ``rules check``
+            says them).
+    """
+    try:
+        if config.workers.engine == "llama":
+            resolve_model(config.model.path)
+        check_fits(config)
+        plan_workers(config.workers, config.node.cpus)
+        if config.fallback.rules:
+            load_or_exit(str(resolve_rules(config.fallback.rules)))
+    except EdgeNodeError as exc:
+        raise click.ClickException(exc.message) from exc
+
+
+class StartInterrupted(Exception):
+    """A background start got SIGINT, SIGTERM or SIGHUP: it gives up, and so
+    does the node it launched."""
+
+    def __init__(self, signum: signal.Signals) -> None:
+        super().__init__(signum.name)
+        self.signum = signum
+
+
+class _Interrupts:
+    """SIGINT, SIGTERM and SIGHUP raise ``StartInterrupted`` while a background
+    start waits (``edgenode stop``, ``timeout``, a closed terminal all mean "give
+    up", as Ctrl-C does). While the node is being spawned a signal is only kept
+    and raised right after: raised inside ``Popen`` it would lose the child."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.pending: signal.Signals | None = None
+        self.armed = True
+
+    def install(self) -> None:
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.pending = signal.Signals(signum)
+        if self.armed:
+            raise StartInterrupted(self.pending)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Keep signals pending inside the block; raise the kept one at its end."""
+        self.armed = False
+        try:
+            yield
+        finally:
+            self.armed = True
+            if self.pending is not None:
+                raise StartInterrupted(self.pending)
+
+    def disarm(self) -> None:
+        """From here signals are only recorded (the start has succeeded, or is
+        already stopping its node and must not be cut short)."""
+        self.armed = False
+
+
+def _start_background(config: NodeConfig, wait_s: float) -> None:
+    logfile = log_path(config.run_dir)
+    interrupts = _Interrupts()
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        interrupts.install()
+        config.run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(config.run_dir, 0o700)
+        # The lock first: from here a `stop` finds this start and stops it.
+        with _locked(config.run_dir) as lock:
+            _check_startable(config)  # a refused start makes no logs, no node
+            logfile.parent.mkdir(parents=True, exist_ok=True)
+            with open(logfile, "ab") as out, interrupts.held():
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "node.cli", "start", "--foreground"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                    start_new_session=True,
+                    pass_fds=(lock.fd,),  # the node adopts the held lock
+                    env={**os.environ, LOCK_FD_ENV: str(lock.fd)},
+                )
+            click.echo(f"starting edgenode (pid {proc.pid}, log {logfile}) ...")
+            n = _wait_started(proc, config, wait_s, logfile)
+            interrupts.disarm()
+    except click.ClickException as exc:
+        # A start that fails leaves nothing running: its node stops (workers,
+        # cgroups, sockets and pidfile go with it).
+        interrupts.disarm()
+        if proc is None:
+            raise
+        raise click.ClickException(f"{exc.message}\n{_stop_started(proc, config)}") from exc
+    except StartInterrupted as exc:  # the start is given up, so is its node
+        interrupts.disarm()
+        stopped = (
+            " before it launched a node" if proc is None else f"\n{_stop_started(proc, config)}"
+        )
+        raise click.ClickException(f"start interrupted ({exc.signum.name}){stopped}") from None
+    click.echo(f"edgenode running: {n} worker(s) ready on {config.frontend} (pid {proc.pid})")
+
+
+@contextlib.contextmanager
+def _locked(run_dir: Path) -> Iterator[RunLock]:
+    """``RunLock(run_dir)``, its refusal as a click error.
+
+    Raises:
+        click.ClickException: another node (or another process) holds the lock.
+    """
+    try:
+        lock = RunLock(run_dir).__enter__()
+    except EdgeNodeError as exc:
+        raise click.ClickException(exc.message) from exc
+    try:
+        yield lock
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _wait_started(
+    proc: subprocess.Popen[bytes], config: NodeConfig, wait_s: float, logfile: Path
+) -> int:
+    """Wait until the node ``proc`` itself answers with every worker ready; returns
+    the number of workers. An answer from any other process (a node that already
+    held the endpoint) does not count: its ``pid`` is not ``proc``'s.
+
+    Raises:
+        click.ClickException: the node exited (with its own error), a worker
+            failed, or not ready within ``wait_s``.
+    """
+    deadline = time.monotonic() + wait_s
+    answered_by: int | None = None
+    with Client(connect_endpoint(config.frontend), wait_ms=1000) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise click.ClickException(f"node exited during start: {_exit_reason(logfile)}")
+            try:
+                status = client.status()
+            except EdgeNodeError:
+                time.sleep(0.2)
+                continue
+            if status.get("pid") != proc.pid:
+                answered_by = status.get("pid")
+                time.sleep(0.2)
+                continue
+            failed = [p for p in status.get("processes", []) if p["state"] == "failed"]
+            if failed:
+                reasons = "; ".join(f"{p['worker_id']}: {p['last_exit']}" for p in failed)
+                raise click.ClickException(
+                    f"worker failed to start ({reasons}); see {logfile.parent}"
+                )
+            if status.get("all_ready"):
+                return len(status["workers"])
+            time.sleep(0.2)
+    other = (
+        f"; {config.frontend} is answered by pid {answered_by}, not by the node this start "
+        f"launched (pid {proc.pid})"
+        if answered_by is not None
+        else ""
+    )
+    raise click.ClickException(f"workers not ready after {wait_s:g}s{other}; see {logfile}")
+
+
+def _exit_reason(logfile: Path) -> str:
+    """The node's own error line (click's "Error: ..."), else the log's tail."""
+    tail = logfile.read_text(errors="replace").splitlines()[-15:]
+    errors = [line.removeprefix("Error: ") for line in tail if line.startswith("Error: ")]
+    return errors[-1] if errors else "\n" + "\n".join(tail)
+
+
+def _stop_started(proc: subprocess.Popen[bytes], config: NodeConfig) -> str:
+    """Stop the node this start launched (its own child: the pid cannot have been
+    reused while unreaped); returns what happened, for the error message."""
+    if proc.poll() is not None:
+        return f"(the node, pid {proc.pid}, has exited)"
+    proc.terminate()
+    # The node's own stop: drain within stop_grace_ms, then the workers get as
+    # long again; the margin covers the cgroups' removal.
+    grace_s = 2 * config.workers.stop_grace_ms / 1000 + STOP_MARGIN_S
+    try:
+        proc.wait(grace_s)
+        return f"the node it started (pid {proc.pid}) was stopped"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return (
+            f"the node it started (pid {proc.pid}) did not stop within {grace_s:g}s and was "
+            "killed; the next start reaps its cgroups"
+        )
+
+
+@cli.command()
+@click.option(
+    "--timeout-s",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Wait this long for exit.",
+)
+@click.pass_context
+def stop(ctx: click.Context, timeout_s: float) -> None:
+    """Stop the running node (drain, then stop workers). Exit 0 also if none runs.
+
+    Only the process holding the run directory's lock is signalled, and only if
+    it is an edgenode start (a node, or a background start still launching one,
+    which then stops its node); the pidfile is never trusted for that. Another
+    process holding the lock is named, not signalled, and the exit is 1. The
+    lock is followed until nobody holds it: a start that finished meanwhile has
+    handed it to its node, which is stopped in turn. If nobody holds it, starts
+    already running that have not taken their lock yet are waited for (at most
+    ``START_LOCK_WAIT_S``), so ``start & stop`` stops that start.
+    """
+    config = node_config(ctx)
+    deadline = time.monotonic() + timeout_s
+    stopped: list[str] = []
+    waited = False
+    while True:
+        try:
+            holder = signal_holder(config.run_dir, signal.SIGTERM)
+        except ForeignHolderError as exc:
+            raise click.ClickException(f"{exc.message}; nothing was signalled") from exc
+        except (PermissionError, psutil.AccessDenied) as exc:
+            raise click.ClickException(
+                f"not permitted to stop the edgenode of {config.run_dir} (another user's?): {exc}"
+            ) from exc
+        if holder is None:
+            if waited or stopped:
+                break
+            # A start launched just before this stop may not hold its lock yet.
+            waited = True
+            wait_for_starts(min(START_LOCK_WAIT_S, max(0.0, deadline - time.monotonic())))
+            continue
+        stopped.append(_what(holder))  # before it exits: its command line goes with it
+        while _alive(holder):
+            if time.monotonic() > deadline:
+                raise click.ClickException(
+                    f"edgenode (pid {holder.pid}) did not stop within {timeout_s:g}s"
+                )
+            time.sleep(0.1)
+    if not stopped:
+        click.echo("edgenode is not running")
+        return
+    click.echo("edgenode stopped (" + "; ".join(stopped) + ")")
+
+
+def _what(proc: psutil.Process) -> str:
+    """``pid N``, marked when it is a background start still launching its node."""
+    if "--foreground" in _cmdline(proc):
+        return f"pid {proc.pid}"
+    return f"pid {proc.pid}, a start still launching its node"
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _alive(proc: psutil.Process) -> bool:
+    # is_running() also checks the start time (a reused pid is not ours); a
+    # zombie has exited, its parent just has not reaped it yet.
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Show workers, queue and counters of the running node (exit 3 if none runs)."""
+    config = node_config(ctx)
+    address = connect_endpoint(config.frontend)
+    try:
+        with Client(address, wait_ms=2000) as client:
+            node = client.status()
+    except EdgeNodeError:
+        if as_json:
+            click.echo(json.dumps({"running": False, "frontend": config.frontend}))
+        else:
+            click.echo(f"edgenode is not running (no answer on {address})")
+        sys.exit(EXIT_NOT_RUNNING)
+    if as_json:
+        click.echo(json.dumps({"running": True, **node}, indent=2, sort_keys=True))
+        return
+    click.echo(render_status(node))
+
+
+@cli.command()
+@click.argument("text")
+@click.option("--stream", is_flag=True, help="Print tokens as they arrive.")
+@click.option("--max-tokens", default=128, show_default=True, type=int)
+@click.option("--timeout-ms", type=int, help="Request budget (default: the node's).")
+@click.option("--raw", is_flag=True, help="Plain completion of TEXT (no chat template).")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole final reply as JSON.")
+@click.option(
+    "--route",
+    type=click.Choice(["auto", "llm", "rules"]),
+    default="llm",
+    show_default=True,
+    help="llm asks the model, rules the rule engine; auto follows the node's migration "
+    "mode, as apps' requests do by default.",
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0.0),
+    default=None,
+    help="Sampling temperature; 0 = greedy (the same answer every time). Default: the node's 0.8.",
+)
+@click.pass_context
+def ask(
+    ctx: click.Context,
+    text: str,
+    stream: bool,
+    max_tokens: int,
+    timeout_ms: int | None,
+    raw: bool,
+    as_json: bool,
+    route: str,
+    temperature: float | None,
+) -> None:
+    """Ask the running node TEXT and print the answer with its usage counts."""
+    config = node_config(ctx)
+    fields: dict[str, Any] = {"max_tokens": max_tokens, "route": route}
+    if timeout_ms is not None:
+        fields["timeout_ms"] = timeout_ms
+    if temperature is not None:
+        fields["temperature"] = temperature
+    messages = [{"role": "user", "content": text}]
+    address = connect_endpoint(config.frontend)
+    try:
+        with Client(address, wait_ms=2000) as probe:
+            probe.ping()  # fail in seconds, not after a whole budget, if no node runs
+        with Client(address, max_body_bytes=config.broker.max_body_bytes) as client:
+            if stream:
+                s = (
+                    client.stream_generate(text, **fields)
+                    if raw
+                    else client.stream_chat(messages, **fields)
+                )
+                for piece in s:
+                    click.echo(piece, nl=False)
+                click.echo()
+                reply = s.result
+            else:
+                reply = client.generate(text, **fields) if raw else client.chat(messages, **fields)
+                if not as_json:
+                    click.echo(reply.text)
+    except EdgeNodeError as exc:
+        partial = f"\npartial text: {exc.partial_text}" if exc.partial_text else ""
+        retry = f" (retry after {exc.retry_after_ms} ms)" if exc.retry_after_ms else ""
+        reason = f" [{exc.reason}]" if exc.reason else ""
+        raise click.ClickException(
+            f"{int(exc.code)} {exc.code.name}{reason}: {exc.message}{retry}{partial}"
+        ) from exc
+    assert reply is not None
+    if as_json:
+        click.echo(json.dumps(reply.raw, indent=2))
+        return
+    u = reply.usage
+    click.echo(
+        f"[{u.get('prompt_tokens', '?')} prompt + {u.get('completion_tokens', '?')} completion "
+        f"tokens, {reply.finish_reason}, {reply.total_ms} ms, served by {reply.served_by} "
+        f"{reply.raw.get('worker', '')}{_degraded(reply.raw)}]",
+        err=True,
+    )
+
+
+def _degraded(raw: dict[str, Any]) -> str:
+    return f", degraded: {raw.get('degrade_reason')}" if raw.get("degraded") else ""
+
+
+cli.add_command(rules)
+cli.add_command(report)
+cli.add_command(capacity)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli(prog_name="edgenode")

@@ -1,0 +1,187 @@
+"""The human view of ``edgenode status`` (the ``--json`` view is the raw map)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from node.units import format_size
+
+
+def render_status(node: dict[str, Any]) -> str:
+    """Header lines (node, gate, breaker, sandbox), the worker table, counters."""
+    routing = node.get("routing", {})
+    lines = [
+        f"edgenode pid {node.get('pid')}  model {Path(str(node.get('model'))).name}  "
+        f"engine {node.get('engine')}  mode {routing.get('mode', '-')}",
+        f"frontend {node.get('endpoints', {}).get('frontend')}",
+        _gate_line(node),
+        _breaker_line(routing.get("breaker")),
+        _sandbox_line(node.get("sandbox")),
+        _capacity_line(node.get("capacity"), node.get("memory", {})),
+        "",
+        f"{'WORKER':<8} {'STATE':<10} {'PID':>7} {'CREDIT':>6} {'RESTARTS':>8} {'CPUS':>5} "
+        f"{'THR':>3} {'NICE':>5} {'MEM/LIMIT':>13} {'PEAK':>7} {'OOM':>3}  LAST EXIT",
+    ]
+    registered = {w["worker_id"]: w for w in node.get("workers", [])}
+    for proc in node.get("processes", []):
+        lines.append(_worker_line(proc, registered.get(proc["worker_id"])))
+    counters = node.get("counters", {})
+    outcomes = {k: v for k, v in counters.items() if k not in DELIVERY_COUNTERS}
+    if outcomes:
+        lines += ["", "requests: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))]
+    if any(k in counters for k in DELIVERY_COUNTERS) or node.get("delivery", {}).get("backlog"):
+        lines.append(_replies_line(counters, node.get("delivery", {})))
+    if node.get("service"):
+        lines.append(_service_line(node["service"]))
+    return "\n".join(line for line in lines if line is not None)
+
+
+#: The counters of what became of the messages sent to clients (broker.delivery),
+#: shown on their own line rather than among the requests' outcomes.
+DELIVERY_COUNTERS = (
+    "finals_delivered",
+    "finals_backlogged",
+    "finals_undeliverable",
+    "partials_delivered",
+    "partials_dropped",
+    "backlog_overflows",
+)
+
+
+def _replies_line(counters: dict[str, int], delivery: dict[str, Any]) -> str:
+    """What became of the replies sent to clients, and what waits for slow readers."""
+    n = {k: counters.get(k, 0) for k in DELIVERY_COUNTERS}
+    return (
+        f"replies: finals {n['finals_delivered']} delivered, {n['finals_backlogged']} waited, "
+        f"{n['finals_undeliverable']} undeliverable; partials {n['partials_delivered']} "
+        f"delivered, {n['partials_dropped']} dropped; waiting now {delivery.get('backlog', 0)} "
+        f"for {delivery.get('backlog_clients', 0)} client(s) (max "
+        f"{delivery.get('max_backlog', '-')} each), {n['backlog_overflows']} overflowed"
+    )
+
+
+def _gate_line(node: dict[str, Any]) -> str:
+    memory = node.get("memory", {})
+    pressure = node.get("pressure", "ok")
+    if memory.get("budget"):
+        source = f"; {memory['budget_source']}" if memory.get("budget_source") else ""
+        pressure += (
+            f" (working set {_size(memory.get('working_set'))} of "
+            f"{_size(memory['budget'])}, {memory.get('used_pct')}%{source})"
+        )
+    return (
+        f"gate: queue {node['queue_depth']}/{node['queue_bound']}  in-flight "
+        f"{node['in_flight']}  free credit {node['credit']} (model credit usable now "
+        f"{node.get('credit_limit', '-')})  memory pressure {pressure}  "
+        f"cpu pressure {_cpu(node)}"
+    )
+
+
+def _cpu(node: dict[str, Any]) -> str:
+    """The host's CPU pressure level and the PSI reading behind it, or why it is not read."""
+    cpu = node.get("cpu") or {}
+    level = node.get("cpu_pressure", cpu.get("level", "-"))
+    if not cpu:
+        return str(level)  # an older node
+    if cpu.get("source") is None:
+        return f"{level} (not measured: {cpu.get('reason') or 'no PSI file'})"
+    avg10 = cpu.get("some_avg10")
+    reading = "-" if avg10 is None else f"{avg10:g}%"
+    return (
+        f"{level} (some avg10 {reading} of {cpu['source']}; high at {cpu.get('warn_pct'):g}%, "
+        f"ok below {cpu.get('clear_pct'):g}%)"
+    )
+
+
+def _breaker_line(breaker: dict[str, Any] | None) -> str:
+    if not breaker:
+        return "breaker: -"
+    rates = []
+    for key, label in (("failure_rate_pct", "failures"), ("slow_call_rate_pct", "slow")):
+        value = breaker.get(key)
+        if value is not None:
+            rates.append(f"{label} {value:.0f}%")
+    calls = breaker.get("calls", "?")
+    return f"breaker: {breaker.get('state')} ({', '.join(rates) or 'no rate yet'}, {calls} calls)"
+
+
+def _sandbox_line(sandbox: dict[str, Any] | None) -> str:
+    if not sandbox:
+        return "sandbox: -"
+    if not sandbox.get("cgroup"):
+        return f"sandbox: off ({sandbox.get('reason') or sandbox.get('mode')})"
+    return f"sandbox: {sandbox.get('backend')} ({sandbox.get('layout')}) {sandbox['cgroup']}"
+
+
+def _capacity_line(plan: dict[str, Any] | None, memory: dict[str, Any]) -> str | None:
+    if not plan:
+        return None
+    measured = memory.get("working_set")
+    grammar = f", {_size(plan['grammar'])} of it for a json_schema" if plan.get("grammar") else ""
+    limits = plan.get("worker_limits") or {}
+    planned = f" (plan's memory.max {_size(plan.get('memory_max'))})"
+    applied = ""
+    if limits:
+        top = "none" if limits.get("memory_max") is None else _size(limits["memory_max"])
+        applied = f'; workers get memory.max {top} (workers.memory_max = "{limits["setting"]}")'
+        if limits.get("memory_max") == plan.get("memory_max"):
+            planned = ""  # "auto": the same number twice
+    return (
+        f"capacity plan: {_layout(plan)}{_size(plan.get('per_worker'))} per worker{grammar}"
+        f"{planned}{applied}, {_size(plan.get('total'))} in all of {_size(plan.get('budget'))};"
+        f" measured working set {_size(measured)}"
+    )
+
+
+def _layout(plan: dict[str, Any]) -> str:
+    """``2 workers x 4 slots = 8 sequences, `` from the plan (nothing from an older node)."""
+    workers, slots = plan.get("workers"), plan.get("slots")
+    if not isinstance(workers, int) or not isinstance(slots, int):
+        return ""
+    return (
+        f"{workers} worker{'s' * (workers != 1)} x {slots} slot{'s' * (slots != 1)}"
+        f" = {workers * slots} sequence{'s' * (workers * slots != 1)}, "
+    )
+
+
+def _service_line(service: dict[str, dict[str, Any]]) -> str:
+    """What admission predicts from: per engine kind the mean service time and,
+    once learned, the prefill and decode rates (broker.service)."""
+    parts = []
+    for kind, s in service.items():
+        rates = ""
+        if s.get("decode_ms_per_token") is not None:
+            rates = (
+                f"; prefill {s['prefill_ms_per_token']:g} ms/token,"
+                f" decode {s['decode_ms_per_token']:g} ms/token"
+            )
+        parts.append(f"{kind} mean {s['mean_ms']:g} ms ({s['samples']} served{rates})")
+    return "service: " + ", ".join(parts)
+
+
+def _worker_line(proc: dict[str, Any], reg: dict[str, Any] | None) -> str:
+    state = reg["state"] if reg and proc["state"] == "ready" else proc["state"]
+    credit = f"{reg['credit']}/{reg['slots']}" if reg else "-"
+    memory = proc.get("memory") or {}
+    used = f"{_size(memory.get('current'))}/{_size(memory.get('limit'))}" if memory else "-"
+    cpus = ",".join(str(c) for c in proc.get("cpus") or []) or "all"
+    return (
+        f"{proc['worker_id']:<8} {state:<10} {proc['pid'] or '-':>7} {credit:>6} "
+        f"{proc['restarts']:>8} {cpus:>5} {proc.get('threads', '-'):>3} {_nice(proc):>5} "
+        f"{used:>13} {_size(memory.get('peak')):>7} {proc.get('oom_kills', 0):>3}  "
+        f"{proc['last_exit'] or '-'}"
+    )
+
+
+def _nice(proc: dict[str, Any]) -> str:
+    """The nice level; "10/0" when the worker's autogroup, which is what ranks it
+    against the host's sessions, has another (node.sandbox.niceness)."""
+    nice, group = proc.get("nice"), proc.get("autogroup_nice")
+    if nice is None:
+        return "-"
+    return str(nice) if group is None or group == nice else f"{nice}/{group}"
+
+
+def _size(value: Any) -> str:
+    return format_size(value) if isinstance(value, int) else "-"

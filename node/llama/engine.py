@@ -1,0 +1,613 @@
+"""The llama.cpp engine: one model, one llama context, S slots decoded together.
+
+Continuous batching through llama-cpp-python's low-level bindings (llama.h), as
+llama.cpp's own server does it (tools/server: slots, ``update_slots``):
+
+* the context is made with ``n_seq_max = S`` and ``S x pad256(model.n_ctx)``
+  cells, not unified: every slot (llama.cpp sequence ``i``) has ``model.n_ctx``
+  cells of its own, so one slot can never starve another of KV cache;
+* each ``step`` builds one ``llama_batch``: the token each generating slot
+  sampled last, then prompt chunks of the slots still evaluating their prompt,
+  up to ``n_batch`` tokens in all (``PROMPT_BESIDE_DECODE`` beside generating
+  slots). A new request joins at the next step, and a long prompt is evaluated
+  over several steps while the other slots keep decoding;
+* every request samples through its own ``llama_sampler`` chain (special-token
+  mask, its ``json_schema`` grammar, temperature/top_p/seed); a finished,
+  cancelled or failed request leaves its slot at once;
+* a slot keeps its sequence's KV after a request: the next request goes to the
+  free slot sharing the longest prompt prefix, and only the rest is evaluated
+  (``node.llama.slots.pick_slot``; llama-server's ``cache_prompt``).
+
+Cancellation reaches inside a step with prompt chunks: llama.cpp's abort
+callback (checked by ggml-cpu after each graph node) stops ``llama_decode`` when
+a request in the batch is cancelled; the batch's KV is then removed for every
+slot in it, and the next step runs the others' tokens again. Their output does
+not change: no token was sampled from the aborted batch. A step of decode tokens
+only is short and runs without the callback; a cancel is seen before the next.
+
+Prompts are tokenized in pieces (``node.llama.vocab.Vocab.pieces``), in time
+linear in their length. Special tokens never reach a client's text: masked at
+sampling (all but end-of-generation) and without text on the way out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import json
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import llama_cpp.llama_cpp as llama_c
+from llama_cpp.llama_chat_format import (
+    ChatFormatter,
+    Jinja2ChatFormatter,
+    LlamaChatCompletionHandlerNotFoundException,
+    LlamaChatCompletionHandlerRegistry,
+)
+from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+from broker.errors import (
+    Cancelled,
+    EdgeNodeError,
+    InternalError,
+    ProtocolError,
+    TooLarge,
+    Unavailable,
+)
+from node.engine import Emit, EngineSpec, Outcome, flash_attn_on
+from node.llama.grammar import check_grammar, check_schema, trim_heap
+from node.llama.log import LLAMA_LOG as _LOG
+from node.llama.log import LOG_QUIET
+from node.llama.slots import Slot, SlotJob, TextOut, pick_slot
+from node.llama.vocab import TooManyTokens, Vocab, around_text, special_tokens
+
+#: ``model.kv_type`` -> ggml_type (ggml.h), as llama_context_params.type_k/type_v take it.
+KV_GGML_TYPES = {
+    "f16": llama_cpp.GGML_TYPE_F16,
+    "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+    "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+}
+#: One line per KV cache (src/llama-kv-cache.cpp): "CPU KV buffer size =    30.00 MiB".
+_KV_BUFFER = re.compile(r"KV buffer size\s*=\s*([0-9.]+) MiB")
+#: llama.cpp pads a context to a multiple of 256 cells (GGML_PAD, src/llama-context.cpp).
+CTX_PAD = 256
+#: llama-cpp-python's ``create_completion`` defaults, kept so that a request means
+#: what it meant with the one-sequence engine: temperature, top_k, min_p.
+DEFAULT_TEMPERATURE = 0.8
+TOP_K = 40
+MIN_P = 0.05
+#: llama.h LLAMA_DEFAULT_SEED: a random seed per sampler.
+RANDOM_SEED = 0xFFFFFFFF
+#: Most prompt tokens in a step that also decodes other slots' tokens: about
+#: 0.7 s of prompt evaluation on one core here (~190 tokens/s), where a whole
+#: n_batch chunk (512) held the other slots' streams for 3-4 s (break-it session).
+PROMPT_BESIDE_DECODE = 128
+#: llama_decode's return code when the abort callback stopped it (llama.h).
+DECODE_ABORTED = 2
+
+
+def kv_buffer_bytes(load_log: str) -> int | None:
+    """Bytes of KV cache llama.cpp reports in a context's load log (all caches:
+    Gemma 3 has a sliding-window one and a full one), to 0.01 MiB; None if none."""
+    sizes = [float(m) for m in _KV_BUFFER.findall(load_log)]
+    return round(sum(sizes) * 2**20) if sizes else None
+
+
+class LlamaEngine:
+    """Runs ``generate`` and ``chat`` requests on a GGUF model, ``spec.slots`` at a time.
+
+    Args:
+        spec: model path, ``n_ctx`` (tokens per slot), ``n_batch`` (tokens per
+            step, all slots together), ``threads`` (the cores this worker may
+            really use: llama-cpp-python's default of ``cpu_count()//2`` ignores
+            affinity and CPU quotas), ``kv_type`` and ``flash_attn`` (``node.engine.flash_attn_on``)
+            and ``slots``.
+
+    ``kv_cache_bytes`` is the KV cache llama.cpp allocated, from its load log
+    (None if it printed none). The worker drives ``submit`` and ``step`` from one
+    thread; ``run`` serves one request alone.
+
+    Raises:
+        ValueError: llama.cpp could not load the model, or the chat format is unknown.
+    """
+
+    kind = "llama"
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.model = Path(spec.model_path).name
+        if spec.kv_type not in KV_GGML_TYPES:
+            raise ValueError(f"kv_type must be one of {', '.join(KV_GGML_TYPES)}")
+        kv = KV_GGML_TYPES[spec.kv_type]
+        self.slots = max(1, spec.slots)
+        self.n_ctx = -(-spec.n_ctx // CTX_PAD) * CTX_PAD  # per slot, as llama.cpp pads it
+        self.n_batch = spec.n_batch
+        with (
+            _model_params(use_extra_bufts=spec.repack),
+            _context_params(n_seq_max=self.slots),
+            _LOG.capture() as load_log,
+        ):
+            # Typed as Any: the wrapper's return types are unions of str and dicts.
+            self.llm: Any = llama_cpp.Llama(
+                model_path=spec.model_path,
+                n_ctx=self.n_ctx * self.slots,
+                n_batch=spec.n_batch,
+                n_threads=spec.threads,
+                n_threads_batch=spec.threads,
+                type_k=kv,
+                type_v=kv,
+                flash_attn=flash_attn_on(spec.kv_type, spec.flash_attn),
+                verbose=False,
+            )
+        self.kv_cache_bytes = kv_buffer_bytes("".join(load_log))
+        self._ctx = self.llm.ctx
+        self._mem = llama_c.llama_get_memory(self._ctx)
+        self._vocab = llama_c.llama_model_get_vocab(self.llm.model)
+        self.hidden, masked = special_tokens(self.llm)
+        # Special tokens other than end-of-generation can never be sampled.
+        self._mask = (llama_c.llama_logit_bias * len(masked))(
+            *(llama_c.llama_logit_bias(int(token), float("-inf")) for token in masked)
+        )
+        # ~0.6 s for Gemma 3: the tables that let prompts be tokenized in pieces.
+        self.vocab = Vocab(self._vocab)
+        trim_heap()  # reading them freed ~6 MiB of heap that would stay resident
+        self._chat = _chat_formatter(self.llm, spec.chat_format)  # ValueError: unknown name
+        self._slots = [Slot(seq) for seq in range(self.slots)]
+        self._batch = llama_c.llama_batch_init(self.n_batch, 0, 1)
+        self._uses = itertools.count(1)
+        self._in_batch: list[threading.Event] = []
+        self.steps = 0
+        self.aborts = 0  # batches stopped inside llama_decode by a cancel
+        # Keep a reference: ctypes frees the trampoline when the object dies.
+        self._abort_cb = llama_cpp.ggml_abort_callback(self._should_abort)
+        self._watching = True
+        self._watch(False)
+
+    def _should_abort(self, _data: ctypes.c_void_p) -> bool:
+        # ggml-cpu calls this after every graph node: it doubles as the proof
+        # that computation advances (the worker's progress counter).
+        self.steps += 1
+        return any(flag.is_set() for flag in self._in_batch)
+
+    def _watch(self, on: bool) -> None:
+        """Install the abort callback for batches with prompt chunks only.
+
+        A chunk of ``n_batch`` prompt tokens takes seconds on one core, so a
+        cancel must reach inside it; a decode step ends within tens of ms, and the
+        cancel is seen before the next one. Without the callback there, ggml's
+        first thread no longer stops for the interpreter after each of a step's
+        ~460 graph nodes while the others wait at its barrier.
+        """
+        if on != self._watching:
+            callback = self._abort_cb if on else llama_cpp.ggml_abort_callback()  # NULL
+            llama_cpp.llama_set_abort_callback(self._ctx, callback, ctypes.c_void_p())
+            self._watching = on
+
+    # ------------------------------------------------------------------ requests
+
+    @property
+    def busy(self) -> int:
+        """Slots running a request."""
+        return sum(s.job is not None for s in self._slots)
+
+    def cached(self) -> list[list[int]]:
+        """Per slot, the tokens whose KV the context holds (a copy)."""
+        return [list(s.cached) for s in self._slots]
+
+    def submit(self, rid: int, job: dict[str, Any], cancelled: threading.Event, emit: Emit) -> None:
+        """Give ``job`` (a worker REQUEST body) a slot; it joins the batch at the next step.
+
+        Raises:
+            TooLarge: the prompt does not fit a slot's ``n_ctx``, or the schema is too big.
+            ProtocolError: the ``json_schema`` cannot be used.
+            Cancelled: ``cancelled`` was set while the prompt was tokenized.
+            Unavailable: every slot is busy (the broker's credit prevents it).
+        """
+        if self.busy >= self.slots:
+            raise Unavailable("worker has no free slot")
+        prompt, stops, lstrip = self._prompt(job, cancelled)
+        sampler = self._sampler(job)  # last: nothing to free if the prompt failed
+        slot, keep = pick_slot(self._slots, prompt)
+        if keep < len(slot.cached) and not llama_c.llama_memory_seq_rm(
+            self._mem, slot.seq, keep, -1
+        ):
+            llama_c.llama_memory_seq_rm(self._mem, slot.seq, -1, -1)
+            keep = 0
+        del slot.cached[keep:]
+        slot.used = next(self._uses)
+        slot.job = SlotJob(
+            rid=rid,
+            prompt=prompt,
+            max_tokens=int(job.get("max_tokens", 128)),
+            cancelled=cancelled,
+            emit=emit,
+            out=TextOut([*job.get("stop", []), *stops], lstrip=lstrip),
+            sampler=sampler,
+            schema="json_schema" in job,
+            reused=keep,
+        )
+
+    def run(self, job: dict[str, Any], cancelled: threading.Event, emit: Emit) -> dict[str, Any]:
+        """Serve ``job`` alone, blocking until it ends (``node.engine.Engine.run``).
+
+        Raises:
+            EdgeNodeError: what the request ended with (``Cancelled``, ``TooLarge``, ...).
+        """
+        rid = -next(self._uses)  # never a broker's rid (those are positive)
+        self.submit(rid, job, cancelled, emit)
+        while True:
+            for done, outcome in self.step():
+                if done != rid:
+                    continue
+                if isinstance(outcome, EdgeNodeError):
+                    raise outcome
+                return outcome
+
+    def step(self) -> list[tuple[int, Outcome]]:
+        """One batch: cancelled requests leave, the others advance by one decode
+        step or one prompt chunk. Returns the requests that ended, with their outcome."""
+        ended: list[tuple[int, Outcome]] = []
+        for slot in self._slots:
+            if slot.job is not None and slot.job.cancelled.is_set():
+                during = " during prompt evaluation" if slot.prefilling else ""
+                why = Cancelled(f"cancelled{during}", partial_text=slot.job.out.text)
+                ended.append(self._end(slot, why))
+        rows = self._fill_batch()
+        if not rows:
+            return ended
+        batch_slots = list(dict.fromkeys(slot for slot, _, _ in rows))
+        self._in_batch = [s.job.cancelled for s in batch_slots if s.job is not None]
+        self._watch(any(len(tokens) > 1 for _, tokens, _ in rows))
+        try:
+            code = llama_c.llama_decode(self._ctx, self._batch)
+        finally:
+            self._in_batch = []
+        self.steps += 1
+        if code != 0:
+            # Aborted or failed: none of the batch's tokens count. Remove what it
+            # may have left in the KV cache, so each slot resumes where it was.
+            for slot in batch_slots:
+                llama_c.llama_memory_seq_rm(self._mem, slot.seq, len(slot.cached), -1)
+            self.aborts += code == DECODE_ABORTED
+            if code != DECODE_ABORTED:
+                error = InternalError(f"llama.cpp decode failed (llama_decode returned {code})")
+                ended += [self._end(s, error) for s in batch_slots if s.job is not None]
+            return ended
+        for slot, tokens, logits_at in rows:
+            slot.cached += tokens
+            if logits_at is not None:
+                outcome = self._sample(slot, logits_at)
+                if outcome is not None:
+                    ended.append(outcome)
+        return ended
+
+    def _fill_batch(self) -> list[tuple[Slot, list[int], int | None]]:
+        """Fill the batch: generating slots' last tokens first, then prompt chunks
+        in arrival order. Returns per slot (its tokens, its logits row or None)."""
+        batch = self._batch
+        rows: list[tuple[Slot, list[int], int | None]] = []
+        n = 0
+        for slot in self._slots:
+            job = slot.job
+            if job is not None and job.next_token is not None:
+                _put(batch, n, job.next_token, len(slot.cached), slot.seq, True)
+                rows.append((slot, [job.next_token], n))
+                n += 1
+        waiting = sorted((s for s in self._slots if s.prefilling), key=lambda s: s.used)
+        # Beside generating slots a step carries fewer prompt tokens, so their
+        # streams pause for a fraction of a second, not for a whole n_batch chunk.
+        limit = self.n_batch if n == 0 else min(self.n_batch, n + PROMPT_BESIDE_DECODE)
+        for slot in waiting:
+            assert slot.job is not None
+            start = len(slot.cached)
+            chunk = slot.job.prompt[start : start + limit - n]
+            if not chunk:
+                break
+            last = start + len(chunk) == len(slot.job.prompt)
+            for i, token in enumerate(chunk):
+                _put(batch, n + i, token, start + i, slot.seq, last and i == len(chunk) - 1)
+            rows.append((slot, chunk, n + len(chunk) - 1 if last else None))
+            n += len(chunk)
+        batch.n_tokens = n
+        return rows
+
+    def _sample(self, slot: Slot, row: int) -> tuple[int, Outcome] | None:
+        """Sample ``slot``'s next token from batch row ``row``; its end, if it ended."""
+        job = slot.job
+        assert job is not None
+        token = llama_c.llama_sampler_sample(job.sampler, self._ctx, row)
+        if llama_c.llama_vocab_is_eog(self._vocab, token):
+            return self._finish(slot, "stop", flush=True)
+        job.generated += 1
+        text, stopped = job.out.feed(self.detokenize([token]))
+        if text:
+            job.emit(text)
+        if stopped:
+            return self._finish(slot, "stop", flush=False)
+        if job.generated >= job.max_tokens or len(slot.cached) >= self.n_ctx:
+            return self._finish(slot, "length", flush=True)
+        job.next_token = token
+        return None
+
+    def _finish(self, slot: Slot, reason: str, flush: bool) -> tuple[int, Outcome]:
+        job = slot.job
+        assert job is not None
+        if flush and (rest := job.out.flush()):
+            job.emit(rest)
+        usage = {
+            "prompt_tokens": len(job.prompt),
+            "completion_tokens": job.generated,
+            "cached_tokens": job.reused,
+        }
+        return self._end(slot, {"text": job.out.text, "finish_reason": reason, "usage": usage})
+
+    def _end(self, slot: Slot, outcome: Outcome) -> tuple[int, Outcome]:
+        """Free ``slot`` (its KV stays, for prefix reuse) and say how its request ended."""
+        job = slot.job
+        assert job is not None
+        slot.job = None
+        llama_c.llama_sampler_free(job.sampler)
+        if job.schema:
+            trim_heap()  # else the grammar sampler's freed vectors stay resident
+        return job.rid, outcome
+
+    def close(self) -> None:
+        """Free the batch, the requests' samplers and the model."""
+        for slot in self._slots:
+            if slot.job is not None:
+                self._end(slot, Cancelled("engine closed"))
+        llama_c.llama_batch_free(self._batch)
+        self.llm.close()
+
+    # ------------------------------------------------------------------ text
+
+    def detokenize(self, tokens: list[int]) -> bytes:
+        """The bytes of ``tokens`` as a client sees them: special tokens have none."""
+        out = bytearray()
+        buf = ctypes.create_string_buffer(64)
+        for token in tokens:
+            if token in self.hidden:
+                continue
+            n = llama_c.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            if n < 0:  # longer than the buffer: -n bytes
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_c.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            out += buf.raw[:n]
+        return bytes(out)
+
+    def _prompt(
+        self, job: dict[str, Any], cancelled: threading.Event
+    ) -> tuple[list[int], list[str], bool]:
+        """(prompt token ids, the chat format's stop strings, whether to lstrip the answer)."""
+        if job["op"] != "chat":
+            return self.prompt_ids(job["prompt"], cancelled), [], False
+        if self._chat is None:
+            return self.prompt_ids(qa_prompt(job["messages"]), cancelled), QA_STOPS, True
+        rendered = self._chat(messages=job["messages"])
+        stops = rendered.stop if isinstance(rendered.stop, list) else [rendered.stop or ""]
+        head = [] if rendered.added_special else self.vocab.bos
+        return head + self.prompt_ids(rendered.prompt, cancelled, around=False), stops, False
+
+    def prompt_ids(self, text: str, cancelled: threading.Event, around: bool = True) -> list[int]:
+        """``text``'s token ids (parse_special, as llama-cpp-python tokenizes a str
+        prompt), tokenized in pieces with the tokens ``around_text`` puts around a
+        completion's prompt. Each piece is a compute step (the worker's progress)
+        and a point where a cancel is seen.
+
+        Raises:
+            TooLarge: the prompt leaves no room in a slot's ``n_ctx`` (413), found
+                from its bytes or its first pieces before anything is evaluated.
+            Cancelled: the request was cancelled meanwhile.
+        """
+        head, tail = around_text(self.llm) if around else ([], [])
+        room = self.n_ctx - 1 - len(head) - len(tail)  # at least one token to generate
+        ids = list(head)
+        try:
+            for piece in self.vocab.pieces(text.encode(), special=True, limit=room):
+                ids += piece
+                self.steps += 1
+                if cancelled.is_set():
+                    raise Cancelled("cancelled while the prompt was tokenized")
+        except TooManyTokens as exc:
+            needed = exc.tokens + len(head) + len(tail)
+            raise TooLarge(
+                f"Requested tokens (at least {needed}) exceed context window of "
+                f"{self.n_ctx}: shorten the prompt or raise model.n_ctx"
+            ) from None
+        ids += tail
+        if len(ids) >= self.n_ctx:
+            raise TooLarge(
+                f"Requested tokens ({len(ids)}) exceed context window of {self.n_ctx}: "
+                "shorten the prompt or raise model.n_ctx"
+            )
+        return ids
+
+    # ------------------------------------------------------------------ sampling
+
+    def _sampler(self, job: dict[str, Any]) -> Any:
+        """The request's sampler chain: special-token mask, its grammar, then
+        llama-cpp-python's defaults (top_k 40, top_p, min_p 0.05, temperature,
+        seeded draw), or greedy at temperature 0.
+
+        Raises:
+            TooLarge, ProtocolError: see ``grammar_sampler``.
+        """
+        grammar = self.grammar_sampler(job["json_schema"]) if "json_schema" in job else None
+        params = llama_c.llama_sampler_chain_default_params()
+        params.no_perf = True
+        chain = llama_c.llama_sampler_chain_init(params)
+        add = llama_c.llama_sampler_chain_add  # the chain owns what is added
+        add(
+            chain,
+            llama_c.llama_sampler_init_logit_bias(
+                llama_c.llama_vocab_n_tokens(self._vocab), len(self._mask), self._mask
+            ),
+        )
+        if grammar is not None:
+            add(chain, grammar)
+        temperature = float(job.get("temperature", DEFAULT_TEMPERATURE))
+        if temperature <= 0:
+            add(chain, llama_c.llama_sampler_init_greedy())
+            return chain
+        add(chain, llama_c.llama_sampler_init_top_k(TOP_K))
+        add(chain, llama_c.llama_sampler_init_top_p(float(job.get("top_p", 0.95)), 1))
+        add(chain, llama_c.llama_sampler_init_min_p(MIN_P, 1))
+        add(chain, llama_c.llama_sampler_init_temp(temperature))
+        add(chain, llama_c.llama_sampler_init_dist(int(job.get("seed", RANDOM_SEED))))
+        return chain
+
+    def grammar_sampler(self, schema: dict[str, Any]) -> Any:
+        """A llama.cpp grammar sampler that admits only JSON valid for ``schema``.
+
+        The schema and its grammar must stay within ``node.llama.grammar``'s bounds,
+        and llama.cpp must parse the grammar (it returns NULL otherwise, which
+        as a sampler crashes the worker at the first token: SIGSEGV).
+
+        Raises:
+            TooLarge: the schema or its grammar is beyond a bound (413).
+            ProtocolError: the converter or llama.cpp cannot use the schema (400).
+        """
+        check_schema(schema)
+        try:
+            gbnf = json_schema_to_gbnf(json.dumps(schema))
+        except Exception as exc:  # the converter raises assorted types on bad schemas
+            raise ProtocolError(f"json_schema is not usable: {exc}") from exc
+        check_grammar(gbnf)
+        with _LOG.at_level(LOG_QUIET), _LOG.capture() as lines:
+            sampler = llama_c.llama_sampler_init_grammar(self._vocab, gbnf.encode(), b"root")
+        if not sampler:
+            # The parser's own message goes to fd 2 (the worker's log), not to the callback.
+            why = " ".join(line.strip() for line in lines)[:200] or "no reason given"
+            raise ProtocolError(
+                f"json_schema is not usable: llama.cpp cannot parse its grammar ({why}; "
+                "the worker's log has the details). A pattern's \\d, \\w or \\s is a "
+                "common cause: write [0-9], [a-zA-Z0-9_] or [ \\t\\n] instead"
+            )
+        return sampler
+
+
+def _put(batch: Any, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
+    """Row ``i`` of a ``llama_batch``: ``token`` at ``pos`` of sequence ``seq``."""
+    batch.token[i] = token
+    batch.pos[i] = pos
+    batch.n_seq_id[i] = 1
+    batch.seq_id[i][0] = seq
+    batch.logits[i] = logits
+
+
+#: Where a plain Q/A transcript's answer ends: the model starting the next turn.
+QA_STOPS = ["\nQ:"]
+
+
+def qa_prompt(messages: list[dict[str, str]]) -> str:
+    """Render chat messages as a plain ``Q: ... / A: ...`` transcript.
+
+    For base (not instruction-tuned) models without a chat template, such as
+    the default Gemma 3 270M: a question/answer frame is the prompt shape they
+    continue most reliably.
+    """
+    lines = []
+    for m in messages:
+        if m["role"] == "system":
+            lines.append(m["content"] + "\n")
+        elif m["role"] == "user":
+            lines.append(f"Q: {m['content']}")
+        else:
+            lines.append(f"A: {m['content']}")
+    lines.append("A:")
+    return "\n".join(lines)
+
+
+def _chat_formatter(llm: Any, chat_format: str) -> ChatFormatter | None:
+    """How chat messages become a prompt: the llama-cpp-python format named
+    ``chat_format`` (``_named_formatter``), else the GGUF's own
+    ``tokenizer.chat_template`` (rendered as llama-cpp-python renders it, with
+    ``Jinja2ChatFormatter``); None for a base model without one (a plain
+    ``Q:/A:`` transcript: llama-cpp-python's fallback, the llama-2 format, is
+    answered with nothing by such models).
+
+    Raises:
+        ValueError: ``chat_format`` names no prompt format.
+    """
+    if chat_format:
+        return _named_formatter(chat_format)
+    template = llm.metadata.get("tokenizer.chat_template", "")
+    if not template:
+        return None
+    eos, bos = llm.token_eos(), llm.token_bos()
+    return Jinja2ChatFormatter(
+        template=template,
+        eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
+        bos_token=llm._model.token_get_text(bos) if bos != -1 else "",
+    )
+
+
+def _named_formatter(name: str) -> ChatFormatter:
+    """llama-cpp-python's prompt format registered as ``name`` ("gemma", "chatml",
+    ...): the formatter function its chat handler wraps
+    (``chat_formatter_to_chat_completion_handler`` keeps it in its closure).
+
+    Raises:
+        ValueError: no format has that name, or its handler is not a prompt
+            format (function-calling handlers drive the model themselves).
+    """
+    try:
+        registry = LlamaChatCompletionHandlerRegistry()  # type: ignore[no-untyped-call]
+        handler = registry.get_chat_completion_handler_by_name(name)
+    except LlamaChatCompletionHandlerNotFoundException:
+        raise ValueError(f"model.chat_format {name!r} is not a llama-cpp-python format") from None
+    closure = getattr(handler, "__closure__", None) or ()
+    cells = [cell.cell_contents for cell in closure]
+    formats = [c for c in cells if getattr(c, "__name__", "").startswith("format_")]
+    if not formats:
+        raise ValueError(f"model.chat_format {name!r} is not a prompt format this engine can use")
+    formatter: ChatFormatter = formats[0]
+    return formatter
+
+
+@contextlib.contextmanager
+def _model_params(use_extra_bufts: bool) -> Iterator[None]:
+    """Load with ``use_extra_bufts`` set, which ``Llama()`` does not expose.
+
+    Extra buffer types are llama.cpp's CPU weight repacking (AMX, AVX-512,
+    ARM i8mm layouts): faster on some CPUs, but each process then holds a
+    private copy of the weights instead of sharing the mmapped file, and on
+    VMs that advertise AMX without enabling it the first matmul dies with
+    SIGILL (seen on this project's CI machines).
+    """
+    original = llama_c.llama_model_default_params
+
+    def patched() -> Any:
+        params = original()
+        params.use_extra_bufts = use_extra_bufts
+        return params
+
+    llama_c.llama_model_default_params = patched
+    try:
+        yield
+    finally:
+        llama_c.llama_model_default_params = original
+
+
+@contextlib.contextmanager
+def _context_params(n_seq_max: int) -> Iterator[None]:
+    """Make ``Llama()``'s context with ``n_seq_max`` sequences and a KV cache split
+    per sequence (``kv_unified = false``), which ``Llama()`` does not expose."""
+    original = llama_c.llama_context_default_params
+
+    def patched() -> Any:
+        params = original()
+        params.n_seq_max = n_seq_max
+        params.kv_unified = False
+        return params
+
+    llama_c.llama_context_default_params = patched
+    try:
+        yield
+    finally:
+        llama_c.llama_context_default_params = original

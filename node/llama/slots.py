@@ -1,0 +1,161 @@
+"""The per-sequence state of the batched llama engine (``node.llama.engine``), without llama.cpp.
+
+A llama worker serves S slots from one model and one llama context: slot ``i``
+is llama.cpp sequence ``i``, with ``n_ctx`` KV cells of its own (a non-unified
+cache). This module owns what a slot remembers and how a request's output
+becomes text; the engine owns the context and the batches.
+
+* ``Slot``: the tokens whose KV the context holds for the sequence (kept after a
+  request ends, for prompt prefix reuse) and the request it runs, if any.
+* ``pick_slot``: the free slot whose cached tokens share the longest prefix with
+  a new prompt (llama-server's ``cache_prompt``; it also prefers the least
+  recently used slot among equals, as here).
+* ``TextOut``: token bytes to text, one piece per token: UTF-8 split over byte
+  tokens joins whole, and text that may begin a stop string is held back until
+  it cannot (llama-cpp-python's ``create_completion`` does the same).
+"""
+
+from __future__ import annotations
+
+import codecs
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Callback a request's partial text goes to (one call per piece of text).
+Emit = Callable[[str], None]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class SlotJob:
+    """One request running in a slot.
+
+    ``prompt`` is every prompt token id (BOS included), of which the first
+    ``reused`` were in the slot's KV cache already; ``next_token`` the token
+    sampled last and not yet decoded (None during prompt evaluation).
+    ``sampler`` is the request's own ``llama_sampler`` chain (a ctypes pointer),
+    freed by the engine when the request leaves its slot.
+    """
+
+    rid: int
+    prompt: list[int]
+    max_tokens: int
+    cancelled: threading.Event
+    emit: Emit
+    out: TextOut
+    sampler: Any
+    schema: bool = False
+    reused: int = 0
+    generated: int = 0
+    next_token: int | None = None
+
+
+@dataclass(eq=False)  # a slot is itself: identity, hashable
+class Slot:
+    """One llama.cpp sequence: ``seq`` is its id, ``cached`` the tokens at KV
+    positions 0..len-1 (what a next request with the same prefix can skip),
+    ``job`` the request it runs, ``used`` the engine's counter at its last start."""
+
+    seq: int
+    cached: list[int] = field(default_factory=list)
+    job: SlotJob | None = None
+    used: int = 0
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether its request still has prompt tokens to evaluate."""
+        return self.job is not None and len(self.cached) < len(self.job.prompt)
+
+
+#: Fewest shared tokens worth reusing a slot for. Below it the least recently
+#: used slot is taken, so a prompt that shares only BOS (or a word) with a
+#: cached one does not evict the cache most likely to be asked for again
+#: (a shared system prompt, between two requests that share nothing).
+MIN_REUSE = 16
+
+
+def pick_slot(slots: Sequence[Slot], prompt: Sequence[int]) -> tuple[Slot, int]:
+    """The free slot to run ``prompt`` in, and how many of its cached tokens to keep.
+
+    The free slot sharing the longest prefix with ``prompt`` wins if it shares at
+    least ``MIN_REUSE`` tokens or the whole prompt (llama-server asks for half the prompt,
+    ``--slot-prompt-similarity``; a long question after a shared system prompt
+    would then never reuse it); else the least recently used one (never used
+    first). At least the prompt's last token is evaluated again, since sampling
+    needs its logits.
+
+    Raises:
+        ValueError: no slot is free.
+    """
+    free = [s for s in slots if s.job is None]
+    if not free:
+        raise ValueError("no free slot")
+    best = max(free, key=lambda s: (common_prefix(s.cached, prompt), -s.used))
+    shared = common_prefix(best.cached, prompt)
+    if shared < MIN_REUSE and shared < len(prompt):  # a short prompt cached whole is reused
+        best = min(free, key=lambda s: s.used)
+    return best, min(common_prefix(best.cached, prompt), len(prompt) - 1)
+
+
+class TextOut:
+    """A request's text, piece by piece, with stop strings and split characters handled.
+
+    Args:
+        stops: strings that end generation; none of their text is output.
+        lstrip: drop whitespace before the first text (a plain ``Q:/A:`` chat's
+            answer starts after ``A:``).
+    """
+
+    def __init__(self, stops: Sequence[str] = (), lstrip: bool = False) -> None:
+        self.stops = [s for s in stops if s]
+        self.lstrip = lstrip
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held = ""
+        self.pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """Everything output so far."""
+        return "".join(self.pieces)
+
+    def feed(self, data: bytes) -> tuple[str, bool]:
+        """Take one token's bytes; returns (text to output now, whether a stop string ended it)."""
+        held = self._held + self._decoder.decode(data)
+        if self.lstrip and not self.pieces:
+            held = held.lstrip()
+        hits = [i for i in (held.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return self._out(held[: min(hits)]), True
+        keep = max((_overlap(held, s) for s in self.stops), default=0)
+        self._held = held[len(held) - keep :] if keep else ""
+        return self._out(held[: len(held) - keep]), False
+
+    def flush(self) -> str:
+        """At an end without a stop string: the text held back, and any half character."""
+        rest = self._held + self._decoder.decode(b"", final=True)
+        self._held = ""
+        return self._out(rest)
+
+    def _out(self, text: str) -> str:
+        if text:
+            self.pieces.append(text)
+        return text
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
+    for n in range(min(len(text), len(stop) - 1), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0

@@ -1,0 +1,1 @@
+"""The migration log (shadow, dual, degrade, full records) and ``edgenode report``'s summary."""
