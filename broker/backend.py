@@ -27,6 +27,7 @@ from broker.protocol import WorkerCommand
 from broker.records import BrokerSettings, Job, WorkerEvent
 from broker.replies import final_reply
 from broker.routing import Router
+from broker.service_time import ServiceEstimator
 from broker.stats import Stats
 from broker.workers import WorkerRegistry, WorkerState, parse_ready
 
@@ -92,6 +93,7 @@ class WorkerConversation:
         gate: AdmissionGate,
         router: Router,
         stats: Stats,
+        estimator: ServiceEstimator,
         owner: Owner,
     ) -> None:
         self.settings = settings
@@ -100,6 +102,7 @@ class WorkerConversation:
         self.gate = gate
         self.router = router
         self.stats = stats
+        self.estimator = estimator
         self.owner = owner
         self.next_heartbeat = 0.0
         #: rid -> when its CANCEL's grace first ran out while its worker still made
@@ -191,7 +194,7 @@ class WorkerConversation:
             return
         if job.first_token_at is None:
             job.first_token_at = now
-            self.stats.levels.first_token(worker.identity, job.rid, now)
+            self.estimator.levels.first_token(worker.identity, job.rid, now)
         # A hedge's text is held back: it is the client's only if the rules win.
         if job.req.stream and job.hedge_of is None:
             partial = p.partial_reply(job.req.id, text, len(job.chunks))
@@ -209,14 +212,14 @@ class WorkerConversation:
             if not job.replied:
                 self._reply_final(job, worker, body, now)  # learns its batch level first
             self.owner.forget(job)
-        self.stats.levels.running(worker.identity, worker.active, now)
+        self.estimator.levels.running(worker.identity, worker.active, now)
         self.dispatch(now)
 
     def _reply_final(self, job: Job, worker: WorkerState, body: dict[str, Any], now: float) -> None:
         reply, outcome = final_reply(job, worker.kind, worker.worker_id, body, now)
         if outcome == "ok" and job.dispatched_at is not None:
             max_tokens = job.req.max_tokens or self.settings.default_max_tokens
-            self.stats.observe_final(job, body.get("usage"), now, max_tokens)
+            self.estimator.observe_final(job, body.get("usage"), now, max_tokens)
         self.stats.count(outcome)
         self.owner.answer(job, reply, now, counted=outcome)
 
@@ -245,7 +248,7 @@ class WorkerConversation:
             self.gate.remove(job)
             free[job.kind] -= 1
             worker.active.add(job.rid)
-            self.stats.levels.running(worker.identity, worker.active, now)
+            self.estimator.levels.running(worker.identity, worker.active, now)
             if len(worker.active) == 1:
                 worker.progress_at = now  # the stall clock starts when work starts
             worker.last_dispatch = now
@@ -337,7 +340,7 @@ class WorkerConversation:
         a clean DISCONNECT or an incarnation replaced by a newer one).
         """
         self.workers.remove(worker.identity)
-        self.stats.levels.running(worker.identity, (), now)
+        self.estimator.levels.running(worker.identity, (), now)
         self.stats.count("workers_lost")
         if notify:
             pid = worker.info.get("pid")

@@ -24,17 +24,18 @@ from dataclasses import replace
 from typing import Any
 
 from broker import protocol as p
-from broker.admission import AdmissionGate, Shed
+from broker.admission import Admit, AdmissionGate, Shed
 from broker.backend import WorkerConversation
 from broker.breaker import BreakerSettings
 from broker.delivery import Delivery, GoneCause, Outgoing, ReplyKind
 from broker.errors import EdgeNodeError, ErrorCode
 from broker.handover import Handover
 from broker.jobs import JobTable
-from broker.kinds import PRESSURE_LEVELS, CpuLevel, DegradeReason
+from broker.kinds import ENGINE_KINDS, PRESSURE_LEVELS, CpuLevel, DegradeReason, EngineKind
 from broker.protocol import ClientRequest, WorkerCommand
 from broker.records import BrokerSettings, Job, WorkerEvent
 from broker.routing import PoolView, Route, Router, RoutingSettings
+from broker.service_time import ServiceEstimator
 from broker.stats import Stats
 from broker.token_count import TokenCounter
 from broker.workers import WorkerRegistry
@@ -67,8 +68,11 @@ class Broker:
         self.settings = settings
         self.workers = WorkerRegistry()
         self.stats = Stats()
+        self.estimator = ServiceEstimator(
+            settings.service_estimate == "size", settings.default_max_tokens
+        )
         self.jobs = JobTable()
-        self.gate = AdmissionGate(settings, self.stats, self.jobs, count_tokens, self.workers)
+        self.gate = AdmissionGate(settings, self.estimator, self.jobs, count_tokens, self.workers)
         self.router = Router(routing, breaker)
         #: Replies for the I/O loop, which sends them through ``delivery``.
         self.to_clients: list[Outgoing] = []
@@ -84,6 +88,7 @@ class Broker:
             gate=self.gate,
             router=self.router,
             stats=self.stats,
+            estimator=self.estimator,
             owner=self,
         )
         self.handover = Handover(
@@ -124,39 +129,19 @@ class Broker:
             self._accept(identity, req, now)
 
     def _accept(self, identity: bytes, req: ClientRequest, now: float) -> None:
-        key = (identity, req.id)
-        if self.jobs.of_client(*key) is not None:
-            message = f"id {req.id!r} is already in flight"
-            self._refuse(identity, req.id, Shed(ErrorCode.BAD_REQUEST, "duplicate_id", message))
+        pool = self._pool_view(req, now)
+        route = self.router.route(req, pool, now)
+        verdict = self._admit(identity, req, route, pool, now)
+        if isinstance(verdict, Shed):
+            self._refuse(identity, req.id, verdict)
             return
-        if self.draining:
-            shed = Shed(ErrorCode.UNAVAILABLE, "draining", "node is shutting down", 1000)
-            self._refuse(identity, req.id, shed)
-            return
-        timeout_ms = min(
-            req.timeout_ms or self.settings.default_timeout_ms, self.settings.max_timeout_ms
-        )
-        route = self.router.route(req, self._pool_view(req, now), now)
-        if isinstance(route, Shed):
-            self._refuse(identity, req.id, route)
-            return
-        decision = self._admit(identity, req, route, timeout_ms / 1000, now)
-        if isinstance(decision, Shed) and route.hedge:
-            # The model cannot take it at all (too large for it, or too late): then the
-            # rules answer, whatever they say, as for the model's failures.
-            if route.permit is not None:
-                self.router.breaker.release(route.permit, now)
-            route = Route("rules", degraded="latency_budget")
-            decision = self._admit(identity, req, route, timeout_ms / 1000, now)
-        if isinstance(decision, Shed):
-            if route.permit is not None:
-                self.router.breaker.release(route.permit, now)
-            self._refuse(identity, req.id, decision)
-            return
-        if decision is not None:  # a lower-priority request yields its place
-            self._shed_job(decision, "evicted by a higher-priority request", "queue_full", now)
-        job = self._new_job(identity, req, now, now + timeout_ms / 1000, route.kind)
+        route = verdict.route
+        if verdict.evict is not None:  # a lower-priority request yields its place
+            self._shed_job(verdict.evict, "evicted by a higher-priority request", "queue_full", now)
+        deadline = now + self.gate.timeout_s(req)
+        job = self._new_job(identity, req, now, deadline, route.kind)
         job.degraded, job.permit = route.degraded, route.permit
+        job.prompt_tokens = verdict.prompt_tokens
         self.jobs.bind(job)
         self.gate.opened(identity)
         self.gate.push(job)
@@ -173,36 +158,32 @@ class Broker:
         self.backend.dispatch(now)
 
     def _admit(
-        self, identity: bytes, req: ClientRequest, route: Route, timeout_s: float, now: float
-    ) -> Shed | Job | None:
-        """The admission gate's verdict on ``req`` for ``route``'s workers."""
-        return self.gate.check(
-            identity,
-            req,
-            self.workers.min_n_ctx(route.kind),
-            self.workers.slots(route.kind),
-            self.backend.free_credit(route.kind),
-            timeout_s,
-            now,
-            route.kind,
-        )
+        self, identity: bytes, req: ClientRequest, route: Route, pool: PoolView, now: float
+    ) -> Shed | Admit:
+        """The admission gate's verdict on ``req`` as routed by ``route``; the breaker's
+        permit goes back unless the model takes the request."""
+        verdict = self.gate.check(identity, req, route, pool, now)
+        if route.permit is not None and (isinstance(verdict, Shed) or verdict.route is not route):
+            self.router.breaker.release(route.permit, now)
+        return verdict
 
     def _new_job(
-        self, client: bytes, req: ClientRequest, now: float, deadline: float, kind: str
+        self, client: bytes, req: ClientRequest, now: float, deadline: float, kind: EngineKind
     ) -> Job:
         return self.jobs.new(client, req, now, deadline, kind)
 
     def _pool_view(self, req: ClientRequest, now: float) -> PoolView:
-        llm = self.workers.of_kind("llm")
-        slots = sum(w.slots for w in llm)
-        free = self.backend.free_credit("llm")
+        """The pool as ``req`` finds it: one snapshot, for routing and admission."""
+        llm, rules = (
+            self.gate.engine_pool(kind, req.priority, self.backend.free_credit(kind), now)
+            for kind in ENGINE_KINDS
+        )
         return PoolView(
-            llm_workers=len(llm),
-            llm_free=free,
-            rules_workers=len(self.workers.of_kind("rules")),
-            llm_wait_s=self.gate.expected_wait_s(req.priority, slots, free, now),
+            llm=llm,
+            rules=rules,
             pressure=self.gate.pressure,
             cpu_pressure=self.gate.cpu,
+            draining=self.draining,
         )
 
     def _copy_to_model(self, primary: Job, mode: str, now: float) -> None:
@@ -431,7 +412,7 @@ class Broker:
             "workers": workers,
             "counters": dict(self.stats.counters),
             "delivery": self.delivery.snapshot(),
-            "service": self.stats.snapshot(),
+            "service": self.estimator.snapshot(),
         }
         if self._status_hook is not None:
             node.update(self._status_hook())

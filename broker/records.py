@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from broker import protocol as p
 from broker.breaker import Permit
 from broker.errors import ConfigError
-from broker.kinds import DegradeReason
+from broker.kinds import DegradeReason, EngineKind
 from broker.protocol import ClientRequest
 
 #: ``BrokerSettings.service_estimate`` values.
@@ -86,7 +86,7 @@ class Job:
     chunks: list[str] = field(default_factory=list)
     replied: bool = False
     attempts: int = 0
-    kind: str = "llm"
+    kind: EngineKind = "llm"
     degraded: DegradeReason | None = None
     permit: Permit | None = None
     copy_of: int | None = None

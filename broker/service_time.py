@@ -1,6 +1,19 @@
-"""A request's own service time, predicted from its size.
+"""How long requests take: the one service-time estimator behind admission.
 
-One mean service time per engine (``broker.stats``) cannot tell a 1000-token
+``ServiceEstimator`` owns everything learned about service times and answers
+the three questions admission asks (``broker.admission``): when a new request
+would *start* (``wait``: the queue ahead played forward on the workers' slots),
+how long it would *take* (``service_s``/``due_s``), and when a refused client
+should *come back* (``retry_after_ms``). It predicts in one of two ways:
+
+* **by size** (``broker.service_estimate = "size"``, the default, once an
+  engine has a measured request): each request from its prompt tokens and
+  ``max_tokens`` at the batch level it would run at (below);
+* **by the mean** (before the first measured request, and always with
+  ``"mean"``, which benchmarks compare): one EWMA of dispatch-to-final time
+  per engine kind; a request is then only asked to *start* in time.
+
+One mean service time per engine cannot tell a 1000-token
 prompt from a 10-token one. A model request costs two phases that llama.cpp
 times apart after every request ("prompt eval time = … ms per token" and
 "eval time = … ms per token": ``llama_perf_context_print`` in the library,
@@ -47,14 +60,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Collection
-from dataclasses import dataclass, field
+import heapq
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
+from broker.kinds import EngineKind
 from broker.protocol import ClientRequest
-
-#: Template tokens a chat message may add around its content (role markers,
-#: turn delimiters): Gemma's template uses 4-5.
-CHAT_TOKENS_PER_MESSAGE = 6
+from broker.records import Job
+from broker.token_count import byte_bound
 
 #: Prompts shorter than this teach no prefill rate: their time to the first token
 #: is mostly fixed per-request overhead, not prompt evaluation. A 3-token "warm up"
@@ -62,9 +76,14 @@ CHAT_TOKENS_PER_MESSAGE = 6
 #: takes 15 s was then refused as needing 85 s (break-it session).
 MIN_PREFILL_TOKENS = 32
 
-#: Weight lost per newer sample, as ``broker.stats.Stats.ALPHA``: about the
-#: last 10 requests count.
+#: Weight of the newest sample, in the rates' ratios and the mean service time:
+#: about the last 10 requests count.
 ALPHA = 0.2
+
+#: Bounds of any ``retry_after_ms`` we advertise: below 50 ms a client would
+#: hammer the node; above 30 s the advice is useless (callers should give up).
+RETRY_AFTER_MIN_MS = 50
+RETRY_AFTER_MAX_MS = 30_000
 
 #: Aggregate decode tokens/s of b sequences in one llama context, as a multiple
 #: of one sequence's: issue 10's measurement with llama-cpp-python's low-level
@@ -103,17 +122,6 @@ def level_key(level: float) -> int:
     """The table key of a (time-weighted, fractional) batch level: the nearest
     integer, halves up, at least 1."""
     return max(1, int(level + 0.5))
-
-
-def byte_bound(req: ClientRequest) -> int:
-    """An upper bound on the prompt's tokens without tokenizing: every token of a
-    byte-level BPE or SentencePiece (byte-fallback) vocabulary covers at least one
-    byte, plus BOS and the chat template's tokens per message."""
-    if req.prompt is not None:
-        return len(req.prompt.encode()) + 1
-    messages = req.messages or ()
-    text = sum(len(content.encode()) for _, content in messages)
-    return text + 1 + CHAT_TOKENS_PER_MESSAGE * len(messages)
 
 
 @dataclass
@@ -177,9 +185,9 @@ class ServiceModel:
     """Per engine kind: prefill and decode rates, and the request-to-tokens ratios."""
 
     def __init__(self) -> None:
-        self._rates: dict[str, Rates] = {}
+        self._rates: dict[EngineKind, Rates] = {}
 
-    def ready(self, kind: str) -> bool:
+    def ready(self, kind: EngineKind) -> bool:
         """Whether ``kind`` has a measured request to predict from (one with a
         prompt of at least ``MIN_PREFILL_TOKENS``, at any batch level: until then
         the mean decides)."""
@@ -188,7 +196,7 @@ class ServiceModel:
 
     def observe(
         self,
-        kind: str,
+        kind: EngineKind,
         req: ClientRequest,
         max_tokens: int,
         ttft_s: float,
@@ -241,13 +249,13 @@ class ServiceModel:
         rates.completion_share.add(completion, max(1, max_tokens))
         return True
 
-    def prompt_tokens(self, kind: str, req: ClientRequest) -> float | None:
+    def prompt_tokens(self, kind: EngineKind, req: ClientRequest) -> float | None:
         """``req``'s prompt tokens estimated from its bytes, None before any sample."""
         if not self.ready(kind):
             return None
         return byte_bound(req) * self._rates[kind].tokens_per_byte.value
 
-    def predict_s(self, kind: str, prompt_tokens: float, max_tokens: int, level: int = 1) -> float:
+    def predict_s(self, kind: EngineKind, prompt_tokens: float, max_tokens: int, level: int = 1) -> float:
         """Predicted dispatch-to-final time (s) of a request of ``prompt_tokens``
         allowed ``max_tokens``, run at batch ``level``: prefill rate x prompt
         tokens + decode rate x the tokens it is expected to generate
@@ -256,7 +264,7 @@ class ServiceModel:
         expected = max_tokens * min(1.0, rates.completion_share.value)
         return rates.prefill(level) * prompt_tokens + rates.decode(level) * expected
 
-    def first_token_s(self, kind: str, prompt_tokens: float, level: int = 1) -> float:
+    def first_token_s(self, kind: EngineKind, prompt_tokens: float, level: int = 1) -> float:
         """Predicted dispatch-to-first-token time (s) at batch ``level``: the
         prefill of ``prompt_tokens`` and one decode step (llama.cpp samples the
         first token at the end of the prompt's evaluation). Call only when
@@ -264,7 +272,7 @@ class ServiceModel:
         rates = self._rates[kind]
         return rates.prefill(level) * prompt_tokens + rates.decode(level)
 
-    def snapshot(self, kind: str) -> dict[str, float] | None:
+    def snapshot(self, kind: EngineKind) -> dict[str, float] | None:
         """The learned rates of ``kind`` in ms per token (for logs and benchmarks):
         prefill and decode at batch level 1 (measured, or derived from the nearest
         measured level as for any prediction)."""
@@ -278,7 +286,7 @@ class ServiceModel:
             "completion_share": round(r.completion_share.value, 3),
         }
 
-    def decode_by_level(self, kind: str) -> dict[str, float]:
+    def decode_by_level(self, kind: EngineKind) -> dict[str, float]:
         """The decode rate (ms per token) at every batch level measured, keyed by
         the level as a string (msgpack maps on the wire must have string keys),
         lowest first; empty before any."""
@@ -370,3 +378,291 @@ def _mean_level(start: tuple[float, float, int], end: tuple[float, float, int]) 
 def _count(value: object) -> bool:
     """A positive token count (bools are not counts)."""
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+#: The pool as the estimator plays it forward: per worker, when each of its
+#: usable slots is free (s from now; a heap).
+Pool = list[list[float]]
+
+
+@dataclass(frozen=True)
+class Slots:
+    """One engine kind's slots at a moment, as the estimator plays a queue onto them.
+
+    ``slots``: sequences its workers run at once; ``free``: of them usable now
+    (the broker's free credit, fewer under memory pressure); ``running``: its
+    jobs holding a slot (a cancelled one until its worker acks); ``credit``: per
+    worker identity, its free credit, so that free slots are spread over the
+    workers as ``WorkerRegistry.pick`` does (without it every free slot counts as
+    a worker of its own).
+    """
+
+    kind: EngineKind
+    slots: int
+    free: int
+    running: Sequence[Job] = ()
+    credit: Mapping[bytes, int] = field(default_factory=dict)
+
+
+class ServiceEstimator:
+    """Service times of both engine kinds: learned, predicted and advised.
+
+    Args:
+        by_size: predict each request from its size once a kind has a measured
+            request (``service_estimate = "size"``); False: always by the mean.
+        default_max_tokens: the ``max_tokens`` of a request that sets none.
+        initial_service_s: the mean service time assumed before any measurement.
+
+    ``sizes`` holds the per-token rates by batch level (``ServiceModel``);
+    ``levels`` follows each worker's running requests over time (the broker calls
+    ``levels.running`` on every change of a worker's running set and
+    ``levels.first_token`` on a request's first token) to tell each finished
+    request's batch level. The mean is one EWMA per kind: a rule answer (~1 ms)
+    must not dilute the model's (seconds), nor the model's make rules look slow.
+    """
+
+    def __init__(
+        self, by_size: bool = True, default_max_tokens: int = 128, initial_service_s: float = 1.0
+    ) -> None:
+        self.by_size = by_size
+        self.default_max_tokens = default_max_tokens
+        self.initial_service_s = initial_service_s
+        self.sizes = ServiceModel()
+        self.levels = BatchLevels()
+        self._mean: dict[EngineKind, float] = {}
+        self._samples: Counter[EngineKind] = Counter()
+
+    # ------------------------------------------------------------------ learning
+
+    def observe_service(self, seconds: float, kind: EngineKind = "llm") -> None:
+        """Fold one request's dispatch-to-final time (s) into ``kind``'s mean."""
+        seconds = max(0.0, seconds)
+        self._samples[kind] += 1
+        if self._samples[kind] == 1:
+            self._mean[kind] = seconds  # the first measurement beats the guess
+        else:
+            self._mean[kind] += ALPHA * (seconds - self._mean[kind])
+
+    def observe_final(self, job: Job, usage: object, now: float, max_tokens: int) -> None:
+        """A successful FINAL of ``job`` (dispatched) at ``now``: its dispatch-to-final
+        time joins the mean; with a first token and the worker's ``usage``, its
+        prefill and decode times teach ``sizes`` at the batch levels it ran at
+        (``levels``; call before its worker's running set drops it).
+        ``max_tokens``: the worker's limit."""
+        assert job.dispatched_at is not None
+        total_s = now - job.dispatched_at
+        self.observe_service(total_s, job.kind)
+        if job.first_token_at is not None:
+            ttft_s = job.first_token_at - job.dispatched_at
+            at = (1.0, 1.0) if job.worker is None else self.levels.levels(job.worker, job.rid, now)
+            self.sizes.observe(job.kind, job.req, max_tokens, ttft_s, total_s, usage, *at)
+
+    # ------------------------------------------------------------------ reading
+
+    def mean_s(self, kind: EngineKind) -> float:
+        """Mean service time of ``kind``'s workers (s); the initial guess until measured."""
+        return self._mean.get(kind, self.initial_service_s)
+
+    def samples(self, kind: EngineKind) -> int:
+        """How many service times of ``kind`` were observed."""
+        return self._samples[kind]
+
+    def sized(self, kind: EngineKind) -> bool:
+        """Whether ``kind``'s requests are predicted by size (else by the mean)."""
+        return self.by_size and self.sizes.ready(kind)
+
+    def snapshot(self) -> dict[str, dict[str, float | int | dict[str, float] | None]]:
+        """For ``status``, per engine kind observed: ``mean_ms`` (dispatch to final),
+        ``samples``, and the learned per-token rates (``ServiceModel.snapshot``:
+        ``prefill_ms_per_token``, ``decode_ms_per_token``, ...) once they exist,
+        and ``decode_ms_per_token_by_level`` (``{"1": 31.0, "4": 85.0}``) once a
+        level above 1 was measured."""
+        return {
+            kind: {
+                "mean_ms": round(self._mean[kind] * 1000, 1),
+                "samples": self._samples[kind],
+                **(self.sizes.snapshot(kind) or {}),
+                **self._by_level(kind),
+            }
+            for kind in sorted(self._mean)
+        }
+
+    def _by_level(self, kind: EngineKind) -> dict[str, dict[str, float]]:
+        """``decode_ms_per_token_by_level`` of ``kind`` once a level above 1 was
+        measured (a one-slot pool's status stays as it was)."""
+        by_level = self.sizes.decode_by_level(kind)
+        if not any(level != "1" for level in by_level):
+            return {}
+        return {"decode_ms_per_token_by_level": by_level}
+
+    # ------------------------------------------------------------------ one request
+
+    def prompt_tokens(
+        self, req: ClientRequest, kind: EngineKind, low: int = 0, high: int | None = None
+    ) -> float | None:
+        """``req``'s prompt tokens for predicting its service: ``low`` if the size
+        check counted them exactly (``low == high``), else, when sized, the
+        estimate from its bytes within the bounds the size check found (a prompt
+        over the context is refused by its worker at once, so it never costs more
+        than the largest prompt that fits); None if neither."""
+        if low == high:
+            return low
+        if not self.sized(kind):
+            return None
+        estimate = self.sizes.prompt_tokens(kind, req)
+        if estimate is None:
+            return None
+        return max(low, estimate if high is None else min(estimate, high))
+
+    def service_s(
+        self, req: ClientRequest, tokens: float | None, kind: EngineKind, level: int = 1
+    ) -> float:
+        """Predicted service (s) of ``req`` with ``tokens`` prompt tokens (None:
+        estimate them) at batch ``level``; 0.0 when not sized (the mean asks only
+        when it starts)."""
+        if not self.sized(kind):
+            return 0.0
+        if tokens is None:
+            tokens = self.prompt_tokens(req, kind) or 0.0
+        max_tokens = req.max_tokens or self.default_max_tokens
+        return self.sizes.predict_s(kind, tokens, max_tokens, level)
+
+    def due_s(
+        self, req: ClientRequest, tokens: float | None, kind: EngineKind, level: int = 1
+    ) -> float:
+        """How much of ``req`` must be done by its deadline, as predicted service (s)
+        once started at batch ``level``: all of it, or for ``stream: true`` its
+        first token (prefill and one decode step): a streaming client uses the
+        tokens as they come, and the deadline then ends it with 504 and the text
+        so far. 0.0 when not sized."""
+        if not req.stream:
+            return self.service_s(req, tokens, kind, level)
+        if not self.sized(kind):
+            return 0.0
+        if tokens is None:
+            tokens = self.prompt_tokens(req, kind) or 0.0
+        return self.sizes.first_token_s(kind, tokens, level)
+
+    def job_service_s(self, job: Job, level: int = 1) -> float:
+        """Predicted service (s) of a queued or running ``job`` at batch ``level``;
+        a job queued before the first measurement gets its estimate now."""
+        if job.prompt_tokens is None:
+            job.prompt_tokens = self.prompt_tokens(job.req, job.kind)
+        return self.service_s(job.req, job.prompt_tokens, job.kind, level)
+
+    # ------------------------------------------------------------------ the queue
+
+    def wait(self, ahead: Sequence[Job], slots: Slots, now: float) -> tuple[float, int]:
+        """When a new request queued behind ``ahead`` (in dispatch order) would
+        start on ``slots`` (s from now) and at which batch level.
+
+        Sized: ``ahead`` is played forward on the workers' slots (``play``); it
+        starts on the slot that frees first, at the level of that slot's worker
+        then. By the mean: ``(ahead - free + 1) / slots`` mean service times
+        (Little's law), level 1 (unused: the mean ignores levels).
+        """
+        if not self.sized(slots.kind):
+            if slots.free > len(ahead):
+                return 0.0, 1
+            rounds = (len(ahead) - slots.free + 1) / max(1, slots.slots)
+            return rounds * self.mean_s(slots.kind), 1
+        slot = _next_slot(self.play(ahead, slots, now))
+        return (0.0, 1) if slot is None else slot[:2]
+
+    def retry_after_ms(
+        self,
+        queued: Sequence[Job],
+        slots: Slots,
+        now: float,
+        fits: Callable[[int], bool] | None = None,
+    ) -> int:
+        """Advice for a shed client (ms, clamped): when a request queued last on
+        ``slots`` would start, by the same estimate as the deadline check.
+
+        Sized: ``slots.kind``'s part of ``queued`` (the whole queue, in dispatch
+        order) is played forward on its idle slots; with ``fits``, until a slot
+        is free on a worker at a batch level ``fits`` accepts (a request refused
+        only for the load beside it retries once that eased). By the mean
+        (Little's law over the pool): ``len(queued) / slots`` rounds of the
+        model's mean service time, plus the round in progress.
+        """
+        if not self.sized(slots.kind):
+            # The model's mean whatever the kind, as the gate always advised.
+            mean_s = self.mean_s("llm")
+            estimate = (len(queued) / max(1, slots.slots) + 1) * mean_s * 1000
+        else:
+            mine = [j for j in queued if j.kind == slots.kind]
+            idle = max(0, slots.slots - len(slots.running))
+            pool = self.play(mine, replace(slots, free=idle), now)
+            estimate = _first_fit(pool, fits or (lambda _level: True)) * 1000
+        return int(min(RETRY_AFTER_MAX_MS, max(RETRY_AFTER_MIN_MS, estimate)))
+
+    def play(self, ahead: Sequence[Job], slots: Slots, now: float) -> Pool:
+        """The pool once ``ahead`` (in dispatch order) has started: list scheduling
+        on the workers' slots, which free up when a running request's predicted
+        work is done (at once if answered: its cancel ack is due) or now
+        (``slots.free`` of them, spread over the workers by their credit). Each job
+        runs at the batch level of the worker whose slot it takes when it starts
+        (``_next_slot``); a running job at its worker's level now."""
+        by_worker: dict[bytes | int, list[Job]] = {}
+        for job in slots.running:
+            assert job.worker is not None
+            by_worker.setdefault(job.worker, []).append(job)
+        pool: dict[bytes | int, list[float]] = {
+            worker: [self._left_s(job, now, len(jobs)) for job in jobs]
+            for worker, jobs in by_worker.items()
+        }
+        credit = dict(slots.credit)
+        for n in range(slots.free):
+            best = max(credit, key=lambda identity: credit[identity], default=None)
+            if best is None or credit[best] <= 0:
+                pool[n] = [0.0]  # credit the registry does not show: a slot of its own
+                continue
+            credit[best] -= 1
+            pool.setdefault(best, []).append(0.0)
+        heaps = list(pool.values())
+        for heap in heaps:
+            heapq.heapify(heap)
+        for job in ahead:
+            slot = _next_slot(heaps)
+            if slot is None:
+                break  # no slot at all: nothing to wait for that can be estimated
+            start, level, heap = slot
+            heapq.heapreplace(heap, start + self.job_service_s(job, level))
+        return heaps
+
+    def _left_s(self, job: Job, now: float, level: int) -> float:
+        """Predicted work left (s) of the running ``job`` at batch ``level``."""
+        if job.replied:
+            return 0.0
+        started = now if job.dispatched_at is None else job.dispatched_at
+        return max(0.0, self.job_service_s(job, level) - (now - started))
+
+
+def _next_slot(pool: Pool) -> tuple[float, int, list[float]] | None:
+    """The slot the next request would take: the earliest to free (s from now),
+    on a tie the worker's with the most slots free then (``WorkerRegistry.pick``);
+    with its batch level (the worker's slots still busy then, plus itself) and
+    its worker's heap. None if the pool has no slot."""
+    best: tuple[float, int, list[float]] | None = None
+    most_free = 0
+    for heap in pool:
+        if not heap:
+            continue
+        free = sum(1 for t in heap if t <= heap[0])
+        if best is None or (heap[0], -free) < (best[0], -most_free):
+            best, most_free = (heap[0], len(heap) - free + 1, heap), free
+    return best
+
+
+def _first_fit(pool: Pool, fits: Callable[[int], bool]) -> float:
+    """The first time (s from now) a slot is free on a worker whose batch level
+    then (``_next_slot``'s rule) ``fits`` accepts; once every slot is free the
+    level is 1. 0.0 for a pool without slots."""
+    for t in sorted({0.0, *(x for heap in pool for x in heap)}):
+        free_then = [(sum(1 for x in h if x <= t), len(h)) for h in pool if h and h[0] <= t]
+        if free_then:
+            free, size = max(free_then)
+            if fits(size - free + 1):
+                return t
+    return max((x for heap in pool for x in heap), default=0.0)
