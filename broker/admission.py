@@ -169,14 +169,18 @@ class AdmissionGate:
 
     # ------------------------------------------------------------------ the snapshot
 
-    def engine_pool(self, kind: EngineKind, priority: Priority, free: int, now: float) -> EnginePool:
+    def engine_pool(
+        self, kind: EngineKind, priority: Priority, free: int, now: float
+    ) -> EnginePool:
         """``kind``'s engine as a new request of ``priority`` finds it, with ``free``
         credit usable now: its workers, slots and smallest context, and when the
         request would start there (the queue ahead of it, its class and those
         above, played forward once: ``ServiceEstimator.wait``)."""
         slots = self._slots(kind, free)
         rank = PRIORITIES.index(priority)
-        ahead = [j for p in PRIORITIES[: rank + 1] for j in self._queues[p].values() if j.kind == kind]
+        ahead = [
+            j for p in PRIORITIES[: rank + 1] for j in self._queues[p].values() if j.kind == kind
+        ]
         wait_s, level = self.estimator.wait(ahead, slots, now)
         return EnginePool(
             workers=len(self.workers.of_kind(kind)),

@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from broker import protocol as p
-from broker.admission import Admit, AdmissionGate, Shed
+from broker.admission import AdmissionGate, Admit, Shed
 from broker.backend import WorkerConversation
 from broker.breaker import BreakerSettings
 from broker.delivery import Delivery, GoneCause, Outgoing, ReplyKind

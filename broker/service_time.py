@@ -58,9 +58,9 @@ generate (most stop before the limit).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
-import heapq
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -255,7 +255,9 @@ class ServiceModel:
             return None
         return byte_bound(req) * self._rates[kind].tokens_per_byte.value
 
-    def predict_s(self, kind: EngineKind, prompt_tokens: float, max_tokens: int, level: int = 1) -> float:
+    def predict_s(
+        self, kind: EngineKind, prompt_tokens: float, max_tokens: int, level: int = 1
+    ) -> float:
         """Predicted dispatch-to-final time (s) of a request of ``prompt_tokens``
         allowed ``max_tokens``, run at batch ``level``: prefill rate x prompt
         tokens + decode rate x the tokens it is expected to generate
@@ -582,19 +584,23 @@ class ServiceEstimator:
         Sized: ``slots.kind``'s part of ``queued`` (the whole queue, in dispatch
         order) is played forward on its idle slots; with ``fits``, until a slot
         is free on a worker at a batch level ``fits`` accepts (a request refused
-        only for the load beside it retries once that eased). By the mean
-        (Little's law over the pool): ``len(queued) / slots`` rounds of the
-        model's mean service time, plus the round in progress.
+        only for the load beside it retries once that eased). By the mean:
+        ``mean_retry_after_ms`` over the whole queue, by the model's mean.
         """
         if not self.sized(slots.kind):
-            # The model's mean whatever the kind, as the gate always advised.
-            mean_s = self.mean_s("llm")
-            estimate = (len(queued) / max(1, slots.slots) + 1) * mean_s * 1000
-        else:
-            mine = [j for j in queued if j.kind == slots.kind]
-            idle = max(0, slots.slots - len(slots.running))
-            pool = self.play(mine, replace(slots, free=idle), now)
-            estimate = _first_fit(pool, fits or (lambda _level: True)) * 1000
+            # The model's mean whatever the kind, as the gate has always advised.
+            return self.mean_retry_after_ms(len(queued), slots.slots)
+        mine = [j for j in queued if j.kind == slots.kind]
+        idle = max(0, slots.slots - len(slots.running))
+        pool = self.play(mine, replace(slots, free=idle), now)
+        estimate = _first_fit(pool, fits or (lambda _level: True)) * 1000
+        return int(min(RETRY_AFTER_MAX_MS, max(RETRY_AFTER_MIN_MS, estimate)))
+
+    def mean_retry_after_ms(self, queued: int, slots: int, kind: EngineKind = "llm") -> int:
+        """Time until ``queued`` requests ahead would have drained on ``slots``
+        sequences (>= 1), in ms, clamped: Little's law over the pool, ``queued /
+        slots`` rounds of ``kind``'s mean service time, plus the round in progress."""
+        estimate = (queued / max(1, slots) + 1) * self.mean_s(kind) * 1000
         return int(min(RETRY_AFTER_MAX_MS, max(RETRY_AFTER_MIN_MS, estimate)))
 
     def play(self, ahead: Sequence[Job], slots: Slots, now: float) -> Pool:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from broker.protocol import ClientRequest, WorkerCommand
-from brokerkit import FAST, W1, W2, BrokerHarness, generate
+from brokerkit import FAST, W1, W2, BrokerHarness, Exact, generate
 
 REQUEST = WorkerCommand.REQUEST
 CANCEL = WorkerCommand.CANCEL
@@ -97,7 +97,7 @@ class SimulatedWorkers:
 def two_workers(estimate: str) -> tuple[BrokerHarness, SimulatedWorkers]:
     """A broker estimating by ``estimate`` with two one-slot simulated workers."""
     h = BrokerHarness(replace(QUIET, service_estimate=estimate))
-    h.broker.gate.count_tokens = chars
+    h.broker.gate.count_tokens = Exact(chars)
     sim = SimulatedWorkers(h)
     for w in (W1, W2):
         h.ready(w, 0.0)
@@ -116,7 +116,7 @@ def burst(estimate: str) -> tuple[BrokerHarness, dict[Any, dict[str, Any]]]:
     sim.pump(2.0)
     sim.run(2.0, 3.0)
     # The mean has mostly seen short requests: 0.102 + 0.98 x 0.8^8 s.
-    assert h.broker.stats.service_time("llm") == pytest.approx(0.266, abs=0.001)
+    assert h.broker.estimator.mean_s("llm") == pytest.approx(0.266, abs=0.001)
     for i in range(4):
         h.send(generate(f"short-{i}", SHORT, max_tokens=MAX_TOKENS, timeout_ms=3000), 5.0)
     for i in range(8):
@@ -167,7 +167,7 @@ def warmed(estimate: str = "size") -> tuple[BrokerHarness, SimulatedWorkers]:
     h.send(generate("warm-short", SHORT, max_tokens=MAX_TOKENS), 0.0)
     sim.pump(0.0)
     sim.run(0.0, 1.5)
-    assert h.broker.stats.sizes.ready("llm")
+    assert h.broker.estimator.sizes.ready("llm")
     return h, sim
 
 
@@ -209,7 +209,7 @@ def test_the_size_check_count_is_the_jobs_prompt_size() -> None:
     """A prompt that might not fit is tokenized for the 413 check; its job keeps
     that exact count instead of the estimate from its bytes."""
     h, _ = warmed()
-    h.broker.gate.count_tokens = lambda req: len(req.prompt or "") // 2
+    h.broker.gate.count_tokens = Exact(lambda req: len(req.prompt or "") // 2)
     h.send(generate("big", "z" * 2040, max_tokens=16), 2.0)  # 2041 bytes + 16 > 2048
     (job,) = [j for j in h.broker.jobs if j.req.id == "big"]
     assert job.prompt_tokens == 1020
@@ -221,7 +221,7 @@ def test_before_any_measured_request_the_size_setting_behaves_as_the_mean() -> N
     h.ready(W1, 0.0)
     h.send(generate("first", LONG, timeout_ms=1), 0.0)  # nothing measured: no refusal
     assert h.replies() == []
-    assert not h.broker.stats.sizes.ready("llm")
+    assert not h.broker.estimator.sizes.ready("llm")
 
 
 def test_a_stream_is_admitted_if_its_first_token_can_come_in_time() -> None:
