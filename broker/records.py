@@ -72,7 +72,8 @@ class Job:
     budget): it answers the client only if a rule matched; ``hedged_by`` is the
     model request's hedge (kept once it ended, so a request is hedged once).
     ``prompt_tokens`` is the admission gate's count (or estimate) of the
-    prompt, for predicting its service time (None until it is queued).
+    prompt, for predicting its service time (``broker.service_time``): set at
+    admission, None while there is neither.
     """
 
     rid: int
