@@ -16,8 +16,11 @@ from typing import Any
 
 import pytest
 
+from broker.admission import Admit
 from broker.protocol import ClientRequest, WorkerCommand
-from brokerkit import FAST, W1, W2, BrokerHarness, Exact, generate
+from broker.routing import EnginePool, PoolView, Route
+from broker.service_time import ServiceEstimator, Slots
+from brokerkit import CLIENT, FAST, W1, W2, BrokerHarness, Exact, generate
 
 REQUEST = WorkerCommand.REQUEST
 CANCEL = WorkerCommand.CANCEL
@@ -213,6 +216,39 @@ def test_the_size_check_count_is_the_jobs_prompt_size() -> None:
     h.send(generate("big", "z" * 2040, max_tokens=16), 2.0)  # 2041 bytes + 16 > 2048
     (job,) = [j for j in h.broker.jobs if j.req.id == "big"]
     assert job.prompt_tokens == 1020
+
+
+def test_each_checked_request_keeps_its_own_count() -> None:
+    """The count travels with the verdict (``Admit.prompt_tokens``), not in the gate:
+    two requests checked before either is queued each keep their own."""
+    h, _ = warmed()
+    gate = h.broker.gate
+    gate.count_tokens = Exact(lambda req: len(req.prompt or "") // 2)
+    pool = PoolView(llm=gate.engine_pool("llm", "normal", 2, 2.0), rules=EnginePool(0))
+    first, second = (
+        ClientRequest(id=rid, op="generate", prompt=prompt, max_tokens=16)
+        for rid, prompt in ((1, "y" * 2040), (2, "z" * 2036))  # both might not fit
+    )
+    verdicts = [gate.check(CLIENT, req, Route("llm"), pool, 2.0) for req in (first, second)]
+    assert [v.prompt_tokens for v in verdicts if isinstance(v, Admit)] == [1020, 1018]
+
+
+def test_one_request_plays_each_engines_queue_forward_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Routing and admission share one snapshot of the pool: one wait per engine."""
+    h, sim = warmed()
+    waits: list[str] = []
+    wait = ServiceEstimator.wait
+
+    def counted(self: ServiceEstimator, ahead: Any, slots: Slots, now: float) -> Any:
+        waits.append(slots.kind)
+        return wait(self, ahead, slots, now)
+
+    monkeypatch.setattr(ServiceEstimator, "wait", counted)
+    h.send(generate("one", SHORT, max_tokens=MAX_TOKENS), 2.0)
+    sim.pump(2.0)
+    assert sorted(waits) == ["llm", "rules"]
 
 
 def test_before_any_measured_request_the_size_setting_behaves_as_the_mean() -> None:
