@@ -545,7 +545,7 @@ class ServiceEstimator:
             tokens = self.prompt_tokens(req, kind) or 0.0
         return self.sizes.first_token_s(kind, tokens, level)
 
-    def job_service_s(self, job: Job, level: int = 1) -> float:
+    def _job_service_s(self, job: Job, level: int = 1) -> float:
         """Predicted service (s) of a queued or running ``job`` at batch ``level``;
         a job queued before the first measurement gets its estimate now."""
         if job.prompt_tokens is None:
@@ -558,7 +558,7 @@ class ServiceEstimator:
         """When a new request queued behind ``ahead`` (in dispatch order) would
         start on ``slots`` (s from now) and at which batch level.
 
-        Sized: ``ahead`` is played forward on the workers' slots (``play``); it
+        Sized: ``ahead`` is played forward on the workers' slots (``_play``); it
         starts on the slot that frees first, at the level of that slot's worker
         then. By the mean: ``(ahead - free + 1) / slots`` mean service times
         (Little's law), level 1 (unused: the mean ignores levels).
@@ -568,7 +568,7 @@ class ServiceEstimator:
                 return 0.0, 1
             rounds = (len(ahead) - slots.free + 1) / max(1, slots.slots)
             return rounds * self.mean_s(slots.kind), 1
-        slot = _next_slot(self.play(ahead, slots, now))
+        slot = _next_slot(self._play(ahead, slots, now))
         return (0.0, 1) if slot is None else slot[:2]
 
     def retry_after_ms(
@@ -592,7 +592,7 @@ class ServiceEstimator:
             return self.mean_retry_after_ms(len(queued), slots.slots)
         mine = [j for j in queued if j.kind == slots.kind]
         idle = max(0, slots.slots - len(slots.running))
-        pool = self.play(mine, replace(slots, free=idle), now)
+        pool = self._play(mine, replace(slots, free=idle), now)
         estimate = _first_fit(pool, fits or (lambda _level: True)) * 1000
         return int(min(RETRY_AFTER_MAX_MS, max(RETRY_AFTER_MIN_MS, estimate)))
 
@@ -603,7 +603,7 @@ class ServiceEstimator:
         estimate = (queued / max(1, slots) + 1) * self.mean_s(kind) * 1000
         return int(min(RETRY_AFTER_MAX_MS, max(RETRY_AFTER_MIN_MS, estimate)))
 
-    def play(self, ahead: Sequence[Job], slots: Slots, now: float) -> Pool:
+    def _play(self, ahead: Sequence[Job], slots: Slots, now: float) -> Pool:
         """The pool once ``ahead`` (in dispatch order) has started: list scheduling
         on the workers' slots, which free up when a running request's predicted
         work is done (at once if answered: its cancel ack is due) or now
@@ -634,7 +634,7 @@ class ServiceEstimator:
             if slot is None:
                 break  # no slot at all: nothing to wait for that can be estimated
             start, level, heap = slot
-            heapq.heapreplace(heap, start + self.job_service_s(job, level))
+            heapq.heapreplace(heap, start + self._job_service_s(job, level))
         return heaps
 
     def _left_s(self, job: Job, now: float, level: int) -> float:
@@ -642,7 +642,7 @@ class ServiceEstimator:
         if job.replied:
             return 0.0
         started = now if job.dispatched_at is None else job.dispatched_at
-        return max(0.0, self.job_service_s(job, level) - (now - started))
+        return max(0.0, self._job_service_s(job, level) - (now - started))
 
 
 def _next_slot(pool: Pool) -> tuple[float, int, list[float]] | None:
