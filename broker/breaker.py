@@ -187,7 +187,9 @@ class CircuitBreaker:
         settings: the knobs above.
     """
 
-    def __init__(self, settings: BreakerSettings | None = None) -> None:
+    def __init__(
+        self, settings: BreakerSettings | None = None, transitions: list[Transition] | None = None
+    ) -> None:
         self.settings = settings or BreakerSettings()
         self._window = _Window(self.settings.window_ms / 1000)
         self._state = BreakerState.CLOSED
@@ -200,8 +202,9 @@ class CircuitBreaker:
         self._probe_slow = 0
         self._times_opened = 0
         self._last_reason = ""
-        #: Outbox of state changes since the caller last cleared it (like ``Broker.events``).
-        self.transitions: list[Transition] = []
+        #: Where state changes are appended (the broker's ``Outbox.transitions``,
+        #: drained by the I/O loop; a list of its own if not given).
+        self.transitions: list[Transition] = transitions if transitions is not None else []
 
     # ------------------------------------------------------------------ queries
 

@@ -1,17 +1,25 @@
-"""The sans-I/O broker: routing, credit, deadlines and liveness.
+"""The sans-I/O broker: the client and worker message switches, and the timers.
 
 ``Broker`` never touches a socket or a clock. The I/O loop feeds it frames and
-the current monotonic time, and drains what it wants sent from ``to_clients``
-and ``to_workers``: that is what lets deadlines, credit and liveness be tested
+the current monotonic time, and drains what it wants done from ``outbox``
+(``broker.outbox``): that is what lets deadlines, credit and liveness be tested
 with a fake clock.
 
-``Broker`` is the composition point: it owns the job table, the queue, the
-router, the worker registry and the counters, speaks the client conversation,
-runs the timers and decides how every job ends. The worker conversation
-(dispatch, worker messages, cancellation, liveness) is
-``broker.backend.WorkerConversation`` and degrade mode's hand-overs to the
-rules are ``broker.handover.Handover``; both work on the same state by
-reference.
+``Broker`` decides *when* a job ends and why: a client's message (accept,
+refuse, cancel), a worker's message (partial, final, loss), a timer (deadline,
+latency budget, cancel grace), the node's pressure readings. It builds its
+parts and asks them, each of which owns its state and never calls back:
+
+* ``broker.admission``: the queue and whether a request may wait in it;
+* ``broker.service_time``: the service-time estimator (rates, batch levels,
+  retry advice) that admission reads and the worker messages teach;
+* ``broker.routing``: which engine answers (migration modes, circuit breaker);
+* ``broker.dispatch``: credit, REQUESTs and CANCELs;
+* ``broker.liveness``: heartbeats and the dead/stalled/hung verdicts;
+* ``broker.lifecycle``: how a job ends (answer, hand over, drop) and what that
+  causes, through ``broker.jobs``'s checked state transitions;
+* ``broker.handover``: degrade mode's fallbacks and hedges to the rules;
+* ``broker.retry``: whether a lost worker's request runs again.
 
 Invariant: every accepted client request gets exactly one final reply
 (``ok`` or ``error``), whatever happens to its worker.
@@ -25,23 +33,25 @@ from typing import Any
 
 from broker import protocol as p
 from broker.admission import AdmissionGate, Admit, Shed
-from broker.backend import WorkerConversation
 from broker.breaker import BreakerSettings
-from broker.delivery import Delivery, GoneCause, Outgoing, ReplyKind
-from broker.errors import EdgeNodeError, ErrorCode
+from broker.delivery import Delivery, GoneCause, ReplyKind
+from broker.dispatch import Dispatcher
+from broker.errors import EdgeNodeError, ErrorCode, ProtocolError
 from broker.handover import Handover
 from broker.jobs import JobTable
-from broker.kinds import ENGINE_KINDS, PRESSURE_LEVELS, CpuLevel, DegradeReason, EngineKind
+from broker.kinds import ENGINE_KINDS, PRESSURE_LEVELS, CpuLevel, EngineKind
+from broker.lifecycle import Lifecycle
+from broker.liveness import Liveness
+from broker.outbox import Outbox
 from broker.protocol import ClientRequest, WorkerCommand
-from broker.records import BrokerSettings, Job, WorkerEvent
+from broker.records import BrokerSettings, Job, JobState, WorkerEvent
+from broker.replies import final_reply
+from broker.retry import OOM_KILLED, blames_its_request
 from broker.routing import PoolView, Route, Router, RoutingSettings
 from broker.service_time import ServiceEstimator
 from broker.stats import Stats
 from broker.token_count import TokenCounter
-from broker.workers import WorkerRegistry
-
-__all__ = ["Broker", "BrokerSettings", "Job", "WorkerEvent"]
-
+from broker.workers import WorkerRegistry, WorkerState, parse_ready
 
 StatusHook = Callable[[], dict[str, Any]]
 
@@ -66,6 +76,8 @@ class Broker:
         breaker: BreakerSettings | None = None,
     ) -> None:
         self.settings = settings
+        #: Everything the broker wants done, taken by the I/O loop.
+        self.outbox = Outbox()
         self.workers = WorkerRegistry()
         self.stats = Stats()
         self.estimator = ServiceEstimator(
@@ -73,33 +85,20 @@ class Broker:
         )
         self.jobs = JobTable()
         self.gate = AdmissionGate(settings, self.estimator, self.jobs, count_tokens, self.workers)
-        self.router = Router(routing, breaker)
-        #: Replies for the I/O loop, which sends them through ``delivery``.
-        self.to_clients: list[Outgoing] = []
-        self.to_workers: list[list[bytes]] = []
-        self.events: list[WorkerEvent] = []
-        self._status_hook = status_hook
-        self.draining = False
+        self.router = Router(routing, breaker, self.outbox)
         self.delivery = Delivery(settings.client_backlog, self.stats.counters)
-        self.backend = WorkerConversation(
-            settings,
-            workers=self.workers,
-            jobs=self.jobs,
-            gate=self.gate,
-            router=self.router,
-            stats=self.stats,
-            estimator=self.estimator,
-            owner=self,
+        self.dispatcher = Dispatcher(
+            settings, self.workers, self.jobs, self.gate, self.estimator, self.outbox
+        )
+        self.liveness = Liveness(settings, self.workers, self.outbox)
+        self.life = Lifecycle(
+            self.jobs, self.gate, self.router, self.dispatcher, self.stats, self.outbox
         )
         self.handover = Handover(
-            jobs=self.jobs,
-            gate=self.gate,
-            router=self.router,
-            stats=self.stats,
-            workers=self.workers,
-            cancel=self.backend.cancel,
-            forget=self.forget,
+            self.life, self.jobs, self.gate, self.router, self.stats, self.workers
         )
+        self._status_hook = status_hook
+        self.draining = False
 
     # ------------------------------------------------------------------ clients
 
@@ -117,12 +116,12 @@ class Broker:
             self.stats.count("rejected_bad_request")
             # Bodies are bounded by ZMQ_MAXMSGSIZE, so salvaging even an oversized one is cheap.
             rid = p.salvage_id(body)
-            self.send_client(identity, p.error_reply(rid, exc.code, exc.message))
+            self.outbox.client(identity, p.error_reply(rid, exc.code, exc.message))
             return
         if req.op == "ping":
-            self.send_client(identity, p.ok_reply(req.id, pong=True, version=p.PROTOCOL_VERSION))
+            self.outbox.client(identity, p.ok_reply(req.id, pong=True, version=p.PROTOCOL_VERSION))
         elif req.op == "status":
-            self.send_client(identity, p.ok_reply(req.id, node=self.status(now)))
+            self.outbox.client(identity, p.ok_reply(req.id, node=self.status(now)))
         elif req.op == "cancel":
             self._cancel_by_client(identity, req, now)
         else:
@@ -139,7 +138,7 @@ class Broker:
         if verdict.evict is not None:  # a lower-priority request yields its place
             self._shed_job(verdict.evict, "evicted by a higher-priority request", "queue_full", now)
         deadline = now + self.gate.timeout_s(req)
-        job = self._new_job(identity, req, now, deadline, route.kind)
+        job = self.jobs.new(identity, req, now, deadline, route.kind)
         job.degraded, job.permit = route.degraded, route.permit
         job.prompt_tokens = verdict.prompt_tokens
         self.jobs.bind(job)
@@ -155,7 +154,7 @@ class Broker:
         elif route.copy_skipped:
             self.router.copy_skipped(job, route.copy_skipped)
         self.stats.count("admitted")
-        self.backend.dispatch(now)
+        self.dispatcher.dispatch(now)
 
     def _admit(
         self, identity: bytes, req: ClientRequest, route: Route, pool: PoolView, now: float
@@ -167,15 +166,10 @@ class Broker:
             self.router.breaker.release(route.permit, now)
         return verdict
 
-    def _new_job(
-        self, client: bytes, req: ClientRequest, now: float, deadline: float, kind: EngineKind
-    ) -> Job:
-        return self.jobs.new(client, req, now, deadline, kind)
-
     def _pool_view(self, req: ClientRequest, now: float) -> PoolView:
         """The pool as ``req`` finds it: one snapshot, for routing and admission."""
         llm, rules = (
-            self.gate.engine_pool(kind, req.priority, self.backend.free_credit(kind), now)
+            self.gate.engine_pool(kind, req.priority, self.dispatcher.free_credit(kind), now)
             for kind in ENGINE_KINDS
         )
         return PoolView(
@@ -196,21 +190,17 @@ class Broker:
             self.router.copy_skipped(primary, "circuit_open")
             return
         req = replace(primary.req, stream=False, route="llm", priority="sheddable")
-        copy = self._new_job(b"", req, now, primary.deadline, "llm")
+        copy = self.jobs.new(b"", req, now, primary.deadline, "llm")
         copy.permit, copy.copy_of = permit, primary.rid
         self.gate.push(copy)
         self.router.open_pair(primary, mode)
-
-    def fall_back(self, job: Job, reason: DegradeReason, now: float) -> bool:
-        """Hand ``job`` to the rules if degrade mode allows it now; False if not."""
-        return self.handover.fall_back(job, reason, now)
 
     def _refuse(self, identity: bytes, rid: str | int, shed: Shed) -> None:
         self.stats.count(f"shed_{shed.reason}")
         body = p.error_reply(
             rid, shed.code, shed.message, retry_after_ms=shed.retry_after_ms, reason=shed.reason
         )
-        self.send_client(identity, body)
+        self.outbox.client(identity, body)
 
     def _shed_job(self, job: Job, message: str, reason: str, now: float) -> None:
         """Answer an admitted job 503 now (pressure, eviction) and cancel it if running."""
@@ -236,9 +226,9 @@ class Broker:
         if level == "critical":
             for job in self.jobs:
                 sheddable = job.req.priority == "sheddable" and job.kind == "llm"
-                if job.worker and not job.replied and sheddable:
+                if job.state is JobState.RUNNING and sheddable:
                     self._shed_job(job, message, "memory_pressure", now)
-        self.backend.dispatch(now)
+        self.dispatcher.dispatch(now)
 
     def set_cpu_pressure(self, level: CpuLevel, now: float) -> None:
         """React to the host's CPU pressure (``ok`` or ``high``, from the node's PSI reading).
@@ -252,19 +242,19 @@ class Broker:
         self.gate.cpu = level
         for job in self.gate.shed_for_cpu():
             self._shed_job(job, "shed under CPU pressure", "cpu_pressure", now)
-        self.backend.dispatch(now)
+        self.dispatcher.dispatch(now)
 
     def _cancel_by_client(self, identity: bytes, req: ClientRequest, now: float) -> None:
         assert req.target is not None
         job = self.jobs.of_client(identity, req.target)
-        if job is None or job.replied:
-            self.send_client(
+        if job is None or job.settled:
+            self.outbox.client(
                 identity,
                 p.error_reply(req.id, ErrorCode.NOT_FOUND, f"no request {req.target!r} in flight"),
             )
             return
         self._finish_early(job, ErrorCode.CANCELLED, "cancelled by client", now)
-        self.send_client(identity, p.ok_reply(req.id, cancelled=req.target))
+        self.outbox.client(identity, p.ok_reply(req.id, cancelled=req.target))
 
     def client_gone(self, identity: bytes, cause: GoneCause, now: float) -> int:
         """The client ``identity`` is gone (``cause``): nothing more is sent to it.
@@ -278,7 +268,7 @@ class Broker:
         self.delivery.forget(identity)
         ended = 0
         for job in self.jobs:
-            if job.client != identity or job.replied or job.hedge_of is not None:
+            if job.client != identity or job.settled or job.hedge_of is not None:
                 continue
             self.stats.count("client_gone")
             message = f"client gone ({cause.value})"
@@ -290,11 +280,189 @@ class Broker:
 
     def handle_worker(self, frames: list[bytes], now: float) -> None:
         """Handle one backend message ``[identity, "", "EDGE/W1", command, body]``."""
-        self.backend.handle(frames, now)
+        if len(frames) < 2:
+            return
+        identity = frames[0]
+        try:
+            command, body = p.parse_worker_frames(frames[1:])
+        except ProtocolError as exc:
+            self.stats.count("worker_protocol_errors")
+            known = self.workers.get(identity)
+            if known is not None:
+                # It will re-register under a fresh identity: stop routing to this one.
+                self._lose_worker(
+                    known, f"protocol error: {exc.message}", now, notify=False, failure=False
+                )
+            else:
+                self.outbox.worker(identity, WorkerCommand.DISCONNECT, {"reason": "protocol error"})
+            return
+        worker = self.workers.get(identity)
+        if command is WorkerCommand.READY:
+            self._register(identity, body, now)
+            return
+        if worker is None:
+            # Unknown peer (e.g. the broker restarted): make it re-register.
+            if command is not WorkerCommand.DISCONNECT:
+                self.outbox.worker(identity, WorkerCommand.DISCONNECT, {"reason": "not registered"})
+            return
+        self.liveness.heard_from(worker, now)
+        if command is WorkerCommand.HEARTBEAT:
+            self.liveness.note_progress(worker, body.get("progress"), now)
+        elif command is WorkerCommand.PARTIAL:
+            self._on_partial(worker, body, now)
+        elif command is WorkerCommand.FINAL:
+            self._on_final(worker, body, now)
+        elif command is WorkerCommand.CREDIT:
+            slots = body.get("slots")
+            if isinstance(slots, int) and not isinstance(slots, bool) and 0 <= slots <= 256:
+                worker.slots = slots
+                self.dispatcher.dispatch(now)
+        elif command is WorkerCommand.DISCONNECT:
+            self._lose_worker(worker, "disconnected", now, notify=False, failure=False)
+
+    def _register(self, identity: bytes, body: dict[str, Any], now: float) -> None:
+        if self.workers.get(identity) is not None:
+            return  # a duplicate READY changes nothing: credit is not re-granted
+        try:
+            worker = parse_ready(identity, body, now)
+        except ProtocolError as exc:
+            self.outbox.worker(identity, WorkerCommand.DISCONNECT, {"reason": exc.message})
+            return
+        stale = self.workers.by_worker_id(worker.worker_id)
+        if stale is not None:
+            self._lose_worker(
+                stale, "replaced by a new incarnation", now, notify=False, failure=False
+            )
+        self.workers.add(worker)
+        self.outbox.events.append(WorkerEvent("ready", worker.worker_id, worker.info.get("pid")))
+        self.dispatcher.dispatch(now)
+
+    def _owned_job(self, worker: WorkerState, body: dict[str, Any]) -> Job | None:
+        rid = body.get("rid")
+        if not isinstance(rid, int) or rid not in worker.active:
+            return None
+        return self.jobs.get(rid)
+
+    def _on_partial(self, worker: WorkerState, body: dict[str, Any], now: float) -> None:
+        if "progress" in body:
+            self.liveness.note_progress(worker, body["progress"], now)
+        else:
+            worker.progress_at = now  # a token is progress even from a worker not counting
+        job = self._owned_job(worker, body)
+        text = body.get("text")
+        if job is None or job.settled or not isinstance(text, str):
+            return
+        if job.first_token_at is None:
+            job.first_token_at = now
+            self.estimator.levels.first_token(worker.identity, job.rid, now)
+        # A hedge's text is held back: it is the client's only if the rules win.
+        if job.req.stream and job.hedge_of is None:
+            partial = p.partial_reply(job.req.id, text, len(job.chunks))
+            self.outbox.client(job.client, partial, ReplyKind.PARTIAL)
+        job.chunks.append(text)
+
+    def _on_final(self, worker: WorkerState, body: dict[str, Any], now: float) -> None:
+        rid = body.get("rid")
+        job = self._owned_job(worker, body)
+        if isinstance(rid, int):
+            worker.active.discard(rid)  # the credit returns with the ack, never earlier
+        if job is not None:
+            self.jobs.disarm("ack", job.rid)
+            self.liveness.acked(job.rid)
+            if not job.settled:
+                self._reply_final(job, worker, body, now)  # learns its batch level first
+            self.life.forget(job)
+        self.estimator.levels.running(worker.identity, worker.active, now)
+        self.dispatcher.dispatch(now)
+
+    def _reply_final(self, job: Job, worker: WorkerState, body: dict[str, Any], now: float) -> None:
+        reply, outcome = final_reply(job, worker.kind, worker.worker_id, body, now)
+        if outcome == "ok" and job.dispatched_at is not None:
+            max_tokens = job.req.max_tokens or self.settings.default_max_tokens
+            self.estimator.observe_final(job, body.get("usage"), now, max_tokens)
+        self.stats.count(outcome)
+        self._end(job, reply, now, counted=outcome)
 
     def worker_exited(self, worker_id: str, reason: str, now: float) -> None:
         """The supervisor reaped this worker's process: fail over without waiting."""
-        self.backend.worker_exited(worker_id, reason, now)
+        worker = self.workers.by_worker_id(worker_id)
+        if worker is not None:
+            # A crash is the pool's failure; an exit while the node stops is not.
+            self._lose_worker(worker, reason, now, notify=False, failure=not self.draining)
+
+    def _lose_worker(
+        self,
+        worker: WorkerState,
+        reason: str,
+        now: float,
+        *,
+        notify: bool = True,
+        failure: bool = True,
+    ) -> None:
+        """Unregister ``worker``; re-dispatch, hand over or answer its requests.
+
+        ``notify``: tell the supervisor to kill it (the broker's own verdict).
+        ``failure``: count it against the model pool's circuit breaker (not for
+        a clean DISCONNECT or an incarnation replaced by a newer one).
+        """
+        self.workers.remove(worker.identity)
+        self.estimator.levels.running(worker.identity, (), now)
+        self.stats.count("workers_lost")
+        if notify:
+            pid = worker.info.get("pid")
+            self.outbox.events.append(WorkerEvent("lost", worker.worker_id, pid, reason))
+        # If it is merely slow it must not keep the requests: make it re-register.
+        self.outbox.worker(worker.identity, WorkerCommand.DISCONNECT, {"reason": reason})
+        if worker.kind == "llm" and failure and not worker.active:
+            self.router.worker_failed(None, now, reason)
+        blamed = blames_its_request(reason, len(worker.active), worker.kind, failure=failure)
+        for rid in sorted(worker.active):
+            job = self.jobs.get(rid)
+            if job is None:
+                continue
+            self.jobs.disarm("ack", rid)
+            self.liveness.acked(rid)
+            if worker.kind == "llm" and failure:
+                self.router.worker_failed(job, now, reason)
+            else:
+                # Not the pool's failure (replaced, disconnected, stopping): its
+                # 503 worker_lost must not count against the breaker either.
+                self.router.release(job, now)
+            if job.settled:
+                self.life.forget(job)
+            elif (
+                (not job.req.stream or not job.chunks)
+                and job.attempts == 0
+                and job.deadline > now
+                and not blamed
+            ):
+                # Output the client never saw can be thrown away and made again.
+                self.life.requeue(job)
+            elif not self.handover.fall_back(job, "worker_lost", now):
+                self._give_up(job, reason, now, blamed, worker.kind)
+        if worker.kind == "llm" and not self.workers.of_kind("llm"):
+            for queued in list(self.gate):  # nobody left to run them: the rules answer
+                self.handover.fall_back(queued, "no_model_worker", now)
+        self.dispatcher.dispatch(now)
+
+    def _give_up(self, job: Job, reason: str, now: float, blamed: bool, kind: EngineKind) -> None:
+        if blamed and kind == "rules":
+            reason += " (not retried: the rule engine failed running this request)"
+        elif blamed and OOM_KILLED in reason:
+            reason += " (not retried: the worker ran out of memory running this request)"
+        elif blamed:
+            reason += " (not retried: the worker crashed running this request)"
+        self.stats.count("worker_lost")
+        body = p.error_reply(
+            job.req.id,
+            ErrorCode.UNAVAILABLE,
+            f"worker lost: {reason}",
+            text="".join(job.chunks),
+            reason="worker_lost",
+            retry_after_ms=1000,
+        )
+        self._end(job, body, now)
+        self.life.forget(job)
 
     # ------------------------------------------------------------------ time
 
@@ -304,24 +472,40 @@ class Broker:
             job = self.jobs.get(rid)
             if job is None:
                 continue
-            if kind == "job" and not job.replied:
+            if kind == "job" and not job.settled:
                 self.stats.count("deadline_exceeded")
                 self._finish_early(job, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded", now)
-            elif kind == "ttft" and not job.replied and job.first_token_at is None:
+            elif kind == "ttft" and not job.settled and job.first_token_at is None:
                 if job.hedged_by is None and self.handover.can_fall_back(job):
                     self.handover.hedge(job)
-                    self.backend.dispatch(now)
+                    self.dispatcher.dispatch(now)
             elif kind == "ack":
-                self.backend.hung(job, now)
-        self.backend.tick(now)
+                self._ack_overdue(job, now)
+        for worker, reason in self.liveness.verdicts(now):
+            self._lose_worker(worker, reason, now)
+        self.liveness.heartbeats(now)
+
+    def _ack_overdue(self, job: Job, now: float) -> None:
+        """``job``'s worker did not ack its CANCEL within the grace: look again
+        later if it still makes progress, else give up on it as hung."""
+        worker = None if job.worker is None else self.workers.get(job.worker)
+        if worker is None:
+            return
+        again = self.liveness.ack_overdue(job.rid, worker, now)
+        if again is not None:
+            self.jobs.arm("ack", job.rid, again)
+            return
+        self._lose_worker(worker, "hung: no ack to CANCEL within the grace", now)
 
     def next_wakeup(self, now: float) -> float:
         """Seconds until the next ``tick`` is due (the I/O loop's poll timeout)."""
-        due = [self.backend.next_heartbeat]
+        due = [self.liveness.next_heartbeat]
         deadline = self.jobs.next_timer()
         if deadline is not None:
             due.append(deadline)
         return max(0.0, min(due) - now)
+
+    # ------------------------------------------------------------------ endings
 
     def _finish_early(
         self,
@@ -335,64 +519,26 @@ class Broker:
         """Answer ``job`` now with ``code``; a running job is cancelled on its worker.
         ``deliver=False``: its client is gone, so the answer is not sent."""
         body = p.error_reply(job.req.id, code, message, text="".join(job.chunks), **extra)
-        self.answer(job, body, now, deliver)
-        if job.worker is None:
-            self.forget(job)
-            return
-        self.backend.cancel(job, now)
+        self._end(job, body, now, deliver=deliver)
+        self.life.stop(job, now)
 
-    def answer(
+    def _end(
         self,
         job: Job,
         body: dict[str, Any],
         now: float,
+        *,
         deliver: bool = True,
         counted: str | None = None,
     ) -> None:
-        """Send ``job``'s one final reply; the client may reuse its id at once.
-
-        ``deliver=False``: end it the same way but send nothing (its client is gone).
-        ``counted``: the outcome counter the reply was counted under, moved to
-        ``client_gone`` if the reply never reaches its client (``Outgoing``).
-        A model copy (shadow/dual) has no client: its result only goes to the router.
-        A hedge answers only if a rule matched (``Handover.take_hedge``); else
-        it is dropped. A request that is answered drops its hedge if still out.
-        """
-        if job.hedge_of is not None:
-            if not self.handover.take_hedge(job, body, now):
-                job.replied = True
-                return
-            if job.req.stream:  # the held-back text, as the stream it would have been
-                for index, text in enumerate(job.chunks):
-                    partial = p.partial_reply(job.req.id, text, index)
-                    self.send_client(job.client, partial, ReplyKind.PARTIAL)
-        job.replied = True
-        self.handover.drop_hedge(job)
-        self.router.finished(job, body, now)
-        if job.copy_of is not None:
+        """``body`` is ``job``'s final: a hedge's answers the client only if the
+        rules win (``Handover.take_hedge``, which otherwise drops it); any other
+        job's is its answer (``Lifecycle.answer``)."""
+        if job.hedge_of is not None and not self.handover.take_hedge(job, body, now):
             return
-        self.jobs.release(job)
-        self.gate.closed(job.client)
-        if deliver:
-            self.to_clients.append(Outgoing(job.client, body, ReplyKind.FINAL, counted))
+        self.life.answer(job, body, now, deliver=deliver, counted=counted)
 
-    def forget(self, job: Job) -> None:
-        """Drop ``job`` from the ledger and the queue (answered or handed over)."""
-        self.jobs.forget(job)
-        self.gate.remove(job)
-
-    # ------------------------------------------------------------------ output
-
-    def send_client(
-        self, identity: bytes, body: dict[str, Any], kind: ReplyKind = ReplyKind.FINAL
-    ) -> None:
-        """Queue ``body`` for the client ``identity`` (drained by the I/O loop);
-        ``kind`` tells a streamed chunk, which may be dropped, from a final reply."""
-        self.to_clients.append(Outgoing(identity, body, kind))
-
-    def send_worker(self, identity: bytes, command: WorkerCommand, body: dict[str, Any]) -> None:
-        """Queue ``command`` with ``body`` for the worker ``identity`` (drained by the I/O loop)."""
-        self.to_workers.append(p.to_worker_frames(identity, command, body))
+    # ------------------------------------------------------------------ node
 
     def status(self, now: float) -> dict[str, Any]:
         """A msgpack-ready snapshot: workers, queue, in-flight, counters."""
@@ -421,7 +567,7 @@ class Broker:
     def abort_all(self, message: str, now: float) -> None:
         """Answer every request still without a final reply with 503 (shutdown)."""
         for job in self.jobs:
-            if not job.replied:
+            if not job.settled:
                 body = p.error_reply(
                     job.req.id,
                     ErrorCode.UNAVAILABLE,
@@ -429,8 +575,8 @@ class Broker:
                     text="".join(job.chunks),
                     reason="shutdown",
                 )
-                self.answer(job, body, now)
-            self.forget(job)
+                self._end(job, body, now)
+            self.life.forget(job)
 
     def pending_jobs(self) -> int:
         """Accepted requests without a final reply yet (0 means drained)."""

@@ -1,4 +1,4 @@
-"""Degrade mode's hand-overs of model requests to the rules.
+"""Degrade mode's hand-overs of model requests to the rules: the policy.
 
 Two ways, with different rules on what the rules' answer is worth:
 
@@ -10,19 +10,18 @@ Two ways, with different rules on what the rules' answer is worth:
   the model's job cancelled, a miss is dropped and the model answers
   (``broker.routing.usable_rules_answer``).
 
-``Handover`` owns no state: it works on the broker's job table, queue, router,
-registry and counters by reference (``broker.core.Broker`` owns them), and asks
-the broker to cancel a running job or forget a finished one.
+``Handover`` decides; the job owner (``broker.lifecycle.Lifecycle``) carries
+the hand-over and the drop out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from broker.admission import AdmissionGate
 from broker.jobs import JobTable
 from broker.kinds import DegradeReason
+from broker.lifecycle import Lifecycle
 from broker.records import Job
 from broker.routing import Router, usable_rules_answer
 from broker.stats import Stats
@@ -33,30 +32,28 @@ class Handover:
     """Fallbacks and hedges: model requests handed (or offered) to the rules.
 
     Args:
-        jobs, gate, router, stats, workers: the broker's job table, queue, router,
-            counters and registry (references, not copies).
-        cancel: tells a running job's worker to stop it (credit returns with the ack).
-        forget: drops a job from the ledger and the queue.
+        life: the job owner, which hands jobs over and drops hedges.
+        jobs, gate: the job table (new rules jobs) and the queue they join.
+        router: the migration mode.
+        stats: the counters (``fallback_*``, ``hedge_*``).
+        workers: the registry (are there rule workers?).
     """
 
     def __init__(
         self,
-        *,
+        life: Lifecycle,
         jobs: JobTable,
         gate: AdmissionGate,
         router: Router,
         stats: Stats,
         workers: WorkerRegistry,
-        cancel: Callable[[Job, float], None],
-        forget: Callable[[Job], None],
     ) -> None:
+        self.life = life
         self.jobs = jobs
         self.gate = gate
         self.router = router
         self.stats = stats
         self.workers = workers
-        self._cancel = cancel
-        self._forget = forget
 
     def can_fall_back(self, job: Job) -> bool:
         """Whether degrade mode may answer ``job`` from the rules now."""
@@ -70,36 +67,22 @@ class Handover:
         )
 
     def fall_back(self, job: Job, reason: DegradeReason, now: float) -> bool:
-        """Hand ``job`` to the rules if degrade mode allows it now (see
-        ``_reroute``); False, with nothing done, if it does not."""
+        """Hand the unanswered model request ``job`` to the rules if degrade mode
+        allows it now; False, with nothing done, if it does not.
+
+        A new rules job takes the client's id, ahead of the queue; the old one is
+        cancelled on its worker if it runs (its credit returns with the ack) and
+        never answers itself.
+        """
         if not self.can_fall_back(job):
             return False
-        self._reroute(job, reason, now)
-        return True
-
-    def _reroute(self, job: Job, reason: DegradeReason, now: float) -> None:
-        """Hand an unanswered model request over to the rules (degrade mode).
-
-        A new job takes the client's id; the old one is cancelled on its worker
-        if it runs (its credit returns with the ack) and never answers itself.
-        """
-        self.drop_hedge(job)
+        self.life.drop_hedge(job)
         new = self.jobs.new(job.client, job.req, job.accepted_at, job.deadline, "rules")
         new.degraded = reason
-        self._hand_over(job, new, now)
+        self.life.hand_over(job, new, now)
         self.gate.push(new, front=True)
         self.stats.count(f"fallback_{reason}")
-
-    def _hand_over(self, old: Job, new: Job, now: float) -> None:
-        """``new`` answers ``old``'s client from now on; ``old`` is cancelled on its
-        worker if it runs (its credit returns with the ack) and never answers."""
-        self.router.release(old, now)
-        self.jobs.bind(new)
-        old.replied = True  # handed over, not answered: the client still waits
-        if old.worker is None:
-            self._forget(old)
-        else:
-            self._cancel(old, now)
+        return True
 
     # ------------------------------------------------------------------ the hedge
 
@@ -114,29 +97,22 @@ class Handover:
         self.gate.push(hedge, front=True)
 
     def take_hedge(self, hedge: Job, body: dict[str, Any], now: float) -> bool:
-        """Whether the rules' final ``body`` answers the client. Only a matched rule
-        does, while the model's request could still be handed over (no streamed
-        token yet); the model's job is then cancelled. Otherwise the model keeps it."""
+        """Whether the rules' final ``body`` answers the client (the caller then
+        answers ``hedge``). Only a matched rule does, while the model's request
+        could still be handed over (no streamed token yet); the model's job is
+        then handed over to the hedge. Otherwise the hedge is dropped and the
+        model keeps the request."""
         model = self.jobs.get(hedge.hedge_of)
         if (
             model is None
-            or model.replied
+            or model.settled
             or not self.can_fall_back(model)
             or not usable_rules_answer(body)
         ):
             self.stats.count("hedge_model_kept")
+            self.life.drop(hedge)
             return False
-        self._hand_over(model, hedge, now)
+        self.life.hand_over(model, hedge, now)
         self.stats.count("hedge_rules_won")
         self.stats.count("fallback_latency_budget")
         return True
-
-    def drop_hedge(self, job: Job) -> None:
-        """``job`` is settled: its hedge, if still out, answers nobody."""
-        hedge = self.jobs.get(job.hedged_by)
-        if hedge is None or hedge.replied:
-            return
-        hedge.replied = True  # its FINAL (or its worker's loss) only frees the slot
-        self.stats.count("hedge_model_kept")
-        if hedge.worker is None:
-            self._forget(hedge)  # still queued: it never runs

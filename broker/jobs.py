@@ -1,10 +1,15 @@
-"""The broker's ledger of accepted requests: jobs by id, client ids, timers.
+"""The broker's ledger of accepted requests and the one place a job's state changes.
 
 ``JobTable`` owns everything keyed by a job: the jobs themselves (by the
 broker's request id), the mapping from a client's own ``(identity, id)`` to the
-job answering it, and the timers (a ``DeadlineHeap`` keyed ``(timer, rid)``:
+job answering it, the timers (a ``DeadlineHeap`` keyed ``(timer, rid)``:
 ``job`` = the request's deadline, ``ttft`` = degrade mode's first-token budget,
-``ack`` = the grace a cancelled worker has to acknowledge).
+``ack`` = the grace a cancelled worker has to acknowledge), and the state
+machine of ``broker.records.JobState``: ``start``, ``requeue``, ``settle`` and
+``cancelling`` each check the state the job leaves and raise
+``InvalidTransition`` if it is not one they move from. What a transition
+*causes* (replies, CANCELs, the queue, the router's books) is
+``broker.lifecycle.Lifecycle``'s.
 """
 
 from __future__ import annotations
@@ -14,9 +19,22 @@ from collections.abc import Iterator
 from broker.deadlines import DeadlineHeap
 from broker.kinds import EngineKind
 from broker.protocol import ClientRequest
-from broker.records import Job
+from broker.records import OPEN_STATES, Job, JobState
 
 ClientKey = tuple[bytes, str | int]
+
+#: The states a job may be settled into (``JobTable.settle``).
+SETTLED_STATES = frozenset({JobState.ANSWERED, JobState.HANDED_OVER, JobState.DROPPED})
+
+
+class InvalidTransition(RuntimeError):
+    """A job was asked to leave a state it cannot leave that way (a broker bug)."""
+
+
+def _leave(job: Job, allowed: frozenset[JobState], to: JobState) -> None:
+    if job.state not in allowed:
+        raise InvalidTransition(f"job {job.rid}: {job.state.value} -> {to.value}")
+    job.state = to
 
 
 class JobTable:
@@ -44,6 +62,35 @@ class JobTable:
     def get(self, rid: object) -> Job | None:
         """The job with broker request id ``rid``, if it is still known."""
         return self._jobs.get(rid) if isinstance(rid, int) else None
+
+    # ------------------------------------------------------------------ transitions
+
+    def start(self, job: Job, worker: bytes, now: float) -> None:
+        """``QUEUED`` -> ``RUNNING``: dispatched to ``worker`` at ``now``."""
+        _leave(job, frozenset({JobState.QUEUED}), JobState.RUNNING)
+        job.worker = worker
+        job.dispatched_at = now
+
+    def requeue(self, job: Job) -> None:
+        """``RUNNING`` -> ``QUEUED``: its worker was lost and it runs again; the
+        output the client never saw is thrown away."""
+        _leave(job, frozenset({JobState.RUNNING}), JobState.QUEUED)
+        job.attempts += 1
+        job.worker = None
+        job.chunks.clear()
+        job.first_token_at = None
+
+    def settle(self, job: Job, to: JobState) -> None:
+        """``QUEUED`` or ``RUNNING`` -> ``to`` (``ANSWERED``, ``HANDED_OVER`` or
+        ``DROPPED``): nothing more of it reaches its client."""
+        assert to in SETTLED_STATES, to
+        _leave(job, OPEN_STATES, to)
+
+    def cancelling(self, job: Job) -> None:
+        """A settled job still on its worker -> ``CANCELLING``: told to stop, it
+        holds its slot until the worker acks (its FINAL)."""
+        assert job.worker is not None, job.rid
+        _leave(job, SETTLED_STATES, JobState.CANCELLING)
 
     # ------------------------------------------------------------------ client ids
 
@@ -90,8 +137,8 @@ class JobTable:
 
     def pending(self) -> int:
         """Jobs still without a final reply."""
-        return sum(1 for j in self._jobs.values() if not j.replied)
+        return sum(1 for j in self._jobs.values() if not j.settled)
 
     def running(self) -> int:
         """Jobs on a worker and not yet answered."""
-        return sum(1 for j in self._jobs.values() if j.worker and not j.replied)
+        return sum(1 for j in self._jobs.values() if j.state is JobState.RUNNING)

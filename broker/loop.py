@@ -1,10 +1,12 @@
 """The broker's I/O loop: the only broker module that touches zmq sockets.
 
 It binds a frontend ROUTER (clients) and a backend ROUTER (workers), feeds the
-sans-I/O ``Broker`` with frames and monotonic time, and flushes what it wants
-sent. Sends are non-blocking with ``ROUTER_MANDATORY``, so a vanished or
-congested peer never blocks the loop. What a failed send to a client means
-(a final waits in a backlog, a partial is dropped, the client is gone) is
+sans-I/O ``Broker`` with frames and monotonic time, and flushes its outbox
+(``broker.outbox``): frames go out on the sockets, everything else (worker
+events, migration records, breaker transitions) to the node's ``on_effects``.
+Sends are non-blocking with ``ROUTER_MANDATORY``, so a vanished or congested
+peer never blocks the loop. What a failed send to a client means (a final waits
+in a backlog, a partial is dropped, the client is gone) is
 ``broker.delivery``'s decision; which client connections closed is told by the
 frontend's socket monitor (``broker.connections``). A gone client's requests
 are ended by ``Broker.client_gone``.
@@ -24,8 +26,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 from broker import protocol as p
 from broker.connections import Connections
-from broker.core import Broker, WorkerEvent
+from broker.core import Broker
 from broker.delivery import Fate, GoneCause, Offer, Outgoing
+from broker.outbox import Effects
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +106,9 @@ class BrokerLoop:
         broker: the sans-I/O core.
         frontend: client endpoint, e.g. ``ipc:///run/edgenode/frontend.sock``.
         backend: worker endpoint.
-        on_event: receives worker ``ready``/``lost`` events (the supervisor).
+        on_effects: receives each batch taken from the broker's outbox, once its
+            frames are sent: the node acts on its ``events`` (the supervisor),
+            ``records`` (the migration log) and ``transitions`` (the breaker's).
         on_tick: called every loop turn with monotonic seconds (supervisor reaping).
         clock: monotonic seconds; injectable for tests.
     """
@@ -113,13 +118,13 @@ class BrokerLoop:
         broker: Broker,
         frontend: str,
         backend: str,
-        on_event: Callable[[WorkerEvent], None] | None = None,
+        on_effects: Callable[[Effects], None] | None = None,
         on_tick: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.broker = broker
         self.clock = clock
-        self._on_event = on_event
+        self._on_effects = on_effects
         self._on_tick = on_tick
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         # One cap for both sides (PROTOCOL §2.3): what a client may send fits a
@@ -185,19 +190,15 @@ class BrokerLoop:
         self.flush()
 
     def flush(self) -> None:
-        """Send everything the core queued, then hand worker events on."""
-        b = self.broker
-        while b.to_workers or b.to_clients or b.events:
-            out_w, b.to_workers = b.to_workers, []
-            out_c, b.to_clients = b.to_clients, []
-            events, b.events = b.events, []
-            for frames in out_w:
+        """Send every frame the core queued, then hand the rest to ``on_effects``;
+        again while that queued more (a supervisor event may)."""
+        while effects := self.broker.outbox.take():
+            for frames in effects.workers:
                 self._send(self.backend, frames)
-            for out in out_c:
+            for out in effects.clients:
                 self._send_client(out)
-            for event in events:
-                if self._on_event is not None:
-                    self._on_event(event)
+            if self._on_effects is not None:
+                self._on_effects(effects)
 
     def _send_client(self, out: Outgoing) -> None:
         """Offer one reply to ``delivery``, and send it if it says so."""

@@ -1,12 +1,13 @@
-"""The broker's records: its settings, an accepted request, a worker event.
+"""The broker's records: its settings, an accepted request and its state, a worker event.
 
-Plain data shared by the core, the admission gate and the I/O loop; the state
-that changes lives in ``broker.core.Broker``.
+Plain data shared by the core, the admission gate and the I/O loop. A job's
+state changes only through ``broker.jobs.JobTable``'s transitions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from broker import protocol as p
 from broker.breaker import Permit
@@ -59,6 +60,30 @@ class BrokerSettings:
             )
 
 
+class JobState(Enum):
+    """Where a job is in its life (``broker.jobs.JobTable`` moves it).
+
+    ``QUEUED`` -> ``RUNNING`` (dispatched) -> back to ``QUEUED`` once if its
+    worker is lost (re-dispatched). A job is *settled* when nothing more of it
+    reaches its client: ``ANSWERED`` (its one final reply is out, or was due to
+    a client that is gone), ``HANDED_OVER`` (another job answers its client: a
+    fallback or a winning hedge) or ``DROPPED`` (a hedge whose answer nobody
+    takes; a running one finishes, its FINAL only frees the slot). A settled
+    job still running is told to stop: ``CANCELLING`` until its worker acks.
+    """
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    CANCELLING = "cancelling"
+    ANSWERED = "answered"
+    HANDED_OVER = "handed_over"
+    DROPPED = "dropped"
+
+
+#: The states of a job that still owes its client a final reply.
+OPEN_STATES = frozenset({JobState.QUEUED, JobState.RUNNING})
+
+
 @dataclass
 class Job:
     """One accepted client request while the broker owns it.
@@ -74,6 +99,8 @@ class Job:
     ``prompt_tokens`` is the admission gate's count (or estimate) of the
     prompt, for predicting its service time (``broker.service_time``): set at
     admission, None while there is neither.
+    ``state`` is where it is in its life (``JobState``); ``worker`` the worker
+    holding it (running or cancelling), ``attempts`` its re-dispatches.
     """
 
     rid: int
@@ -85,7 +112,7 @@ class Job:
     dispatched_at: float | None = None
     first_token_at: float | None = None
     chunks: list[str] = field(default_factory=list)
-    replied: bool = False
+    state: JobState = JobState.QUEUED
     attempts: int = 0
     kind: EngineKind = "llm"
     degraded: DegradeReason | None = None
@@ -94,6 +121,11 @@ class Job:
     hedge_of: int | None = None
     hedged_by: int | None = None
     prompt_tokens: float | None = None
+
+    @property
+    def settled(self) -> bool:
+        """Whether its client's final is decided: answered, handed over or dropped."""
+        return self.state not in OPEN_STATES
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ Devices adopt a model beside their legacy rule engine in stages (DESIGN.md §4):
 
 Only ``route: "auto"`` requests follow the mode; ``llm`` and ``rules`` are
 explicit. The router is sans-I/O like the core: it decides, keeps the breaker's
-books, and queues migration records (plain dicts) for the node to log.
+books, and queues migration records (plain dicts) for the node to log in the
+broker's outbox (``broker.outbox``), beside the breaker's transitions.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 from broker.breaker import BreakerSettings, CircuitBreaker, Permit
 from broker.errors import ErrorCode
 from broker.kinds import CpuLevel, DegradeReason, EngineKind, PressureLevel
+from broker.outbox import Outbox
 from broker.protocol import ClientRequest
 from broker.records import Job
 from broker.service_time import RETRY_AFTER_MIN_MS
@@ -103,11 +105,15 @@ class Router:
     """Applies the mode, owns the circuit breaker and the pairs awaiting comparison."""
 
     def __init__(
-        self, settings: RoutingSettings | None = None, breaker: BreakerSettings | None = None
+        self,
+        settings: RoutingSettings | None = None,
+        breaker: BreakerSettings | None = None,
+        outbox: Outbox | None = None,
     ) -> None:
         self.settings = settings or RoutingSettings()
-        self.breaker = CircuitBreaker(breaker)
-        self.records: list[dict[str, Any]] = []
+        #: Where migration records and breaker transitions go (its own if not given).
+        self.outbox = outbox if outbox is not None else Outbox()
+        self.breaker = CircuitBreaker(breaker, self.outbox.transitions)
         self._pairs: dict[int, dict[str, Any]] = {}
 
     @property
@@ -190,13 +196,15 @@ class Router:
             }
             if job.hedge_of is not None:
                 record["hedge"] = "rules_won"
-            self.records.append(record)
+            self.outbox.records.append(record)
         elif job.kind == "llm":
             outcome = _outcome(job, body, now)
             del outcome["text"]  # latency is what the report needs, not every answer
             if job.hedged_by is not None:
                 outcome["hedge"] = "model_kept"  # the rules were asked and had no answer
-            self.records.append({"event": "llm", "mode": self.mode, "id": job.req.id, **outcome})
+            self.outbox.records.append(
+                {"event": "llm", "mode": self.mode, "id": job.req.id, **outcome}
+            )
 
     def open_pair(self, primary: Job, mode: str) -> None:
         """``primary`` (answered by the rules) will be compared with a model copy."""
@@ -214,7 +222,7 @@ class Router:
 
     def copy_skipped(self, job: Job, reason: str) -> None:
         """The model copy of ``job`` was not made (no free credit, queue full)."""
-        self.records.append(
+        self.outbox.records.append(
             {"event": "copy_skipped", "mode": self.mode, "id": job.req.id, "reason": reason}
         )
 
@@ -227,7 +235,7 @@ class Router:
             result |= {"confidence": body.get("confidence"), "rule": body.get("rule")}
         pair[side] = result
         if pair["rules"] is not None and pair["llm"] is not None:
-            self.records.append(self._pairs.pop(rid))
+            self.outbox.records.append(self._pairs.pop(rid))
 
     def _settle_permit(self, job: Job, body: dict[str, Any], now: float) -> None:
         if job.permit is None:

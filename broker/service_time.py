@@ -639,7 +639,7 @@ class ServiceEstimator:
 
     def _left_s(self, job: Job, now: float, level: int) -> float:
         """Predicted work left (s) of the running ``job`` at batch ``level``."""
-        if job.replied:
+        if job.settled:
             return 0.0
         started = now if job.dispatched_at is None else job.dispatched_at
         return max(0.0, self._job_service_s(job, level) - (now - started))

@@ -1,21 +1,18 @@
-"""The broker's view of its workers: registration, credit and liveness.
+"""The broker's view of its workers: who is registered, with what credit.
 
-Two state machines are kept apart on purpose (the Paranoid Pirate queue mixed
-them up and dispatched to busy workers): *alive* is driven by any traffic and
-the progress counter in heartbeats; *credit* is driven only by READY, REQUEST,
-FINAL and CREDIT. A heartbeat never grants credit.
+A ``WorkerState`` carries both the credit fields (``slots``, ``active``: moved
+by ``broker.dispatch``) and the liveness fields (``last_seen``, ``progress``:
+judged by ``broker.liveness``). The registry picks who gets the next request.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from broker.errors import ProtocolError
 from broker.kinds import EngineKind
-
-#: The engines the broker routes to, from READY's ``engine`` (``test``, the integration
-#: tests' stand-in for the model, is routed as ``llm``).
 
 
 @dataclass
@@ -105,7 +102,7 @@ class WorkerRegistry:
     def __init__(self) -> None:
         self._by_identity: dict[bytes, WorkerState] = {}
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[WorkerState]:
         return iter(list(self._by_identity.values()))
 
     def __len__(self) -> int:
@@ -143,35 +140,9 @@ class WorkerRegistry:
                 best = w
         return best
 
-    def excuse(self, seconds: float) -> None:
-        """Move every worker's ``last_seen`` and ``progress_at`` ``seconds`` later:
-        time in which the broker did not look does not count against them."""
-        for w in self._by_identity.values():
-            w.last_seen += seconds
-            w.progress_at += seconds
-
-    def verdicts(
-        self, now: float, dead_after_s: float, stall_after_s: float
-    ) -> list[tuple[WorkerState, str]]:
-        """Workers to give up on, with the reason: silent for ``dead_after_s``
-        (any traffic counts), or busy with a frozen progress counter for
-        ``stall_after_s``. Every worker is checked, busy ones included (the
-        zguide broker only purged idle ones)."""
-        out = []
-        for w in self._by_identity.values():
-            if now - w.last_seen > dead_after_s:
-                out.append((w, "dead: missed heartbeats"))
-            elif w.active and now - w.progress_at > stall_after_s:
-                out.append((w, "stalled: no progress while busy"))
-        return out
-
     def of_kind(self, kind: str) -> list[WorkerState]:
         """The registered workers of ``kind`` (``llm`` or ``rules``)."""
         return [w for w in self._by_identity.values() if w.kind == kind]
-
-    def has_kind(self, kind: str) -> bool:
-        """Whether any worker of ``kind`` is registered (busy or not)."""
-        return any(w.kind == kind for w in self._by_identity.values())
 
     def min_n_ctx(self, kind: str) -> int | None:
         """The smallest context (tokens) among workers of ``kind``, if any reported one."""

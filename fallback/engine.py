@@ -1,6 +1,6 @@
 """The rule engine: first matching rule answers, deterministically, in microseconds.
 
-``RuleEngine.answer`` takes a worker REQUEST body (``docs/PROTOCOL.md`` §10.3) and returns
+``RuleEngine.answer`` takes a worker REQUEST body (``docs/PROTOCOL.md`` §13.3) and returns
 the same final fields a model engine returns, plus ``confidence`` and ``rule``, so the
 broker can serve, compare and log both engines' answers alike. ``RuleEngine.run`` has the
 signature of ``node.engine.Engine.run`` (structurally: this package never imports ``node``),

@@ -22,9 +22,10 @@ from typing import Any
 
 import zmq
 
-from broker.core import Broker, WorkerEvent
+from broker.core import Broker
 from broker.errors import ConfigError
 from broker.loop import BrokerLoop
+from broker.outbox import Effects
 from broker.token_count import TokenCounter
 from node.budget import tightest_limit
 from node.capacity import check_fits
@@ -156,11 +157,8 @@ class Node:
                 cpu_level = None
             if cpu_level is not None:
                 broker.set_cpu_pressure(cpu_level, now)
-            for record in broker.router.records:
-                migration.write(record)
-            broker.router.records.clear()
 
-        loop = self._bind(broker, pool, on_tick)
+        loop = self._bind(broker, pool, migration, on_tick)
         wake_r, wake_w = self._install_signals(loop)
         try:
             pool.start(lambda wid, why: broker.worker_exited(wid, why, time.monotonic()))
@@ -181,9 +179,14 @@ class Node:
         return 0
 
     def _bind(
-        self, broker: Broker, pool: WorkerPool, on_tick: Callable[[float], None]
+        self,
+        broker: Broker,
+        pool: WorkerPool,
+        migration: MigrationLog,
+        on_tick: Callable[[float], None],
     ) -> BrokerLoop:
-        """The broker loop on the configured endpoints.
+        """The broker loop on the configured endpoints; what the broker's outbox
+        holds for the node goes to ``pool`` and ``migration`` (``_on_effects``).
 
         Raises:
             ConfigError: an endpoint cannot be bound (taken since ``check_free``,
@@ -196,7 +199,7 @@ class Node:
                 broker,
                 c.frontend,
                 c.backend,
-                on_event=lambda ev: _on_worker_event(pool, ev),
+                on_effects=lambda effects: _on_effects(pool, migration, effects),
                 on_tick=on_tick,
             )
         except zmq.ZMQError as exc:
@@ -346,11 +349,19 @@ def _cpu_monitor(config: NodeConfig, pool: WorkerPool) -> CpuPressureMonitor:
     return CpuPressureMonitor(config.pressure, path, why)
 
 
-def _on_worker_event(pool: WorkerPool, event: WorkerEvent) -> None:
-    if event.kind == "ready":
-        pool.supervisor.worker_ready(event.worker_id, event.pid)
-    elif event.kind == "lost":
-        pool.lose(event.worker_id, event.pid, event.reason)
+def _on_effects(pool: WorkerPool, migration: MigrationLog, effects: Effects) -> None:
+    """Act on what the broker's outbox holds for the node: worker events for the
+    supervisor, migration records for the log, the circuit breaker's transitions
+    for the node's log."""
+    for event in effects.events:
+        if event.kind == "ready":
+            pool.supervisor.worker_ready(event.worker_id, event.pid)
+        elif event.kind == "lost":
+            pool.lose(event.worker_id, event.pid, event.reason)
+    for record in effects.records:
+        migration.write(record)
+    for t in effects.transitions:
+        log.info("circuit breaker %s -> %s: %s", t.old.value, t.new.value, t.reason)
 
 
 def _token_counter(engine: EngineSpec) -> TokenCounter | None:

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, get_args
 
 from broker.breaker import BreakerSettings
-from broker.core import BrokerSettings
 from broker.errors import ConfigError
 from broker.protocol import MAX_TOKENS_LIMIT, message_limits
+from broker.records import BrokerSettings
 from broker.routing import MODES, RoutingSettings
 from node.endpoints import parse_endpoint
 from node.engine import ModelEngineKind

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from broker.backend import OOM_KILLED
+from broker.retry import OOM_KILLED
 from node.affinity import CpuPlan, pin_all_threads, plan_cpus
 from node.capacity import resolve_slots
 from node.config import NodeConfig, WorkersSection

@@ -6,8 +6,9 @@ from __future__ import annotations
 import signal
 import sys
 
-from broker.core import Broker, BrokerSettings
+from broker.core import Broker
 from broker.loop import BrokerLoop
+from broker.records import BrokerSettings
 
 
 def main() -> None:

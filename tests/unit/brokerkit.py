@@ -16,8 +16,9 @@ from typing import Any
 
 from broker import protocol as p
 from broker.breaker import BreakerSettings
-from broker.core import Broker, BrokerSettings, WorkerEvent
+from broker.core import Broker
 from broker.protocol import ClientRequest, WorkerCommand
+from broker.records import BrokerSettings, WorkerEvent
 from broker.routing import RoutingSettings
 from broker.token_count import TokenCount
 
@@ -95,15 +96,15 @@ class BrokerHarness:
         self.broker.handle_client(frames, now)
 
     def drain_replies(self) -> list[tuple[bytes, dict[str, Any]]]:
-        """Decode and clear ``broker.to_clients``, recording finals in the ledger."""
+        """Decode and clear the outbox's client replies, recording finals in the ledger."""
         out: list[tuple[bytes, dict[str, Any]]] = []
-        for sent in self.broker.to_clients:
+        for sent in self.broker.outbox.clients:
             # Through the wire format, as the I/O loop sends it.
             client, raw = p.split_client_frames(p.client_frames(sent.client, sent.body))
             body = p.unpack_map(raw)
             self._record(client, body)
             out.append((client, body))
-        self.broker.to_clients.clear()
+        self.broker.outbox.clients.clear()
         return out
 
     def replies(self) -> list[dict[str, Any]]:
@@ -185,13 +186,13 @@ class BrokerHarness:
         )
 
     def drain_workers(self, *, heartbeats: bool = False) -> list[ToWorker]:
-        """Decode and clear ``broker.to_workers`` (the broker's HEARTBEATs dropped by default)."""
+        """Decode and clear the outbox's worker frames (broker HEARTBEATs dropped by default)."""
         out: list[ToWorker] = []
-        for frames in self.broker.to_workers:
+        for frames in self.broker.outbox.workers:
             command, body = p.parse_worker_frames(frames[1:])
             if heartbeats or command is not WorkerCommand.HEARTBEAT:
                 out.append(ToWorker(frames[0], command, body))
-        self.broker.to_workers.clear()
+        self.broker.outbox.workers.clear()
         return out
 
     def requests(self, identity: bytes) -> list[dict[str, Any]]:
@@ -208,8 +209,8 @@ class BrokerHarness:
 
     def drain_events(self) -> list[WorkerEvent]:
         """Clear and return the supervisor events."""
-        events = list(self.broker.events)
-        self.broker.events.clear()
+        events = list(self.broker.outbox.events)
+        self.broker.outbox.events.clear()
         return events
 
     def tick(self, now: float, *, keepalive: tuple[bytes, ...] = ()) -> None:

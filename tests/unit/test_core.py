@@ -152,25 +152,39 @@ def test_credit_message_resizes_the_worker(h: BrokerHarness) -> None:
     h.assert_each_answered_once()
 
 
-def test_the_io_loop_may_swap_the_outboxes_for_empty_lists(h: BrokerHarness) -> None:
-    # broker/loop.py takes what is queued by swapping each list for a new one: every part
-    # of the broker must append to the current list, never to one it kept a reference to.
+def test_the_io_loop_may_take_the_outbox_at_any_time(h: BrokerHarness) -> None:
+    # broker/loop.py takes what is queued with ``Outbox.take``: every part of the broker
+    # must append to the live outbox afterwards, never to a list taken away from it.
     h.ready(W1, 0.0, worker_id="llm-0")
-    h.broker.to_workers, h.broker.to_clients, h.broker.events = [], [], []
+    h.broker.outbox.take()
     h.send(generate("a"), 0.1)
     h.tick(0.1)
-    commands = [p.parse_worker_frames(f[1:])[0] for f in h.broker.to_workers]
+    commands = [p.parse_worker_frames(f[1:])[0] for f in h.broker.outbox.workers]
     assert commands == [REQUEST, WorkerCommand.HEARTBEAT]
-    h.broker.to_workers = []
+    h.broker.outbox.take()
     h.broker.worker_exited("llm-0", "killed by SIGKILL", 0.2)
     h.broker.tick(0.2)  # the re-queued request has no worker left: its deadline answers
-    assert [p.parse_worker_frames(f[1:])[0] for f in h.broker.to_workers] == [DISCONNECT]
-    h.broker.to_workers = []
+    assert [p.parse_worker_frames(f[1:])[0] for f in h.broker.outbox.workers] == [DISCONNECT]
+    h.broker.outbox.workers.clear()
     h.tick(10.2)
     assert only_reply(h)["code"] == 504
     h.ready(W2, 10.3, worker_id="llm-0")
     assert [e.kind for e in h.drain_events()] == ["ready"]
     h.assert_each_answered_once()
+
+
+def test_breaker_transitions_reach_the_outbox_after_a_take(h: BrokerHarness) -> None:
+    # The circuit breaker appends to the outbox's ``transitions`` list itself: taking
+    # the outbox must empty that list in place, never leave the breaker a stale one.
+    breaker = h.broker.router.breaker
+    h.broker.outbox.take()
+    for _ in range(breaker.settings.minimum_calls):
+        breaker.note_failure(0.0, "llm-0 died")
+    (opened,) = h.broker.outbox.take().transitions
+    assert (opened.old.value, opened.new.value) == ("closed", "open")
+    breaker.state(breaker.settings.open_wait_ms / 1000)
+    (half,) = h.broker.outbox.take().transitions
+    assert (half.old.value, half.new.value) == ("open", "half_open")
 
 
 # --------------------------------------------------------------------------- replies
@@ -285,7 +299,7 @@ def test_unknown_worker_is_told_to_disconnect(
     h.worker_send(W1, command, body, 0.0)
     out = h.drain_workers()
     assert [(m.identity, m.command) for m in out] == [(W1, DISCONNECT)]
-    assert len(h.broker.workers) == 0 and h.broker.events == []
+    assert len(h.broker.workers) == 0 and h.broker.outbox.events == []
     h.send(generate("a"), 0.1)  # and it did not become a worker with credit
     assert h.drain_workers() == []
     h.broker.abort_all("test over", 0.0)

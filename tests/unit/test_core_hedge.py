@@ -86,7 +86,7 @@ def test_a_rule_miss_at_the_budget_is_dropped_and_the_model_answers() -> None:
     assert "degrade_reason" not in reply and reply["total_ms"] == 900
     assert hedge_counters(h, 1.0) == {"hedge_model_kept": 1}
     assert h.credit(W1) == 1 and h.credit(RULES) == 1
-    (record,) = h.broker.router.records
+    (record,) = h.broker.outbox.records
     assert (record["event"], record["status"], record["hedge"]) == ("llm", "ok", "model_kept")
     h.assert_each_answered_once()
 
@@ -108,7 +108,7 @@ def test_a_rule_match_at_the_budget_answers_and_then_cancels_the_model() -> None
     h.final(W1, model, 0.3, status="cancelled", code=499)
     assert h.credit(W1) == 1
     assert hedge_counters(h, 0.3) == {"hedge_rules_won": 1, "fallback_latency_budget": 1}
-    (record,) = h.broker.router.records
+    (record,) = h.broker.outbox.records
     assert (record["event"], record["reason"], record["hedge"]) == (
         "fallback",
         "latency_budget",

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from broker.backend import crashed_running_it
 from broker.protocol import WorkerCommand
+from broker.retry import crashed_running_it
 from broker.routing import RoutingSettings
 from brokerkit import FAST, W1, W2, BrokerHarness, bodies, generate
 

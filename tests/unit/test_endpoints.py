@@ -13,9 +13,10 @@ import pytest
 import zmq
 
 from broker.client import Client
-from broker.core import Broker, BrokerSettings
+from broker.core import Broker
 from broker.errors import ConfigError
 from broker.loop import BrokerLoop, make_router
+from broker.records import BrokerSettings
 from node.endpoints import check_free, connect_endpoint, parse_endpoint
 
 

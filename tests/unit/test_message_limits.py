@@ -51,7 +51,7 @@ def test_the_request_that_grows_most_on_reencoding_still_fits_the_worker_hop(set
     body = worst_body(setting)
     assert len(body) <= setting  # the frontend accepts it
     req = parse_client_request(p.unpack_map(body))
-    # What the broker sends a worker (broker.backend.dispatch), with the largest numbers.
+    # What the broker sends a worker (Dispatcher.dispatch), with the largest numbers.
     request = {"rid": 2**63 - 1, **req.engine_fields(), "max_tokens": 2**31, "timeout_ms": 2**31}
     frame = p.worker_frames(p.WorkerCommand.REQUEST, request)[-1]
     assert len(frame) > 1.7 * len(body)  # it did grow: float32 -> float64

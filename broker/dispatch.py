@@ -1,0 +1,89 @@
+"""Credit and dispatch: queued jobs out as REQUESTs, running ones stopped with CANCELs.
+
+A worker's credit is its slots minus the requests it holds (``WorkerState.active``);
+only READY, REQUEST, FINAL and CREDIT change it, never a heartbeat. A request
+leaves the queue only onto a worker with free credit, and a cancelled one keeps
+its slot until the worker acks with its FINAL: the broker never runs more on a
+worker than it said it can take. Under memory pressure the admission gate
+withholds part of the model's credit (``AdmissionGate.concurrency``).
+"""
+
+from __future__ import annotations
+
+from broker.admission import AdmissionGate
+from broker.jobs import JobTable
+from broker.outbox import Outbox
+from broker.protocol import WorkerCommand
+from broker.records import BrokerSettings, Job
+from broker.service_time import ServiceEstimator
+from broker.workers import WorkerRegistry
+
+
+class Dispatcher:
+    """Free credit, the queue -> REQUEST frames, and CANCEL frames.
+
+    Args:
+        settings: the broker's knobs (``default_max_tokens``, ``cancel_grace_ms``).
+        workers, jobs, gate: the registry, the job table and the queue it reads
+            and moves jobs between.
+        estimator: told each worker's batch level as jobs start on it.
+        outbox: where the frames go.
+    """
+
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        workers: WorkerRegistry,
+        jobs: JobTable,
+        gate: AdmissionGate,
+        estimator: ServiceEstimator,
+        outbox: Outbox,
+    ) -> None:
+        self.settings = settings
+        self.workers = workers
+        self.jobs = jobs
+        self.gate = gate
+        self.estimator = estimator
+        self.outbox = outbox
+
+    def free_credit(self, kind: str) -> int:
+        """Credit of ``kind``'s workers the broker may still use; under memory
+        pressure the gate withholds some of the model's (the rules need none)."""
+        pool = self.workers.of_kind(kind)
+        slots = sum(w.slots for w in pool)
+        in_flight = sum(len(w.active) for w in pool)
+        limit = self.gate.concurrency(slots) if kind == "llm" else slots
+        return min(sum(w.credit for w in pool), limit - in_flight)
+
+    def dispatch(self, now: float) -> None:
+        """Send queued requests, by priority then age, while credit allows."""
+        free = {"llm": self.free_credit("llm"), "rules": self.free_credit("rules")}
+        for job in self.gate:
+            if free[job.kind] <= 0:
+                if not any(n > 0 for n in free.values()):
+                    return
+                continue
+            worker = self.workers.pick(job.kind)
+            if worker is None:
+                continue  # another kind of worker may still take later requests
+            self.gate.remove(job)
+            free[job.kind] -= 1
+            worker.active.add(job.rid)
+            self.estimator.levels.running(worker.identity, worker.active, now)
+            if len(worker.active) == 1:
+                worker.progress_at = now  # the stall clock starts when work starts
+            worker.last_dispatch = now
+            self.jobs.start(job, worker.identity, now)
+            body = {"rid": job.rid, **job.req.engine_fields()}
+            body.setdefault("max_tokens", self.settings.default_max_tokens)
+            body["timeout_ms"] = max(1, int((job.deadline - now) * 1000))
+            self.outbox.worker(worker.identity, WorkerCommand.REQUEST, body)
+
+    def cancel(self, job: Job, now: float) -> None:
+        """Tell settled ``job``'s worker to stop it (``CANCELLING``); the credit
+        returns with the worker's ack (its FINAL), and no ack within
+        ``cancel_grace_ms`` means it hangs (``broker.liveness``)."""
+        self.jobs.cancelling(job)
+        assert job.worker is not None
+        self.outbox.worker(job.worker, WorkerCommand.CANCEL, {"rid": job.rid})
+        self.jobs.arm("ack", job.rid, now + self.settings.cancel_grace_ms / 1000)

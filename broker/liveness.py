@@ -1,0 +1,122 @@
+"""Liveness: heartbeats, and the verdicts that a worker is dead, stalled or hung.
+
+Kept apart from credit on purpose (the Paranoid Pirate queue mixed them up and
+dispatched to busy workers): *alive* is driven by any traffic and by the
+progress counter in heartbeats and partials; a heartbeat never grants credit
+(``broker.dispatch``).
+
+* **dead**: silent for ``heartbeat_interval_ms`` x ``heartbeat_liveness``;
+* **stalled**: busy with a progress counter frozen for ``stall_timeout_ms``;
+* **hung**: no ack to a CANCEL within ``cancel_grace_ms``, while its progress
+  stopped too (a multi-slot worker still producing tokens gets more graces).
+
+A broker that did not run for a whole liveness window (SIGSTOP, a VM or swap
+stall) forgives its workers that time (``excuse``). ``Liveness`` only gives the
+verdicts; what happens to a lost worker's requests is the core's
+(``broker.core.Broker``). Times are monotonic seconds.
+"""
+
+from __future__ import annotations
+
+from broker.outbox import Outbox
+from broker.protocol import WorkerCommand
+from broker.records import BrokerSettings
+from broker.workers import WorkerRegistry, WorkerState
+
+
+class Liveness:
+    """The heartbeat schedule, the broker's own pauses, and the verdicts.
+
+    Args:
+        settings: the broker's knobs (heartbeat, stall and cancel timings).
+        workers: the registry whose workers it judges.
+        outbox: where the heartbeats go.
+    """
+
+    def __init__(self, settings: BrokerSettings, workers: WorkerRegistry, outbox: Outbox) -> None:
+        self.settings = settings
+        self.workers = workers
+        self.outbox = outbox
+        self.next_heartbeat = 0.0
+        #: When ``verdicts`` last ran, to notice the broker's own pauses.
+        self._last_tick: float | None = None
+        #: rid -> when its CANCEL's grace first ran out while its worker still made
+        #: progress (a slow step beside other slots, a starved process): ``ack_overdue``.
+        self._late_acks: dict[int, float] = {}
+
+    # ------------------------------------------------------------------ news
+
+    @staticmethod
+    def heard_from(worker: WorkerState, now: float) -> None:
+        """Any message from ``worker`` shows it alive."""
+        worker.last_seen = now
+
+    @staticmethod
+    def note_progress(worker: WorkerState, progress: object, now: float) -> None:
+        """``worker`` reported its progress counter (tokens processed)."""
+        if isinstance(progress, int) and progress != worker.progress:
+            worker.progress = progress
+            worker.progress_at = now
+
+    # ------------------------------------------------------------------ verdicts
+
+    def verdicts(self, now: float) -> list[tuple[WorkerState, str]]:
+        """Workers to give up on at ``now``, with the reason (``dead: ...`` or
+        ``stalled: ...``). Every worker is checked, busy ones included (the
+        zguide broker only purged idle ones)."""
+        s = self.settings
+        interval = s.heartbeat_interval_ms / 1000
+        dead_after = interval * s.heartbeat_liveness
+        if self._last_tick is not None and now - self._last_tick > dead_after:
+            # The workers' silence while the broker did not run is no evidence, and
+            # those that gave up on it re-registered with READYs still unread. Only
+            # the time beyond one normal interval between ticks is forgiven
+            # (test_core.py::test_the_brokers_own_pause_is_not_held_against_its_workers).
+            self._excuse(now - self._last_tick - interval)
+        self._last_tick = now
+        stall_after = s.stall_timeout_ms / 1000
+        out = []
+        for w in self.workers:
+            if now - w.last_seen > dead_after:
+                out.append((w, "dead: missed heartbeats"))
+            elif w.active and now - w.progress_at > stall_after:
+                out.append((w, "stalled: no progress while busy"))
+        return out
+
+    def ack_overdue(self, rid: int, worker: WorkerState, now: float) -> float | None:
+        """The grace for ``worker``'s ack of cancelled job ``rid`` ran out: when to
+        look again (its progress counter moved during the grace), or None: it is hung.
+
+        A multi-slot worker acks a cancel after its current step, which under host
+        CPU load can outlast the grace while its other slots go on producing
+        tokens; killing it would cost all its slots. Such a worker gets more
+        graces, up to ``stall_timeout_ms`` in all.
+        """
+        grace = self.settings.cancel_grace_ms / 1000
+        late_since = self._late_acks.setdefault(rid, now)
+        working = worker.progress_at > now - grace
+        if working and now - late_since < self.settings.stall_timeout_ms / 1000:
+            return now + grace
+        self._late_acks.pop(rid, None)
+        return None
+
+    def acked(self, rid: int) -> None:
+        """Job ``rid`` no longer waits for an ack (it came, or its worker is gone)."""
+        self._late_acks.pop(rid, None)
+
+    # ------------------------------------------------------------------ heartbeats
+
+    def heartbeats(self, now: float) -> None:
+        """Send every registered worker a HEARTBEAT if one is due at ``now``."""
+        if now < self.next_heartbeat:
+            return
+        self.next_heartbeat = now + self.settings.heartbeat_interval_ms / 1000
+        for worker in self.workers:
+            self.outbox.worker(worker.identity, WorkerCommand.HEARTBEAT, {})
+
+    def _excuse(self, seconds: float) -> None:
+        """Move every worker's ``last_seen`` and ``progress_at`` ``seconds`` later:
+        time in which the broker did not look does not count against them."""
+        for w in self.workers:
+            w.last_seen += seconds
+            w.progress_at += seconds

@@ -1,0 +1,82 @@
+"""The one way out of the sans-I/O broker: everything it wants done, in order.
+
+Every effect of the broker core is appended to one ``Outbox``: replies for
+clients, frames for workers, events for the supervisor, migration records for
+the node's log and the circuit breaker's state transitions. The I/O loop
+(``broker.loop.BrokerLoop.flush``) takes them all at once with ``take`` and
+hands what is not a frame to the node.
+
+``take`` empties the lists in place and never rebinds them, so a part of the
+broker may keep one of them (the circuit breaker appends to ``transitions``);
+``tests/unit/test_core.py::test_the_io_loop_may_take_the_outbox_at_any_time``
+guards that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker import protocol as p
+from broker.breaker import Transition
+from broker.delivery import Outgoing, ReplyKind
+from broker.protocol import WorkerCommand
+from broker.records import WorkerEvent
+
+
+@dataclass
+class Effects:
+    """What the broker queued between two ``Outbox.take`` calls, oldest first.
+
+    Attributes:
+        clients: replies for clients, sent through ``broker.delivery``.
+        workers: multipart messages for the backend ROUTER (identity first).
+        events: worker ``ready``/``lost`` events for the supervisor.
+        records: migration records (plain dicts) for the node's migration log.
+        transitions: the circuit breaker's state changes.
+    """
+
+    clients: list[Outgoing] = field(default_factory=list)
+    workers: list[list[bytes]] = field(default_factory=list)
+    events: list[WorkerEvent] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    transitions: list[Transition] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.clients or self.workers or self.events or self.records or self.transitions)
+
+
+class Outbox(Effects):
+    """The broker's effects not yet taken by the I/O loop (see the module doc)."""
+
+    def client(
+        self,
+        identity: bytes,
+        body: dict[str, Any],
+        kind: ReplyKind = ReplyKind.FINAL,
+        counted: str | None = None,
+    ) -> None:
+        """Queue ``body`` for the client ``identity``; ``kind`` tells a streamed
+        chunk (which may be dropped) from a final reply, ``counted`` is the
+        outcome counter a final was counted under (``Outgoing``)."""
+        self.clients.append(Outgoing(identity, body, kind, counted))
+
+    def worker(self, identity: bytes, command: WorkerCommand, body: dict[str, Any]) -> None:
+        """Queue ``command`` with ``body`` for the worker ``identity``."""
+        self.workers.append(p.to_worker_frames(identity, command, body))
+
+    def take(self) -> Effects:
+        """Everything queued so far; the outbox is empty afterwards (same lists)."""
+        taken = Effects(
+            list(self.clients),
+            list(self.workers),
+            list(self.events),
+            list(self.records),
+            list(self.transitions),
+        )
+        self.clients.clear()
+        self.workers.clear()
+        self.events.clear()
+        self.records.clear()
+        self.transitions.clear()
+        return taken
