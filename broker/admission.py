@@ -1,23 +1,23 @@
 """The admission gate: what may wait, in which order, and what is shed at once.
 
-Checks run in this order, cheapest and most certain first (DESIGN.md §4):
-size -> memory / CPU pressure -> bounded queue (with priority eviction) -> per-client
-cap -> deadline feasibility. A refused request gets a typed ``Shed`` (HTTP 413,
-429 or 503 semantics) with ``retry_after_ms`` where retrying can succeed —
+``AdmissionGate.check`` is the one place a request is admitted or refused, by
+the ordered checks of README "Admission and backpressure", cheapest and most
+certain first: validation (a duplicate id; a draining node; the model's
+circuit breaker open for a request only the model may serve) -> size (413) ->
+memory / CPU pressure -> a bounded queue per engine (with priority eviction) ->
+per-client in-flight cap (429) -> deadline feasibility (503
+``deadline_unmeetable``). A refused request gets a typed ``Shed`` (HTTP 400,
+413, 429 or 503 semantics) with ``retry_after_ms`` where retrying can succeed —
 unlike llama.cpp's server, which queues without bound, or Ollama/TGI, which
-refuse without saying when to come back.
+refuse without saying when to come back. A hedged model request (degrade
+mode, the model already too late) that the model cannot take goes to the
+rules instead, as for the model's failures.
 
-Deadline feasibility and ``retry_after_ms`` rest on one estimate. With
-``service_estimate = "size"`` (the default) each request's service time is
-predicted from its prompt tokens and ``max_tokens`` (``broker.service``), and
-the queue ahead is played forward on the pool's slots: a request that could
-not *finish* by its deadline is refused. A worker with several slots decodes
-its running requests together, each the slower the more there are, so every
-request is predicted at its *batch level*: a request starting on a worker with
-k others running runs at level k + 1 (once the queue is played forward onto a
-full pool, that is the worker's slot count). Until the first measured request
-of an engine (and with ``"mean"``), one mean service time per engine estimates
-when a request could *start*, as before.
+The request is judged on one snapshot of the pool (``broker.routing.PoolView``,
+built once per request and shared with routing): per engine, its slots, free
+credit, context and when the request would start. Deadline feasibility and
+``retry_after_ms`` rest on the one service-time estimator
+(``broker.service_time.ServiceEstimator``).
 
 Pressure levels come from outside (the node reads its cgroup); the gate only
 reacts: ``high`` sheds sheddable work, halves the queue and the credit the
@@ -30,27 +30,19 @@ the queue and the credit alone (they bound memory, not CPU time).
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from broker.errors import ErrorCode
 from broker.jobs import JobTable
-from broker.kinds import PRIORITIES, CpuLevel
+from broker.kinds import PRIORITIES, CpuLevel, EngineKind, PressureLevel, Priority
 from broker.protocol import ClientRequest
-from broker.service import byte_bound
-from broker.stats import RETRY_AFTER_MAX_MS, RETRY_AFTER_MIN_MS, Stats
-from broker.token_count import BoundedTokenCounter, TokenCount, TokenCounter
+from broker.records import BrokerSettings, Job
+from broker.routing import EnginePool, PoolView, Route
+from broker.service_time import ServiceEstimator, Slots
+from broker.token_count import TokenCounter, byte_bound
 from broker.workers import WorkerRegistry
-
-if TYPE_CHECKING:
-    from broker.records import BrokerSettings, Job
-
-#: The pool as admission plays it forward: per worker, when each of its usable
-#: slots is free (s from now; a heap).
-Pool = list[list[float]]
 
 
 @dataclass(frozen=True)
@@ -63,44 +55,63 @@ class Shed:
     retry_after_ms: int | None = None
 
 
+@dataclass(frozen=True)
+class Admit:
+    """An admitted request: the ``route`` it takes (the one asked for, or the rules
+    for a hedged request the model refused), the queued lower-priority ``evict``
+    job that must be answered 503 to make room (None if none), and its
+    ``prompt_tokens`` as counted or estimated, for ``Job.prompt_tokens``."""
+
+    route: Route
+    evict: Job | None = None
+    prompt_tokens: float | None = None
+
+
+@dataclass(frozen=True)
+class _Counted:
+    """What the size check established about a prompt: at least ``low`` and at most
+    ``high`` tokens (equal when counted exactly; ``high`` None: no bound)."""
+
+    low: int = 0
+    high: int | None = None
+
+
 class AdmissionGate:
     """One FIFO per priority, per-client in-flight counts and the pressure level.
 
     Args:
         settings: ``max_queue`` (0 = 8 per pool slot), ``max_in_flight_per_client``,
-            ``service_estimate``, ``default_max_tokens``.
-        stats: the broker's service-time estimates, used for ``retry_after_ms``
-            and for refusing requests that could not meet their deadline.
-        jobs: the broker's job table (references): the running requests whose
-            remaining work delays a new one.
+            ``default_max_tokens``.
+        estimator: the broker's service-time estimator, for ``retry_after_ms``, for
+            refusing requests that could not meet their deadline and for the pool
+            snapshot's waits.
+        jobs: the broker's job table (a reference): duplicate ids, and the running
+            requests whose remaining work delays a new one.
         count_tokens: prompt tokens of a request, or None to skip the size check
-            (workers still refuse prompts that do not fit with 413). A
-            ``BoundedTokenCounter`` is asked only for what its budget allows.
-        workers: the broker's worker registry (a reference): which worker a free
-            slot belongs to, hence the batch level a request would start at.
-            Without it every free slot counts as a worker of its own.
+            (workers still refuse prompts that do not fit with 413); asked only for
+            what its budget allows (``TokenCounter.bounded``).
+        workers: the broker's worker registry (a reference): the engines' slots and
+            contexts, and which worker a free slot belongs to, hence the batch level
+            a request would start at.
     """
 
     def __init__(
         self,
         settings: BrokerSettings,
-        stats: Stats,
+        estimator: ServiceEstimator,
         jobs: JobTable,
         count_tokens: TokenCounter | None = None,
         workers: WorkerRegistry | None = None,
     ) -> None:
         self.settings = settings
-        self.stats = stats
+        self.estimator = estimator
         self.jobs = jobs
         self.count_tokens = count_tokens
         self.workers = workers if workers is not None else WorkerRegistry()
-        self.pressure = "ok"
+        self.pressure: PressureLevel = "ok"
         self.cpu: CpuLevel = "ok"
-        self._queues: dict[str, OrderedDict[int, Job]] = {p: OrderedDict() for p in PRIORITIES}
+        self._queues: dict[Priority, OrderedDict[int, Job]] = {p: OrderedDict() for p in PRIORITIES}
         self._per_client: dict[bytes, int] = {}
-        # What the size check established about the request it last saw, for its
-        # job: (request, at least, at most) prompt tokens; equal when counted exactly.
-        self._counted: tuple[ClientRequest, int, int] | None = None
 
     # ------------------------------------------------------------------ queue
 
@@ -113,9 +124,10 @@ class AdmissionGate:
             yield from list(self._queues[priority].values())
 
     def push(self, job: Job, *, front: bool = False) -> None:
-        """Queue ``job``; ``front`` puts it first in its class (a re-dispatch)."""
+        """Queue ``job``; ``front`` puts it first in its class (a re-dispatch). A job
+        without ``prompt_tokens`` gets the estimator's estimate, if it has one."""
         if job.prompt_tokens is None:
-            job.prompt_tokens = self._prompt_tokens(job.req, job.kind)
+            job.prompt_tokens = self.estimator.prompt_tokens(job.req, job.kind)
         queue = self._queues[job.req.priority]
         queue[job.rid] = job
         if front:
@@ -125,7 +137,7 @@ class AdmissionGate:
         """Take ``job`` out of the queue; False if it was not queued."""
         return self._queues[job.req.priority].pop(job.rid, None) is not None
 
-    def queued(self, priority: str) -> list[Job]:
+    def queued(self, priority: Priority) -> list[Job]:
         """The queued jobs of one priority class, oldest first."""
         return list(self._queues[priority].values())
 
@@ -155,274 +167,149 @@ class AdmissionGate:
         """How much of the pool's credit the broker may use now."""
         return slots if self.pressure == "ok" else max(1, slots // 2)
 
+    # ------------------------------------------------------------------ the snapshot
+
+    def engine_pool(
+        self, kind: EngineKind, priority: Priority, free: int, now: float
+    ) -> EnginePool:
+        """``kind``'s engine as a new request of ``priority`` finds it, with ``free``
+        credit usable now: its workers, slots and smallest context, and when the
+        request would start there (the queue ahead of it, its class and those
+        above, played forward once: ``ServiceEstimator.wait``)."""
+        slots = self._slots(kind, free)
+        rank = PRIORITIES.index(priority)
+        ahead = [
+            j for p in PRIORITIES[: rank + 1] for j in self._queues[p].values() if j.kind == kind
+        ]
+        wait_s, level = self.estimator.wait(ahead, slots, now)
+        return EnginePool(
+            workers=len(self.workers.of_kind(kind)),
+            slots=slots.slots,
+            free=free,
+            n_ctx=self.workers.min_n_ctx(kind),
+            wait_s=wait_s,
+            level=level,
+        )
+
     # ------------------------------------------------------------------ the gate
 
     def check(
-        self,
-        client: bytes,
-        req: ClientRequest,
-        n_ctx: int | None,
-        slots: int,
-        free: int,
-        deadline_s: float,
-        now: float,
-        kind: str = "llm",
-    ) -> Shed | Job | None:
-        """Decide on a new request.
+        self, client: bytes, req: ClientRequest, route: Route, pool: PoolView, now: float
+    ) -> Shed | Admit:
+        """Decide on a new request, by the ordered checks of the module docstring.
 
         Args:
             client: the requester's routing identity.
-            n_ctx: the smallest context (tokens) among workers that could serve it.
-            slots: sequences the pool runs at once; ``free``: of them idle now.
-            deadline_s: the request's budget in seconds.
-            now: the broker's clock (s), for the work left on running requests.
-            kind: the engine it is routed to; the rule engine needs neither a
-                context nor memory worth protecting, so size and pressure do not
-                apply to it.
+            req: the request; its ``timeout_ms`` (clamped) is its budget.
+            route: where the router sends it; ``route.hedge``: if the model cannot
+                take it, the rules answer it (``degraded`` ``latency_budget``).
+            pool: the snapshot of the pool this request was routed on.
+            now: the broker's clock (s).
 
         Returns:
-            None to admit; a ``Shed`` to refuse; or a queued lower-priority
-            ``Job`` that must be evicted (answered 503) to make room, after
-            which the request is admitted.
+            An ``Admit`` (with a queued job to evict first, if any), or a ``Shed``.
         """
-        if kind == "llm":
-            shed = self._size(req, n_ctx) or self._pressure(req, slots, now)
+        shed = self._valid(client, req, pool) or self._circuit(route)
+        if shed is not None:
+            return shed
+        verdict = self._engine(client, req, route, pool, now)
+        if isinstance(verdict, Shed) and route.hedge:
+            # The model cannot take it at all (too large for it, or too late): then the
+            # rules answer, whatever they say, as for the model's failures.
+            return self._engine(client, req, Route("rules", degraded="latency_budget"), pool, now)
+        return verdict
+
+    def timeout_s(self, req: ClientRequest) -> float:
+        """``req``'s budget (s): its ``timeout_ms`` or the default, at most the maximum."""
+        timeout_ms = min(
+            req.timeout_ms or self.settings.default_timeout_ms, self.settings.max_timeout_ms
+        )
+        return timeout_ms / 1000
+
+    def _valid(self, client: bytes, req: ClientRequest, pool: PoolView) -> Shed | None:
+        """400 for an id this client has in flight; 503 while the node drains."""
+        if self.jobs.of_client(client, req.id) is not None:
+            message = f"id {req.id!r} is already in flight"
+            return Shed(ErrorCode.BAD_REQUEST, "duplicate_id", message)
+        if pool.draining:
+            return Shed(ErrorCode.UNAVAILABLE, "draining", "node is shutting down", 1000)
+        return None
+
+    def _circuit(self, route: Route) -> Shed | None:
+        """503 for a request only the model may serve while its breaker is open."""
+        if route.circuit_open_ms is None:
+            return None
+        message = "the model pool is failing (circuit breaker open)"
+        return Shed(ErrorCode.UNAVAILABLE, "circuit_open", message, route.circuit_open_ms)
+
+    def _engine(
+        self, client: bytes, req: ClientRequest, route: Route, pool: PoolView, now: float
+    ) -> Shed | Admit:
+        """The checks on ``route.kind``'s engine: size and pressure (the model only:
+        the rule engine needs neither a context nor memory worth protecting), the
+        queue bound, the client cap and the deadline."""
+        engine = pool.of(route.kind)
+        counted = _Counted()
+        if route.kind == "llm":
+            found = self._size(req, engine.n_ctx)
+            if isinstance(found, Shed):
+                return found
+            counted = found
+            shed = self._pressure(req, engine.slots, now)
             if shed is not None:
                 return shed
         evict: Job | None = None
         # Each engine has its own bound: a model backlog must not shut out the
         # rules, the fallback meant for exactly that time (break-it session).
-        if sum(j.kind == kind for j in self) >= self.queue_bound(slots):
-            evict = self._eviction_victim(req.priority, kind)
+        if sum(j.kind == route.kind for j in self) >= self.queue_bound(engine.slots):
+            evict = self._eviction_victim(req.priority, route.kind)
             if evict is None:
-                return self._shed_queue_full(slots, now)
-        if self._per_client.get(client, 0) >= self.settings.max_in_flight_per_client:
+                return self._shed_queue_full(engine.slots, now)
+        cap = self.settings.max_in_flight_per_client
+        if self._per_client.get(client, 0) >= cap:
+            message = f"{cap} requests of this client are already in flight"
             return Shed(
-                ErrorCode.OVERLOADED,
-                "client_cap",
-                f"{self.settings.max_in_flight_per_client} requests of this client are "
-                "already in flight",
-                self.retry_after(slots, now),
+                ErrorCode.OVERLOADED, "client_cap", message, self.retry_after(engine.slots, now)
             )
-        wait_s, level = self._start(req.priority, slots, free, now, kind)
-        # Sized, a request must finish in time (a stream: its first token) at the
-        # batch level it would start at; by the mean, start in time (as before).
-        own_s = self._due_s(req, kind, level)
-        # Without workers or a measured service time there is no basis to refuse.
-        if slots and self.stats.samples_of(kind) and wait_s + own_s > deadline_s:
-            what = "first token" if req.stream else "service"
-            own = (what, own_s, level)
-            return self._shed_deadline(req, wait_s, own, deadline_s, slots, now, kind)
-        return evict
-
-    def expected_wait_s(
-        self, priority: str, slots: int, free: int, now: float, kind: str = "llm"
-    ) -> float:
-        """Seconds until a new request of ``priority`` for ``kind``'s workers would
-        start (``_start``)."""
-        return self._start(priority, slots, free, now, kind)[0]
-
-    def _start(
-        self, priority: str, slots: int, free: int, now: float, kind: str
-    ) -> tuple[float, int]:
-        """When a new request of ``priority`` for ``kind``'s workers would start (s
-        from now) and at which batch level.
-
-        Sized: the requests queued ahead of it (its class and those above, same
-        kind) are played forward on the workers' slots (``_play``); it starts on
-        the slot that frees first, at the level of that slot's worker then. By the
-        mean (before any measurement): ``(ahead - free + 1) / slots`` mean service
-        times (Little's law), level 1 (unused: the mean ignores levels).
-        """
-        ahead = [
-            j
-            for p in PRIORITIES[: PRIORITIES.index(priority) + 1]
-            for j in self._queues[p].values()
-            if j.kind == kind
-        ]
-        if not self._sized(kind):
-            if free > len(ahead):
-                return 0.0, 1
-            return (len(ahead) - free + 1) / max(1, slots) * self.stats.service_time(kind), 1
-        slot = _next_slot(self._play(ahead, free, now, kind))
-        return (0.0, 1) if slot is None else slot[:2]
+        tokens = self.estimator.prompt_tokens(req, route.kind, counted.low, counted.high)
+        shed = self._deadline(req, tokens, route.kind, engine, self.timeout_s(req), now)
+        if shed is not None:
+            return shed
+        return Admit(route, evict, tokens)
 
     def retry_after(
-        self, slots: int, now: float, kind: str = "llm", fits: Callable[[int], bool] | None = None
-    ) -> int:
-        """Advice for a shed client (ms, clamped): when a request queued last for
-        ``kind`` would start, by the same estimate as the deadline check (the mean
-        one: ``Stats.retry_after_ms`` over the whole queue). With ``fits`` (sized
-        only): when it would start on a worker at a batch level ``fits`` accepts
-        (a request refused only for the load beside it retries once that eased)."""
-        if not self._sized(kind):
-            return self.stats.retry_after_ms(len(self), slots)
-        queued = [j for j in self if j.kind == kind]
-        idle = max(0, slots - len(self._running(kind)))
-        pool = self._play(queued, idle, now, kind)
-        estimate = _first_fit(pool, fits or (lambda _level: True)) * 1000
-        return int(min(RETRY_AFTER_MAX_MS, max(RETRY_AFTER_MIN_MS, estimate)))
-
-    # ------------------------------------------------------------------ estimates
-
-    def _sized(self, kind: str) -> bool:
-        """Whether ``kind``'s requests are estimated by size (else by the mean)."""
-        return self.settings.service_estimate == "size" and self.stats.sizes.ready(kind)
-
-    def _prompt_tokens(self, req: ClientRequest, kind: str) -> float | None:
-        """The size check's exact count of ``req`` if it made one, else, when sized,
-        the estimate from its bytes (within the bounds the size check found: a
-        prompt over the context is refused by its worker at once, so it never costs
-        more than the largest prompt that fits); None if neither."""
-        low: int = 0
-        high: int | None = None
-        if self._counted is not None and self._counted[0] is req:
-            _, low, high = self._counted
-            if low == high:
-                return low
-        if not self._sized(kind):
-            return None
-        estimate = self.stats.sizes.prompt_tokens(kind, req)
-        if estimate is None:
-            return None
-        return max(low, estimate if high is None else min(estimate, high))
-
-    def _service_s(
-        self, req: ClientRequest, tokens: float | None, kind: str, level: int = 1
-    ) -> float:
-        """Predicted service (s) of ``req`` with ``tokens`` prompt tokens (None: count
-        or estimate them) at batch ``level``; 0.0 when not sized (the mean asks
-        only when it starts)."""
-        if not self._sized(kind):
-            return 0.0
-        if tokens is None:
-            tokens = self._prompt_tokens(req, kind) or 0.0
-        max_tokens = req.max_tokens or self.settings.default_max_tokens
-        return self.stats.sizes.predict_s(kind, tokens, max_tokens, level)
-
-    def _due_s(self, req: ClientRequest, kind: str, level: int = 1) -> float:
-        """How much of ``req`` must be done by its deadline, as predicted service (s)
-        once started at batch ``level``: all of it, or for ``stream: true`` its
-        first token (prefill and one decode step): a streaming client uses the
-        tokens as they come, and the deadline then ends it with 504 and the text
-        so far. 0.0 when not sized."""
-        if not req.stream:
-            return self._service_s(req, None, kind, level)
-        if not self._sized(kind):
-            return 0.0
-        tokens = self._prompt_tokens(req, kind) or 0.0
-        return self.stats.sizes.first_token_s(kind, tokens, level)
-
-    def _job_service_s(self, job: Job, level: int = 1) -> float:
-        if job.prompt_tokens is None:  # queued before the first measurement
-            job.prompt_tokens = self._prompt_tokens(job.req, job.kind)
-        return self._service_s(job.req, job.prompt_tokens, job.kind, level)
-
-    def _running(self, kind: str) -> list[Job]:
-        """``kind``'s jobs holding a slot (a cancelled one until its worker acks)."""
-        return [
-            j
-            for j in self.jobs
-            if j.kind == kind and j.worker is not None and j.dispatched_at is not None
-        ]
-
-    def _play(self, ahead: list[Job], free: int, now: float, kind: str) -> Pool:
-        """The pool once ``ahead`` (in dispatch order) has started: list scheduling
-        on the workers' slots, which free up when a running request's predicted
-        work is done (at once if answered: its cancel ack is due) or now
-        (``free`` of them, spread over the workers as ``WorkerRegistry.pick``
-        does). Each job runs at the batch level of the worker whose slot it takes
-        when it starts (``_next_slot``); a running job at its worker's level now."""
-        by_worker: dict[bytes | int, list[Job]] = {}
-        for job in self._running(kind):
-            assert job.worker is not None
-            by_worker.setdefault(job.worker, []).append(job)
-        pool: dict[bytes | int, list[float]] = {
-            worker: [self._left_s(job, now, len(jobs)) for job in jobs]
-            for worker, jobs in by_worker.items()
-        }
-        credit = {w.identity: w.credit for w in self.workers.of_kind(kind)}
-        for n in range(free):
-            best = max(credit, key=lambda identity: credit[identity], default=None)
-            if best is None or credit[best] <= 0:
-                pool[n] = [0.0]  # credit the registry does not show: a slot of its own
-                continue
-            credit[best] -= 1
-            pool.setdefault(best, []).append(0.0)
-        heaps = list(pool.values())
-        for heap in heaps:
-            heapq.heapify(heap)
-        for job in ahead:
-            slot = _next_slot(heaps)
-            if slot is None:
-                break  # no slot at all: nothing to wait for that can be estimated
-            start, level, heap = slot
-            heapq.heapreplace(heap, start + self._job_service_s(job, level))
-        return heaps
-
-    def _left_s(self, job: Job, now: float, level: int) -> float:
-        """Predicted work left (s) of the running ``job`` at batch ``level``."""
-        if job.settled:
-            return 0.0
-        started = now if job.dispatched_at is None else job.dispatched_at
-        return max(0.0, self._job_service_s(job, level) - (now - started))
-
-    def _shed_deadline(
         self,
-        req: ClientRequest,
-        wait_s: float,
-        own: tuple[str, float, int],
-        deadline_s: float,
         slots: int,
         now: float,
-        kind: str,
-    ) -> Shed:
-        """503 ``deadline_unmeetable``; ``own``: what of the request was due, its
-        predicted time (``"service"`` or ``"first token"``, s) and the batch level
-        it was predicted at."""
-        what, own_s, level = own
-        budget = f"the {deadline_s * 1000:.0f} ms budget"
-        alone_s = own_s if level == 1 else self._due_s(req, kind, 1)
-        if alone_s > deadline_s:  # even an idle pool could not: retrying cannot help
-            message = f"expected {what} {alone_s * 1000:.0f} ms alone exceeds {budget}"
-            return Shed(ErrorCode.UNAVAILABLE, "deadline_unmeetable", message)
-        message = f"expected wait {wait_s * 1000:.0f} ms"
-        if own_s:
-            message += f" + {what} {own_s * 1000:.0f} ms"
-        if level > 1:
-            message += f" at batch level {level}"
+        kind: EngineKind = "llm",
+        fits: Callable[[int], bool] | None = None,
+    ) -> int:
+        """Advice for a shed client (ms, clamped): when a request queued last for
+        ``kind`` would start on ``slots`` (``ServiceEstimator.retry_after_ms``;
+        ``fits``: at a batch level it accepts)."""
+        busy = Slots(kind, slots, 0, self._running(kind), self._credit(kind))
+        return self.estimator.retry_after_ms(list(self), busy, now, fits)
 
-        def fits(at: int) -> bool:
-            return self._due_s(req, kind, at) <= deadline_s
+    # ------------------------------------------------------------------ the checks
 
-        return Shed(
-            ErrorCode.UNAVAILABLE,
-            "deadline_unmeetable",
-            f"{message} exceeds {budget}",
-            self.retry_after(slots, now, kind, fits),
-        )
-
-    def _size(self, req: ClientRequest, n_ctx: int | None) -> Shed | None:
-        """413 if ``req``'s prompt tokens + ``max_tokens`` exceed ``n_ctx`` (tokens).
+    def _size(self, req: ClientRequest, n_ctx: int | None) -> Shed | _Counted:
+        """413 if ``req``'s prompt tokens + ``max_tokens`` exceed ``n_ctx`` (tokens);
+        else what was learned of its prompt tokens.
 
         Tokenizing runs on the broker's loop, so it is the last resort: a prompt
-        whose bytes bound it inside the context is not counted, and a bounded
-        counter stops as soon as its lower bound exceeds what fits, or when its
-        budget is spent; the worker then decides (and refuses with 413 at once).
+        whose bytes bound it inside the context is not counted, and the counter
+        stops as soon as its lower bound exceeds what fits, or when its budget is
+        spent; the worker then decides (and refuses with 413 at once).
         """
         if self.count_tokens is None or n_ctx is None:
-            return None
+            return _Counted()
         max_tokens = req.max_tokens or self.settings.default_max_tokens
         limit = n_ctx - max_tokens  # prompt tokens that fit
         if byte_bound(req) <= limit:
-            return None  # fits for sure: skip tokenizing (milliseconds on the loop)
-        if isinstance(self.count_tokens, BoundedTokenCounter):
-            found = self.count_tokens.bounded(req, limit)
-        else:
-            found = TokenCount(self.count_tokens(req), exact=True)
+            return _Counted()  # fits for sure: skip tokenizing (milliseconds on the loop)
+        found = self.count_tokens.bounded(req, limit)
         if found.tokens <= limit:
-            self._counted = (req, found.tokens, found.tokens if found.exact else limit)
-            return None
+            return _Counted(found.tokens, found.tokens if found.exact else limit)
         prompt = f"prompt {found.tokens}" if found.exact else f"prompt at least {found.tokens}"
         return Shed(
             ErrorCode.TOO_LARGE,
@@ -451,7 +338,7 @@ class AdmissionGate:
             )
         return None
 
-    def _eviction_victim(self, priority: str, kind: str) -> Job | None:
+    def _eviction_victim(self, priority: Priority, kind: EngineKind) -> Job | None:
         """The newest queued ``kind`` job of a lower class than ``priority``, if any."""
         rank = PRIORITIES.index(priority)
         for p in reversed(PRIORITIES[rank + 1 :]):
@@ -468,9 +355,57 @@ class AdmissionGate:
             self.retry_after(slots, now),
         )
 
+    def _deadline(
+        self,
+        req: ClientRequest,
+        tokens: float | None,
+        kind: EngineKind,
+        engine: EnginePool,
+        deadline_s: float,
+        now: float,
+    ) -> Shed | None:
+        """503 ``deadline_unmeetable`` if ``req`` could not be done by ``deadline_s``
+        (s from now) after its wait on ``engine``: sized, finish in time (a stream:
+        its first token) at the batch level it would start at; by the mean, start
+        in time. Without workers or a measured service time there is no basis to
+        refuse. ``retry_after_ms`` only if an idle pool could do it in time."""
+        level = engine.level
+        own_s = self.estimator.due_s(req, tokens or 0.0, kind, level)
+        if not engine.slots or not self.estimator.samples(kind):
+            return None
+        if engine.wait_s + own_s <= deadline_s:
+            return None
+        what = "first token" if req.stream else "service"
+        budget = f"the {deadline_s * 1000:.0f} ms budget"
+        alone_s = own_s if level == 1 else self.estimator.due_s(req, tokens or 0.0, kind, 1)
+        if alone_s > deadline_s:  # even an idle pool could not: retrying cannot help
+            message = f"expected {what} {alone_s * 1000:.0f} ms alone exceeds {budget}"
+            return Shed(ErrorCode.UNAVAILABLE, "deadline_unmeetable", message)
+        message = f"expected wait {engine.wait_s * 1000:.0f} ms"
+        if own_s:
+            message += f" + {what} {own_s * 1000:.0f} ms"
+        if level > 1:
+            message += f" at batch level {level}"
+
+        def fits(at: int) -> bool:
+            return self.estimator.due_s(req, tokens or 0.0, kind, at) <= deadline_s
+
+        return Shed(
+            ErrorCode.UNAVAILABLE,
+            "deadline_unmeetable",
+            f"{message} exceeds {budget}",
+            self.retry_after(engine.slots, now, kind, fits),
+        )
+
+    # ------------------------------------------------------------------ pressure
+
     def shed_for_pressure(self) -> list[Job]:
         """Queued jobs the current pressure no longer admits (to answer 503)."""
-        classes = {"ok": (), "high": ("sheddable",), "critical": ("normal", "sheddable")}
+        classes: dict[PressureLevel, tuple[Priority, ...]] = {
+            "ok": (),
+            "high": ("sheddable",),
+            "critical": ("normal", "sheddable"),
+        }
         queued = (j for p in classes[self.pressure] for j in self._queues[p].values())
         return [j for j in queued if j.kind == "llm"]  # the rules need no memory to speak of
 
@@ -480,31 +415,20 @@ class AdmissionGate:
             return []
         return [j for j in self._queues["sheddable"].values() if j.kind == "llm"]
 
+    # ------------------------------------------------------------------ the pool
 
-def _next_slot(pool: Pool) -> tuple[float, int, list[float]] | None:
-    """The slot the next request would take: the earliest to free (s from now),
-    on a tie the worker's with the most slots free then (``WorkerRegistry.pick``);
-    with its batch level (the worker's slots still busy then, plus itself) and
-    its worker's heap. None if the pool has no slot."""
-    best: tuple[float, int, list[float]] | None = None
-    most_free = 0
-    for heap in pool:
-        if not heap:
-            continue
-        free = sum(1 for t in heap if t <= heap[0])
-        if best is None or (heap[0], -free) < (best[0], -most_free):
-            best, most_free = (heap[0], len(heap) - free + 1, heap), free
-    return best
+    def _slots(self, kind: EngineKind, free: int) -> Slots:
+        """``kind``'s slots for the estimator, ``free`` of them usable now."""
+        return Slots(kind, self.workers.slots(kind), free, self._running(kind), self._credit(kind))
 
+    def _running(self, kind: EngineKind) -> list[Job]:
+        """``kind``'s jobs holding a slot (a cancelled one until its worker acks)."""
+        return [
+            j
+            for j in self.jobs
+            if j.kind == kind and j.worker is not None and j.dispatched_at is not None
+        ]
 
-def _first_fit(pool: Pool, fits: Callable[[int], bool]) -> float:
-    """The first time (s from now) a slot is free on a worker whose batch level
-    then (``_next_slot``'s rule) ``fits`` accepts; once every slot is free the
-    level is 1. 0.0 for a pool without slots."""
-    for t in sorted({0.0, *(x for heap in pool for x in heap)}):
-        free_then = [(sum(1 for x in h if x <= t), len(h)) for h in pool if h and h[0] <= t]
-        if free_then:
-            free, size = max(free_then)
-            if fits(size - free + 1):
-                return t
-    return max((x for heap in pool for x in heap), default=0.0)
+    def _credit(self, kind: EngineKind) -> dict[bytes, int]:
+        """Free credit of each of ``kind``'s workers, by identity."""
+        return {w.identity: w.credit for w in self.workers.of_kind(kind)}

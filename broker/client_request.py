@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from broker.errors import ProtocolError
 from broker.kinds import PRIORITIES, Priority
 
-OPS = ("generate", "chat", "cancel", "ping", "status")
-ROUTES = ("auto", "llm", "rules")
+#: What a client asks for (``op`` on the wire).
+Op = Literal["generate", "chat", "cancel", "ping", "status"]
+OPS: tuple[Op, ...] = get_args(Op)
+#: Which engine a client asks for (``route`` on the wire): the migration mode's
+#: choice (``auto``) or one engine kind.
+RequestRoute = Literal["auto", "llm", "rules"]
+ROUTES: tuple[RequestRoute, ...] = get_args(RequestRoute)
 ROLES = ("system", "user", "assistant")
 
 MAX_ID_CHARS = 128
@@ -34,7 +39,7 @@ class ClientRequest:
     """
 
     id: str | int
-    op: str
+    op: Op
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None
     max_tokens: int | None = None
@@ -45,7 +50,7 @@ class ClientRequest:
     json_schema: dict[str, Any] | None = None
     timeout_ms: int | None = None
     stream: bool = False
-    route: str = "auto"
+    route: RequestRoute = "auto"
     priority: Priority = "normal"
     target: str | int | None = None
 

@@ -11,6 +11,8 @@ latency budget, cancel grace), the node's pressure readings. It builds its
 parts and asks them, each of which owns its state and never calls back:
 
 * ``broker.admission``: the queue and whether a request may wait in it;
+* ``broker.service_time``: the service-time estimator (rates, batch levels,
+  retry advice) that admission reads and the worker messages teach;
 * ``broker.routing``: which engine answers (migration modes, circuit breaker);
 * ``broker.dispatch``: credit, REQUESTs and CANCELs;
 * ``broker.liveness``: heartbeats and the dead/stalled/hung verdicts;
@@ -30,7 +32,7 @@ from dataclasses import replace
 from typing import Any
 
 from broker import protocol as p
-from broker.admission import AdmissionGate, Shed
+from broker.admission import AdmissionGate, Admit, Shed
 from broker.breaker import BreakerSettings
 from broker.delivery import Delivery, GoneCause, ReplyKind
 from broker.dispatch import Dispatcher
@@ -38,7 +40,7 @@ from broker.errors import EdgeNodeError, ErrorCode, ProtocolError
 from broker.exits import ExitCause, blames_its_request, not_retried
 from broker.handover import Handover
 from broker.jobs import JobTable
-from broker.kinds import PRESSURE_LEVELS, CpuLevel, EngineKind, FinalOutcome
+from broker.kinds import ENGINE_KINDS, PRESSURE_LEVELS, CpuLevel, EngineKind, FinalOutcome
 from broker.lifecycle import Lifecycle
 from broker.liveness import Liveness
 from broker.outbox import Outbox
@@ -46,6 +48,7 @@ from broker.protocol import ClientRequest, WorkerCommand
 from broker.records import BrokerSettings, Job, JobState, WorkerEvent
 from broker.replies import final_reply
 from broker.routing import PoolView, Route, Router, RoutingSettings
+from broker.service_time import ServiceEstimator
 from broker.stats import Stats
 from broker.token_count import TokenCounter
 from broker.workers import WorkerRegistry, WorkerState, parse_ready
@@ -77,12 +80,15 @@ class Broker:
         self.outbox = Outbox()
         self.workers = WorkerRegistry()
         self.stats = Stats()
+        self.estimator = ServiceEstimator(
+            settings.service_estimate == "size", settings.default_max_tokens
+        )
         self.jobs = JobTable()
-        self.gate = AdmissionGate(settings, self.stats, self.jobs, count_tokens, self.workers)
+        self.gate = AdmissionGate(settings, self.estimator, self.jobs, count_tokens, self.workers)
         self.router = Router(routing, breaker, self.outbox)
         self.delivery = Delivery(settings.client_backlog, self.stats.counters)
         self.dispatcher = Dispatcher(
-            settings, self.workers, self.jobs, self.gate, self.stats, self.outbox
+            settings, self.workers, self.jobs, self.gate, self.estimator, self.outbox
         )
         self.liveness = Liveness(settings, self.workers, self.outbox)
         self.life = Lifecycle(
@@ -122,39 +128,19 @@ class Broker:
             self._accept(identity, req, now)
 
     def _accept(self, identity: bytes, req: ClientRequest, now: float) -> None:
-        key = (identity, req.id)
-        if self.jobs.of_client(*key) is not None:
-            message = f"id {req.id!r} is already in flight"
-            self._refuse(identity, req.id, Shed(ErrorCode.BAD_REQUEST, "duplicate_id", message))
+        pool = self._pool_view(req, now)
+        route = self.router.route(req, pool, now)
+        verdict = self._admit(identity, req, route, pool, now)
+        if isinstance(verdict, Shed):
+            self._refuse(identity, req.id, verdict)
             return
-        if self.draining:
-            shed = Shed(ErrorCode.UNAVAILABLE, "draining", "node is shutting down", 1000)
-            self._refuse(identity, req.id, shed)
-            return
-        timeout_ms = min(
-            req.timeout_ms or self.settings.default_timeout_ms, self.settings.max_timeout_ms
-        )
-        route = self.router.route(req, self._pool_view(req, now), now)
-        if isinstance(route, Shed):
-            self._refuse(identity, req.id, route)
-            return
-        decision = self._admit(identity, req, route, timeout_ms / 1000, now)
-        if isinstance(decision, Shed) and route.hedge:
-            # The model cannot take it at all (too large for it, or too late): then the
-            # rules answer, whatever they say, as for the model's failures.
-            if route.permit is not None:
-                self.router.breaker.release(route.permit, now)
-            route = Route("rules", degraded="latency_budget")
-            decision = self._admit(identity, req, route, timeout_ms / 1000, now)
-        if isinstance(decision, Shed):
-            if route.permit is not None:
-                self.router.breaker.release(route.permit, now)
-            self._refuse(identity, req.id, decision)
-            return
-        if decision is not None:  # a lower-priority request yields its place
-            self._shed_job(decision, "evicted by a higher-priority request", "queue_full", now)
-        job = self.jobs.new(identity, req, now, now + timeout_ms / 1000, route.kind)
+        route = verdict.route
+        if verdict.evict is not None:  # a lower-priority request yields its place
+            self._shed_job(verdict.evict, "evicted by a higher-priority request", "queue_full", now)
+        deadline = now + self.gate.timeout_s(req)
+        job = self.jobs.new(identity, req, now, deadline, route.kind)
         job.degraded, job.permit = route.degraded, route.permit
+        job.prompt_tokens = verdict.prompt_tokens
         self.jobs.bind(job)
         self.gate.opened(identity)
         self.gate.push(job)
@@ -171,31 +157,27 @@ class Broker:
         self.dispatcher.dispatch(now)
 
     def _admit(
-        self, identity: bytes, req: ClientRequest, route: Route, timeout_s: float, now: float
-    ) -> Shed | Job | None:
-        """The admission gate's verdict on ``req`` for ``route``'s workers."""
-        return self.gate.check(
-            identity,
-            req,
-            self.workers.min_n_ctx(route.kind),
-            self.workers.slots(route.kind),
-            self.dispatcher.free_credit(route.kind),
-            timeout_s,
-            now,
-            route.kind,
-        )
+        self, identity: bytes, req: ClientRequest, route: Route, pool: PoolView, now: float
+    ) -> Shed | Admit:
+        """The admission gate's verdict on ``req`` as routed by ``route``; the breaker's
+        permit goes back unless the model takes the request."""
+        verdict = self.gate.check(identity, req, route, pool, now)
+        if route.permit is not None and (isinstance(verdict, Shed) or verdict.route is not route):
+            self.router.breaker.release(route.permit, now)
+        return verdict
 
     def _pool_view(self, req: ClientRequest, now: float) -> PoolView:
-        llm = self.workers.of_kind("llm")
-        slots = sum(w.slots for w in llm)
-        free = self.dispatcher.free_credit("llm")
+        """The pool as ``req`` finds it: one snapshot, for routing and admission."""
+        llm, rules = (
+            self.gate.engine_pool(kind, req.priority, self.dispatcher.free_credit(kind), now)
+            for kind in ENGINE_KINDS
+        )
         return PoolView(
-            llm_workers=len(llm),
-            llm_free=free,
-            rules_workers=len(self.workers.of_kind("rules")),
-            llm_wait_s=self.gate.expected_wait_s(req.priority, slots, free, now),
+            llm=llm,
+            rules=rules,
             pressure=self.gate.pressure,
             cpu_pressure=self.gate.cpu,
+            draining=self.draining,
         )
 
     def _copy_to_model(self, primary: Job, mode: str, now: float) -> None:
@@ -374,7 +356,7 @@ class Broker:
             return
         if job.first_token_at is None:
             job.first_token_at = now
-            self.stats.levels.first_token(worker.identity, job.rid, now)
+            self.estimator.levels.first_token(worker.identity, job.rid, now)
         # A hedge's text is held back: it is the client's only if the rules win.
         if job.req.stream and job.hedge_of is None:
             partial = p.partial_reply(job.req.id, text, len(job.chunks))
@@ -392,14 +374,14 @@ class Broker:
             if not job.settled:
                 self._reply_final(job, worker, body, now)  # learns its batch level first
             self.life.forget(job)
-        self.stats.levels.running(worker.identity, worker.active, now)
+        self.estimator.levels.running(worker.identity, worker.active, now)
         self.dispatcher.dispatch(now)
 
     def _reply_final(self, job: Job, worker: WorkerState, body: dict[str, Any], now: float) -> None:
         reply, outcome = final_reply(job, worker.kind, worker.worker_id, body, now)
         if outcome == "ok" and job.dispatched_at is not None:
             max_tokens = job.req.max_tokens or self.settings.default_max_tokens
-            self.stats.observe_final(job, body.get("usage"), now, max_tokens)
+            self.estimator.observe_final(job, body.get("usage"), now, max_tokens)
         self.stats.count(outcome)
         self._end(job, reply, now, counted=outcome)
 
@@ -431,7 +413,7 @@ class Broker:
         """
         reason = cause.describe()
         self.workers.remove(worker.identity)
-        self.stats.levels.running(worker.identity, (), now)
+        self.estimator.levels.running(worker.identity, (), now)
         self.stats.count("workers_lost")
         if notify:
             pid = worker.info.get("pid")
@@ -582,7 +564,7 @@ class Broker:
             "workers": workers,
             "counters": dict(self.stats.counters),
             "delivery": self.delivery.snapshot(),
-            "service": self.stats.snapshot(),
+            "service": self.estimator.snapshot(),
         }
         if self._status_hook is not None:
             node.update(self._status_hook())

@@ -15,7 +15,7 @@ from broker.jobs import JobTable
 from broker.outbox import Outbox
 from broker.protocol import WorkerCommand
 from broker.records import BrokerSettings, Job
-from broker.stats import Stats
+from broker.service_time import ServiceEstimator
 from broker.workers import WorkerRegistry
 
 
@@ -24,8 +24,9 @@ class Dispatcher:
 
     Args:
         settings: the broker's knobs (``default_max_tokens``, ``cancel_grace_ms``).
-        workers, jobs, gate, stats: the registry, the job table, the queue and
-            the counters it reads and moves jobs between.
+        workers, jobs, gate: the registry, the job table and the queue it reads
+            and moves jobs between.
+        estimator: told each worker's batch level as jobs start on it.
         outbox: where the frames go.
     """
 
@@ -35,14 +36,14 @@ class Dispatcher:
         workers: WorkerRegistry,
         jobs: JobTable,
         gate: AdmissionGate,
-        stats: Stats,
+        estimator: ServiceEstimator,
         outbox: Outbox,
     ) -> None:
         self.settings = settings
         self.workers = workers
         self.jobs = jobs
         self.gate = gate
-        self.stats = stats
+        self.estimator = estimator
         self.outbox = outbox
 
     def free_credit(self, kind: str) -> int:
@@ -68,7 +69,7 @@ class Dispatcher:
             self.gate.remove(job)
             free[job.kind] -= 1
             worker.active.add(job.rid)
-            self.stats.levels.running(worker.identity, worker.active, now)
+            self.estimator.levels.running(worker.identity, worker.active, now)
             if len(worker.active) == 1:
                 worker.progress_at = now  # the stall clock starts when work starts
             worker.last_dispatch = now

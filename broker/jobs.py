@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from broker.deadlines import DeadlineHeap
+from broker.kinds import EngineKind
 from broker.protocol import ClientRequest
 from broker.records import OPEN_STATES, Job, JobState
 
@@ -48,7 +49,9 @@ class JobTable:
     def __iter__(self) -> Iterator[Job]:
         return iter(list(self._jobs.values()))
 
-    def new(self, client: bytes, req: ClientRequest, now: float, deadline: float, kind: str) -> Job:
+    def new(
+        self, client: bytes, req: ClientRequest, now: float, deadline: float, kind: EngineKind
+    ) -> Job:
         """A new job with a fresh request id, its ``job`` deadline armed."""
         job = Job(self._next_rid, client, req, now, deadline, kind=kind)
         self._next_rid += 1

@@ -14,7 +14,7 @@ from broker import protocol as p
 from broker.breaker import Permit
 from broker.errors import ConfigError
 from broker.exits import ExitCause
-from broker.kinds import DegradeReason
+from broker.kinds import DegradeReason, EngineKind
 from broker.protocol import ClientRequest
 
 #: ``BrokerSettings.service_estimate`` values.
@@ -33,7 +33,7 @@ class BrokerSettings:
     slot); ``max_in_flight_per_client`` caps one client's queued + running
     requests (429 above it). ``service_estimate`` is how admission predicts
     service times: ``size`` (each request from its prompt tokens and
-    ``max_tokens``, ``broker.service``) or ``mean`` (one mean per engine, the
+    ``max_tokens``, ``broker.service_time``) or ``mean`` (one mean per engine, the
     estimator before it; kept for benchmarks that compare the two).
     ``client_backlog`` bounds the final replies that may wait for one client
     that is not reading (``broker.delivery``): one more and the client is
@@ -99,7 +99,8 @@ class Job:
     budget): it answers the client only if a rule matched; ``hedged_by`` is the
     model request's hedge (kept once it ended, so a request is hedged once).
     ``prompt_tokens`` is the admission gate's count (or estimate) of the
-    prompt, for predicting its service time (None until it is queued).
+    prompt, for predicting its service time (``broker.service_time``): set at
+    admission, None while there is neither.
     ``state`` is where it is in its life (``JobState``); ``worker`` the worker
     holding it (running or cancelling), ``attempts`` its re-dispatches.
     """
@@ -115,7 +116,7 @@ class Job:
     chunks: list[str] = field(default_factory=list)
     state: JobState = JobState.QUEUED
     attempts: int = 0
-    kind: str = "llm"
+    kind: EngineKind = "llm"
     degraded: DegradeReason | None = None
     permit: Permit | None = None
     copy_of: int | None = None

@@ -25,14 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from broker.admission import Shed
 from broker.breaker import BreakerSettings, CircuitBreaker, Permit
 from broker.errors import ErrorCode
-from broker.kinds import CpuLevel, DegradeReason
+from broker.kinds import CpuLevel, DegradeReason, EngineKind, PressureLevel
 from broker.outbox import Outbox
 from broker.protocol import ClientRequest
 from broker.records import Job
-from broker.stats import RETRY_AFTER_MIN_MS
+from broker.service_time import RETRY_AFTER_MIN_MS
 
 MODES = ("shadow", "dual", "degrade", "full")
 #: How much of a prompt a migration record keeps (chars).
@@ -49,15 +48,36 @@ class RoutingSettings:
 
 
 @dataclass(frozen=True)
-class PoolView:
-    """What the router needs to know about the pool at one moment."""
+class EnginePool:
+    """One engine kind's workers as one request finds them: how many, the
+    sequences they run at once (``slots``), the credit usable now (``free``), the
+    smallest context among them (``n_ctx``, tokens; None if none reported one),
+    and when the request would start there (``wait_s``, s from now) at which
+    batch ``level`` (``broker.service_time.ServiceEstimator.wait``)."""
 
-    llm_workers: int
-    llm_free: int
-    rules_workers: int
-    llm_wait_s: float
-    pressure: str
+    workers: int
+    slots: int = 0
+    free: int = 0
+    n_ctx: int | None = None
+    wait_s: float = 0.0
+    level: int = 1
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """The pool at one moment, built once per request and shared by routing
+    (``Router.route``) and admission (``AdmissionGate.check``): each engine, the
+    memory and CPU pressure, and whether the node is draining."""
+
+    llm: EnginePool
+    rules: EnginePool
+    pressure: PressureLevel = "ok"
     cpu_pressure: CpuLevel = "ok"
+    draining: bool = False
+
+    def of(self, kind: EngineKind) -> EnginePool:
+        """The engine of ``kind``."""
+        return self.llm if kind == "llm" else self.rules
 
 
 @dataclass(frozen=True)
@@ -67,15 +87,18 @@ class Route:
     gets a ``copy`` (``shadow`` or ``dual``), and why a copy was not made
     (``copy_skipped``: ``no_credit``, ``no_model_worker``; "" if none was due).
     ``watch_ttft``: arm the latency budget to the first token; ``hedge``: the
-    model's wait already exceeds it, so ask the rules at once as well."""
+    model's wait already exceeds it, so ask the rules at once as well.
+    ``circuit_open_ms``: only the model may serve it and its breaker is open (no
+    permit): admission refuses it, retry after this many ms."""
 
-    kind: str
+    kind: EngineKind
     degraded: DegradeReason | None = None
     permit: Permit | None = None
     copy: str = ""
     watch_ttft: bool = False
     copy_skipped: str = ""
     hedge: bool = False
+    circuit_open_ms: int | None = None
 
 
 class Router:
@@ -97,17 +120,18 @@ class Router:
     def mode(self) -> str:
         return self.settings.mode
 
-    def route(self, req: ClientRequest, pool: PoolView, now: float) -> Route | Shed:
-        """Decide where ``req`` goes (see the module docstring)."""
+    def route(self, req: ClientRequest, pool: PoolView, now: float) -> Route:
+        """Decide where ``req`` goes (see the module docstring); whether it may wait
+        there is admission's (``broker.admission``)."""
         if req.route == "rules":
             return Route("rules")
         mode = "full" if req.route == "llm" else self.mode
-        if mode == "full" or (mode == "degrade" and pool.rules_workers == 0):
+        if mode == "full" or (mode == "degrade" and pool.rules.workers == 0):
             return self._model_only(now)
         if mode in ("shadow", "dual"):
-            if pool.llm_workers == 0:
+            if pool.llm.workers == 0:
                 return Route("rules", copy_skipped="no_model_worker")
-            if mode == "shadow" and pool.llm_free <= 0:
+            if mode == "shadow" and pool.llm.free <= 0:
                 return Route("rules", copy_skipped="no_credit")
             return Route("rules", copy=mode)
         reason = self._fallback_reason(pool)
@@ -119,23 +143,19 @@ class Router:
         budget = self.settings.ttft_budget_ms
         # A wait beyond the budget is a latency miss, not a failure: the model keeps the
         # request and the rules are only asked in parallel (a hedge), as at the budget.
-        late = budget > 0 and pool.llm_wait_s * 1000 > budget
+        late = budget > 0 and pool.llm.wait_s * 1000 > budget
         return Route("llm", permit=permit, watch_ttft=budget > 0, hedge=late)
 
-    def _model_only(self, now: float) -> Route | Shed:
+    def _model_only(self, now: float) -> Route:
         permit = self.breaker.allow(now)
         if permit is None:
-            return Shed(
-                ErrorCode.UNAVAILABLE,
-                "circuit_open",
-                "the model pool is failing (circuit breaker open)",
-                # Half-open with every probe out says 0: still not "retry at once".
-                max(RETRY_AFTER_MIN_MS, self.breaker.retry_after_ms(now)),
-            )
+            # Half-open with every probe out says 0: still not "retry at once".
+            retry_ms = max(RETRY_AFTER_MIN_MS, self.breaker.retry_after_ms(now))
+            return Route("llm", circuit_open_ms=retry_ms)
         return Route("llm", permit=permit)
 
     def _fallback_reason(self, pool: PoolView) -> DegradeReason | None:
-        if pool.llm_workers == 0:
+        if pool.llm.workers == 0:
             return "no_model_worker"
         if pool.pressure != "ok":
             return "memory_pressure"

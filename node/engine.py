@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from broker.errors import Cancelled, EdgeNodeError
 from broker.protocol import ClientRequest
+from broker.token_count import TokenCount, TokenCounter
 
 #: Callback the engine calls once per generated piece of text (one token).
 Emit = Callable[[str], None]
@@ -206,16 +207,25 @@ class TestEngine:
             self.steps += 1
 
 
-def count_words(req: ClientRequest) -> int:
-    """The test engine's tokenizer: one token per whitespace-separated word."""
-    text = req.prompt or " ".join(content for _, content in req.messages or ())
-    return len(text.split())
+class WordCounter:
+    """The test engine's tokenizer: one token per whitespace-separated word (a
+    ``broker.token_count.TokenCounter``; splitting is cheap, so its bounded count
+    is the exact one)."""
+
+    def __call__(self, req: ClientRequest) -> int:
+        """The prompt's words."""
+        text = req.prompt or " ".join(content for _, content in req.messages or ())
+        return len(text.split())
+
+    def bounded(self, req: ClientRequest, limit: int) -> TokenCount:
+        """The exact count, whatever ``limit``."""
+        return TokenCount(self(req), exact=True)
 
 
-def make_token_counter(spec: EngineSpec) -> Callable[[ClientRequest], int]:
+def make_token_counter(spec: EngineSpec) -> TokenCounter:
     """The prompt-token counter matching ``spec``'s engine (for the broker's 413 check)."""
     if spec.kind == "test":
-        return count_words
+        return WordCounter()
     from node.llama.vocab import make_token_counter as llama_counter
 
     return llama_counter(spec.model_path)

@@ -147,7 +147,7 @@ def _layout(plan: dict[str, Any]) -> str:
 
 def _service_line(service: dict[str, dict[str, Any]]) -> str:
     """What admission predicts from: per engine kind the mean service time and,
-    once learned, the prefill and decode rates (broker.service)."""
+    once learned, the prefill and decode rates (broker.service_time)."""
     parts = []
     for kind, s in service.items():
         rates = ""

@@ -26,8 +26,7 @@ import llama_cpp.llama_cpp as llama_c
 import numpy as np
 
 from broker.protocol import ClientRequest
-from broker.service import CHAT_TOKENS_PER_MESSAGE
-from broker.token_count import TokenCount
+from broker.token_count import CHAT_TOKENS_PER_MESSAGE, TokenCount
 from node.llama.boundaries import (
     MAX_PIECE_BYTES,
     PIECE_BYTES,
@@ -78,7 +77,7 @@ def make_token_counter(model_path: str) -> PromptCounter:
 
 
 class PromptCounter:
-    """Counts a request's prompt tokens (a ``broker.admission.BoundedTokenCounter``)."""
+    """Counts a request's prompt tokens (a ``broker.token_count.TokenCounter``)."""
 
     def __init__(self, vocab: Vocab) -> None:
         self.vocab = vocab

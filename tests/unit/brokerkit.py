@@ -10,15 +10,17 @@ one final (non-partial) reply. ``assert_each_answered_once`` checks it.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from broker import protocol as p
 from broker.breaker import BreakerSettings
 from broker.core import Broker
-from broker.protocol import WorkerCommand
+from broker.protocol import ClientRequest, WorkerCommand
 from broker.records import BrokerSettings, WorkerEvent
 from broker.routing import RoutingSettings
+from broker.token_count import TokenCount
 
 CLIENT = b"client-a"
 OTHER_CLIENT = b"client-b"
@@ -222,3 +224,17 @@ class BrokerHarness:
         worker = self.broker.workers.get(identity)
         assert worker is not None, f"{identity!r} is not registered"
         return worker.credit
+
+
+class Exact:
+    """A ``broker.token_count.TokenCounter`` from a plain count: its bounded
+    answer is the exact count (as ``node.engine.WordCounter``'s)."""
+
+    def __init__(self, count: Callable[[ClientRequest], int]) -> None:
+        self.count = count
+
+    def __call__(self, req: ClientRequest) -> int:
+        return self.count(req)
+
+    def bounded(self, req: ClientRequest, limit: int) -> TokenCount:
+        return TokenCount(self.count(req), exact=True)

@@ -8,7 +8,18 @@ from typing import Any
 import pytest
 
 from broker.protocol import ClientRequest, WorkerCommand
-from brokerkit import CLIENT, FAST, OTHER_CLIENT, RULES, W1, W2, BrokerHarness, bodies, generate
+from brokerkit import (
+    CLIENT,
+    FAST,
+    OTHER_CLIENT,
+    RULES,
+    W1,
+    W2,
+    BrokerHarness,
+    Exact,
+    bodies,
+    generate,
+)
 
 REQUEST = WorkerCommand.REQUEST
 CANCEL = WorkerCommand.CANCEL
@@ -21,7 +32,7 @@ def chars(req: ClientRequest) -> int:
 
 def harness(**settings: Any) -> BrokerHarness:
     h = BrokerHarness(replace(FAST, **settings))
-    h.broker.gate.count_tokens = chars
+    h.broker.gate.count_tokens = Exact(chars)
     return h
 
 
@@ -135,7 +146,8 @@ def test_retry_after_follows_the_measured_service_rate() -> None:
     for m in h.drain_workers():
         h.final(m.identity, m.body["rid"], 4.0)  # both took 4 s
     h.replies()
-    assert h.broker.stats.samples == 2 and h.broker.stats.service_s == pytest.approx(4.0)
+    assert h.broker.estimator.samples("llm") == 2
+    assert h.broker.estimator.mean_s("llm") == pytest.approx(4.0)
     fill(h, 4, 10.0)  # two run (two slots), two wait: the queue is full
     h.send(generate("late"), 10.0)
     (reply,) = [r for r in h.replies() if r["id"] == "late"]
@@ -199,7 +211,7 @@ def test_unknown_pressure_level_is_ignored(level: str) -> None:
 
 def test_no_workers_means_queue_not_refuse() -> None:
     h = harness()
-    h.broker.stats.observe_service(30.0)  # even with a slow history
+    h.broker.estimator.observe_service(30.0)  # even with a slow history
     h.send(generate("early", timeout_ms=1000), 0.0)
     assert h.replies() == [] and h.broker.status(0.0)["queue_depth"] == 1
     assert CLIENT in h.broker.gate._per_client
@@ -213,7 +225,7 @@ def test_prompts_that_surely_fit_are_not_tokenized() -> None:
         return len(req.prompt or "")
 
     h = harness()
-    h.broker.gate.count_tokens = counting
+    h.broker.gate.count_tokens = Exact(counting)
     h.ready(W1, 0.0)  # n_ctx 2048
     h.send(generate("small", prompt="turn on the lights", max_tokens=64), 0.0)
     assert calls == []  # 19 bytes + 64 tokens cannot exceed 2048 tokens

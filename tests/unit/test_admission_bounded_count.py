@@ -2,7 +2,7 @@
 
 The defect: every prompt whose bytes did not bound it inside the context was
 tokenized on the broker's loop before its 413, ~0.2 s per 250 KB body, so a
-burst of them stalled pings for most of a second. A ``BoundedTokenCounter``
+burst of them stalled pings for most of a second. A ``TokenCounter``
 answers with a lower bound when that decides, or gives up within its budget;
 the gate then refuses (413 "at least"), or leaves the exact check to the worker.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from broker.protocol import ClientRequest, WorkerCommand
-from broker.token_count import BoundedTokenCounter, TokenCount
+from broker.token_count import TokenCount, TokenCounter
 from brokerkit import FAST, W1, BrokerHarness, bodies, generate
 
 REQUEST = WorkerCommand.REQUEST
@@ -47,7 +47,7 @@ def harness(counter: Scripted) -> BrokerHarness:
 
 
 def test_the_counter_is_a_bounded_one() -> None:
-    assert isinstance(Scripted(TokenCount(1, exact=True)), BoundedTokenCounter)
+    assert isinstance(Scripted(TokenCount(1, exact=True)), TokenCounter)
 
 
 def test_a_lower_bound_over_the_limit_is_refused_without_an_exact_count() -> None:
@@ -100,8 +100,8 @@ def learn(h: BrokerHarness, tokens_per_byte: float) -> None:
     prompt = int(1000 * tokens_per_byte)
     ttft = 0.002 * prompt + 0.02
     usage = {"prompt_tokens": prompt, "completion_tokens": 10}
-    h.broker.stats.sizes.observe("llm", req, 10, ttft, ttft + 0.18, usage)
-    h.broker.stats.observe_service(ttft + 0.18)
+    h.broker.estimator.sizes.observe("llm", req, 10, ttft, ttft + 0.18, usage)
+    h.broker.estimator.observe_service(ttft + 0.18)
 
 
 def test_an_undecided_prompt_is_predicted_no_longer_than_the_largest_that_fits() -> None:

@@ -16,8 +16,11 @@ from typing import Any
 
 import pytest
 
+from broker.admission import Admit
 from broker.protocol import ClientRequest, WorkerCommand
-from brokerkit import FAST, W1, W2, BrokerHarness, generate
+from broker.routing import EnginePool, PoolView, Route
+from broker.service_time import ServiceEstimator, Slots
+from brokerkit import CLIENT, FAST, W1, W2, BrokerHarness, Exact, generate
 
 REQUEST = WorkerCommand.REQUEST
 CANCEL = WorkerCommand.CANCEL
@@ -97,7 +100,7 @@ class SimulatedWorkers:
 def two_workers(estimate: str) -> tuple[BrokerHarness, SimulatedWorkers]:
     """A broker estimating by ``estimate`` with two one-slot simulated workers."""
     h = BrokerHarness(replace(QUIET, service_estimate=estimate))
-    h.broker.gate.count_tokens = chars
+    h.broker.gate.count_tokens = Exact(chars)
     sim = SimulatedWorkers(h)
     for w in (W1, W2):
         h.ready(w, 0.0)
@@ -116,7 +119,7 @@ def burst(estimate: str) -> tuple[BrokerHarness, dict[Any, dict[str, Any]]]:
     sim.pump(2.0)
     sim.run(2.0, 3.0)
     # The mean has mostly seen short requests: 0.102 + 0.98 x 0.8^8 s.
-    assert h.broker.stats.service_time("llm") == pytest.approx(0.266, abs=0.001)
+    assert h.broker.estimator.mean_s("llm") == pytest.approx(0.266, abs=0.001)
     for i in range(4):
         h.send(generate(f"short-{i}", SHORT, max_tokens=MAX_TOKENS, timeout_ms=3000), 5.0)
     for i in range(8):
@@ -167,7 +170,7 @@ def warmed(estimate: str = "size") -> tuple[BrokerHarness, SimulatedWorkers]:
     h.send(generate("warm-short", SHORT, max_tokens=MAX_TOKENS), 0.0)
     sim.pump(0.0)
     sim.run(0.0, 1.5)
-    assert h.broker.stats.sizes.ready("llm")
+    assert h.broker.estimator.sizes.ready("llm")
     return h, sim
 
 
@@ -209,10 +212,43 @@ def test_the_size_check_count_is_the_jobs_prompt_size() -> None:
     """A prompt that might not fit is tokenized for the 413 check; its job keeps
     that exact count instead of the estimate from its bytes."""
     h, _ = warmed()
-    h.broker.gate.count_tokens = lambda req: len(req.prompt or "") // 2
+    h.broker.gate.count_tokens = Exact(lambda req: len(req.prompt or "") // 2)
     h.send(generate("big", "z" * 2040, max_tokens=16), 2.0)  # 2041 bytes + 16 > 2048
     (job,) = [j for j in h.broker.jobs if j.req.id == "big"]
     assert job.prompt_tokens == 1020
+
+
+def test_each_checked_request_keeps_its_own_count() -> None:
+    """The count travels with the verdict (``Admit.prompt_tokens``), not in the gate:
+    two requests checked before either is queued each keep their own."""
+    h, _ = warmed()
+    gate = h.broker.gate
+    gate.count_tokens = Exact(lambda req: len(req.prompt or "") // 2)
+    pool = PoolView(llm=gate.engine_pool("llm", "normal", 2, 2.0), rules=EnginePool(0))
+    first, second = (
+        ClientRequest(id=rid, op="generate", prompt=prompt, max_tokens=16)
+        for rid, prompt in ((1, "y" * 2040), (2, "z" * 2036))  # both might not fit
+    )
+    verdicts = [gate.check(CLIENT, req, Route("llm"), pool, 2.0) for req in (first, second)]
+    assert [v.prompt_tokens for v in verdicts if isinstance(v, Admit)] == [1020, 1018]
+
+
+def test_one_request_plays_each_engines_queue_forward_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Routing and admission share one snapshot of the pool: one wait per engine."""
+    h, sim = warmed()
+    waits: list[str] = []
+    wait = ServiceEstimator.wait
+
+    def counted(self: ServiceEstimator, ahead: Any, slots: Slots, now: float) -> Any:
+        waits.append(slots.kind)
+        return wait(self, ahead, slots, now)
+
+    monkeypatch.setattr(ServiceEstimator, "wait", counted)
+    h.send(generate("one", SHORT, max_tokens=MAX_TOKENS), 2.0)
+    sim.pump(2.0)
+    assert sorted(waits) == ["llm", "rules"]
 
 
 def test_before_any_measured_request_the_size_setting_behaves_as_the_mean() -> None:
@@ -221,7 +257,7 @@ def test_before_any_measured_request_the_size_setting_behaves_as_the_mean() -> N
     h.ready(W1, 0.0)
     h.send(generate("first", LONG, timeout_ms=1), 0.0)  # nothing measured: no refusal
     assert h.replies() == []
-    assert not h.broker.stats.sizes.ready("llm")
+    assert not h.broker.estimator.sizes.ready("llm")
 
 
 def test_a_stream_is_admitted_if_its_first_token_can_come_in_time() -> None:

@@ -13,7 +13,7 @@ import pytest
 from broker import protocol as p
 from broker.exits import ExitCause
 from broker.protocol import WorkerCommand
-from broker.stats import RETRY_AFTER_MAX_MS, RETRY_AFTER_MIN_MS
+from broker.service_time import RETRY_AFTER_MAX_MS, RETRY_AFTER_MIN_MS
 from brokerkit import (
     CLIENT,
     FAST,

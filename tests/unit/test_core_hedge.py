@@ -239,7 +239,7 @@ def test_shutdown_while_the_rules_are_asked_answers_once() -> None:
 
 def test_a_predicted_wait_over_the_budget_asks_the_rules_at_once() -> None:
     h = harness(max_queue=8)
-    h.broker.stats.observe_service(1.0)  # the model takes 1 s: any queueing misses 200 ms
+    h.broker.estimator.observe_service(1.0)  # the model takes 1 s: any queueing misses 200 ms
     h.send(generate("busy"), 0.0)
     (busy,) = bodies(h.drain_workers(), W1, REQUEST)
     h.send(generate("q", prompt="sing me a song"), 0.1)
@@ -270,7 +270,7 @@ def test_a_predicted_wait_over_the_budget_asks_the_rules_at_once() -> None:
 
 def test_a_request_the_model_cannot_take_is_left_to_the_rules_whatever_they_say() -> None:
     h = harness()
-    h.broker.stats.observe_service(1.0)
+    h.broker.estimator.observe_service(1.0)
     h.send(generate("busy"), 0.0)
     (busy,) = bodies(h.drain_workers(), W1, REQUEST)
     # The model could not start it within its 500 ms: nothing better than the rules.

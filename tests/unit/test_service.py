@@ -7,8 +7,15 @@ import pytest
 from broker.errors import ConfigError
 from broker.protocol import ClientRequest
 from broker.records import BrokerSettings
-from broker.service import BatchLevels, Ratio, ServiceModel, batch_cost, byte_bound, level_key
-from broker.stats import Stats
+from broker.service_time import (
+    BatchLevels,
+    Ratio,
+    ServiceEstimator,
+    ServiceModel,
+    batch_cost,
+    level_key,
+)
+from broker.token_count import byte_bound
 from brokerkit import W1, W2, BrokerHarness, generate
 from node.cli.status_view import render_status
 
@@ -123,7 +130,7 @@ def test_unknown_service_estimate_is_a_config_error() -> None:
 
 
 def test_status_shows_each_kinds_mean_and_learned_rates() -> None:
-    stats = Stats()
+    stats = ServiceEstimator()
     assert stats.snapshot() == {}  # nothing served: nothing claimed
     stats.observe_service(0.30)
     stats.observe_service(0.001, "rules")
@@ -224,7 +231,7 @@ def test_batch_level_is_the_time_weighted_count_over_each_phase() -> None:
 
 
 def test_status_shows_rates_by_level_only_once_a_level_above_one_was_measured() -> None:
-    stats = Stats()
+    stats = ServiceEstimator()
     stats.observe_service(0.36)
     stats.sizes.observe("llm", req("w" * 99), 8, 0.22, 0.36, usage(100, 8))
     assert "decode_ms_per_token_by_level" not in stats.snapshot()["llm"]
@@ -241,11 +248,11 @@ def test_a_multi_slot_worker_teaches_its_level_and_single_slot_workers_level_one
     h.ready(W1, 0.0)
     h.ready(W2, 0.0)
     run_together(h, ["a", "b"], 0.0)
-    assert h.broker.stats.sizes.decode_by_level("llm") == {"1": 20.0}
+    assert h.broker.estimator.sizes.decode_by_level("llm") == {"1": 20.0}
     h = BrokerHarness()
     h.ready(W1, 0.0, slots=4)
     run_together(h, ["a", "b", "c", "d"], 0.0)
-    assert h.broker.stats.sizes.decode_by_level("llm") == {"4": 20.0}
+    assert h.broker.estimator.sizes.decode_by_level("llm") == {"4": 20.0}
     h.assert_each_answered_once()
 
 
