@@ -34,10 +34,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from broker.client_request import ClientRequest
 from broker.errors import ErrorCode
 from broker.jobs import JobTable
 from broker.kinds import PRIORITIES, CpuLevel, EngineKind, PressureLevel, Priority
-from broker.protocol import ClientRequest
 from broker.records import BrokerSettings, Job
 from broker.routing import EnginePool, PoolView, Route
 from broker.service_time import ServiceEstimator, Slots

@@ -34,6 +34,7 @@ from typing import Any
 from broker import protocol as p
 from broker.admission import AdmissionGate, Admit, Shed
 from broker.breaker import BreakerSettings
+from broker.client_request import ClientRequest, parse_client_request
 from broker.delivery import Delivery, GoneCause, ReplyKind
 from broker.dispatch import Dispatcher
 from broker.errors import EdgeNodeError, ErrorCode, ProtocolError
@@ -44,7 +45,7 @@ from broker.kinds import ENGINE_KINDS, PRESSURE_LEVELS, CpuLevel, EngineKind, Fi
 from broker.lifecycle import Lifecycle
 from broker.liveness import Liveness
 from broker.outbox import Outbox
-from broker.protocol import ClientRequest, WorkerCommand
+from broker.protocol import WorkerCommand
 from broker.records import BrokerSettings, Job, JobState, WorkerEvent
 from broker.replies import final_reply
 from broker.routing import PoolView, Route, Router, RoutingSettings
@@ -111,7 +112,7 @@ class Broker:
         try:
             _, body = p.split_client_frames(frames)
             p.check_body_size(body, self.settings.max_body_bytes)
-            req = p.parse_client_request(p.unpack_map(body))
+            req = parse_client_request(p.unpack_map(body))
         except EdgeNodeError as exc:
             self.stats.count("rejected_bad_request")
             # Bodies are bounded by ZMQ_MAXMSGSIZE, so salvaging even an oversized one is cheap.

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from broker.client_request import ClientRequest
 from broker.deadlines import DeadlineHeap
 from broker.kinds import EngineKind
-from broker.protocol import ClientRequest
 from broker.records import OPEN_STATES, Job, JobState
 
 ClientKey = tuple[bytes, str | int]

@@ -12,10 +12,10 @@ from typing import Literal
 
 from broker import protocol as p
 from broker.breaker import Permit
+from broker.client_request import ClientRequest
 from broker.errors import ConfigError
 from broker.exits import ExitCause
 from broker.kinds import DegradeReason, EngineKind
-from broker.protocol import ClientRequest
 
 #: ``BrokerSettings.service_estimate`` values.
 SERVICE_ESTIMATES = ("size", "mean")

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.breaker import BreakerSettings, CircuitBreaker, Permit
+from broker.client_request import ClientRequest
 from broker.errors import ErrorCode
 from broker.kinds import CpuLevel, DegradeReason, EngineKind, PressureLevel
 from broker.outbox import Outbox
-from broker.protocol import ClientRequest
 from broker.records import Job
 from broker.service_time import RETRY_AFTER_MIN_MS
 

@@ -65,8 +65,8 @@ from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from broker.client_request import ClientRequest
 from broker.kinds import EngineKind
-from broker.protocol import ClientRequest
 from broker.records import Job
 from broker.token_count import byte_bound
 

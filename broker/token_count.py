@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from broker.protocol import ClientRequest
+from broker.client_request import ClientRequest
 
 #: Template tokens a chat message may add around its content (role markers,
 #: turn delimiters): Gemma's template uses 4-5.

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from broker.protocol import ClientRequest, WorkerCommand
+from broker.client_request import ClientRequest
+from broker.protocol import WorkerCommand
 from brokerkit import (
     CLIENT,
     FAST,

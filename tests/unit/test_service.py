@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from broker.client_request import ClientRequest
 from broker.errors import ConfigError
-from broker.protocol import ClientRequest
 from broker.records import BrokerSettings
 from broker.service_time import (
     BatchLevels,
