@@ -475,18 +475,18 @@ class Broker:
 
     def tick(self, now: float) -> None:
         """Expire deadlines, check liveness and send heartbeats due at ``now``."""
-        for kind, rid in self.jobs.expired(now):
+        for timer, rid in self.jobs.expired(now):
             job = self.jobs.get(rid)
             if job is None:
                 continue
-            if kind == "job" and not job.settled:
+            if timer == "job" and not job.settled:
                 self.stats.count("deadline_exceeded")
                 self._finish_early(job, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded", now)
-            elif kind == "ttft" and not job.settled and job.first_token_at is None:
+            elif timer == "ttft" and not job.settled and job.first_token_at is None:
                 if job.hedged_by is None and self.handover.can_fall_back(job):
                     self.handover.hedge(job)
                     self.dispatcher.dispatch(now)
-            elif kind == "ack":
+            elif timer == "ack":
                 self._ack_overdue(job, now)
         for worker, verdict in self.liveness.verdicts(now):
             self._lose_worker(worker, ExitCause(verdict), now)
