@@ -32,6 +32,7 @@ from broker.kinds import CpuLevel, DegradeReason, EngineKind, PressureLevel
 from broker.outbox import Outbox
 from broker.records import Job
 from broker.service_time import RETRY_AFTER_MIN_MS
+from broker.units import ms
 
 MODES = ("shadow", "dual", "degrade", "full")
 #: How much of a prompt a migration record keeps (chars).
@@ -192,7 +193,7 @@ class Router:
                 "mode": self.mode,
                 "id": job.req.id,
                 "reason": job.degraded,
-                "latency_ms": _ms(now - job.accepted_at),
+                "latency_ms": ms(now - job.accepted_at),
             }
             if job.hedge_of is not None:
                 record["hedge"] = "rules_won"
@@ -286,11 +287,11 @@ def usable_rules_answer(body: dict[str, Any]) -> bool:
 
 
 def _outcome(job: Job, body: dict[str, Any], now: float) -> dict[str, Any]:
-    ttft = None if job.first_token_at is None else _ms(job.first_token_at - job.accepted_at)
+    ttft = None if job.first_token_at is None else ms(job.first_token_at - job.accepted_at)
     return {
         "status": body.get("status"),
         "text": body.get("text", ""),
-        "latency_ms": _ms(now - job.accepted_at),
+        "latency_ms": ms(now - job.accepted_at),
         "ttft_ms": ttft,
         "worker": body.get("worker"),
         "code": body.get("code"),
@@ -298,7 +299,3 @@ def _outcome(job: Job, body: dict[str, Any], now: float) -> dict[str, Any]:
         "reason": body.get("reason"),
         "dispatched": job.dispatched_at is not None,
     }
-
-
-def _ms(seconds: float) -> int:
-    return max(0, round(seconds * 1000))
