@@ -43,7 +43,7 @@ from enum import Enum
 from typing import Any
 
 from broker.errors import ConfigError
-from broker.units import percent
+from broker.rounding import percent
 
 
 class BreakerState(str, Enum):

@@ -13,7 +13,7 @@ from broker import protocol as p
 from broker.errors import ErrorCode
 from broker.kinds import FinalOutcome
 from broker.records import Job
-from broker.units import ms
+from broker.rounding import ms
 
 #: The ``finish_reason`` values of PROTOCOL §4.2; a worker's other values become "stop".
 FINISH_REASONS = frozenset({"stop", "length"})

@@ -1,6 +1,6 @@
 """Which engine answers: migration modes, the circuit breaker and the fallback.
 
-Devices adopt a model beside their legacy rule engine in stages (DESIGN.md §4):
+Devices adopt a model beside their legacy rule engine in stages:
 
 * ``shadow``: the rules answer; the model gets a copy only when it has free
   credit right now, so it can never delay an answer;
@@ -31,8 +31,8 @@ from broker.errors import ErrorCode
 from broker.kinds import CpuLevel, DegradeReason, EngineKind, PressureLevel
 from broker.outbox import Outbox
 from broker.records import Job
+from broker.rounding import ms
 from broker.service_time import RETRY_AFTER_MIN_MS
-from broker.units import ms
 
 MODES = ("shadow", "dual", "degrade", "full")
 #: How much of a prompt a migration record keeps (chars).

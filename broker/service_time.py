@@ -45,12 +45,12 @@ for a finished request, the time-weighted mean of that count over its prefill
 and over its decode (``BatchLevels``), rounded to the nearest integer. A level
 not measured yet is predicted from the nearest measured one (in ratio, the
 higher on a tie): decode scaled by ``batch_cost`` (the per-sequence step time
-the issue-10 measurement gives), prefill unscaled (see ``batch_cost``). A
+measured with batched decoding, ``BATCH_GAIN``), prefill unscaled (see ``batch_cost``). A
 worker with one slot only ever runs at level 1, which is the single rate it
 always had.
 
 Two more ratios turn a request into tokens without tokenizing it on the
-broker's loop (~1.6 ms for 2 KB with the default model's vocabulary): prompt
+broker's loop (milliseconds per request: docs/bench/figures.md, "broker.service_time"): prompt
 tokens per byte of ``byte_bound`` (the exact count is used when the 413 check
 made one anyway), and the share of ``max_tokens`` that requests actually
 generate (most stop before the limit).
@@ -71,9 +71,8 @@ from broker.records import Job
 from broker.token_count import byte_bound
 
 #: Prompts shorter than this teach no prefill rate: their time to the first token
-#: is mostly fixed per-request overhead, not prompt evaluation. A 3-token "warm up"
-#: taught 44 ms/token where the model evaluates 7-9, and a 1700-token prompt that
-#: takes 15 s was then refused as needing 85 s (break-it session).
+#: is mostly fixed per-request overhead, not prompt evaluation, and would price long
+#: prompts far too high (test_tiny_prompts_and_schema_requests_teach_no_rates).
 MIN_PREFILL_TOKENS = 32
 
 #: Weight of the newest sample, in the rates' ratios and the mean service time:
@@ -86,11 +85,9 @@ RETRY_AFTER_MIN_MS = 50
 RETRY_AFTER_MAX_MS = 30_000
 
 #: Aggregate decode tokens/s of b sequences in one llama context, as a multiple
-#: of one sequence's: issue 10's measurement with llama-cpp-python's low-level
-#: API, the default model and one thread on the 2-core development machine
-#: (midpoints of the measured ranges: "none" at 2, 1.3-1.55x at 4, 1.7-1.9x at 8,
-#: 2.0-2.5x at 16). Two threads scale further, so it errs on the slow side; it
-#: is only used for levels not measured yet.
+#: of one sequence's: the midpoints of the ranges measured with one thread
+#: (measured: docs/bench/figures.md, "broker.service_time"). Two threads scale
+#: further, so it errs on the slow side; it is only used for levels not measured yet.
 BATCH_GAIN = ((1, 1.0), (2, 1.0), (4, 1.425), (8, 1.8), (16, 2.25))
 
 
@@ -99,7 +96,7 @@ def batch_cost(level: float) -> float:
     its time alone: ``level / gain(level)``, the gain (``BATCH_GAIN``)
     interpolated linearly in log2(level) and held at its last value beyond 16
     (so the cost then grows linearly: no further gain is assumed). 2.8 at 4 and
-    4.4 at 8, matching the measured per-sequence 2.6-3x and 4.2-4.7x.
+    4.4 at 8, inside the measured per-sequence ranges (docs/bench/figures.md).
 
     Prefill is not scaled by it: a prompt is evaluated in chunks of up to
     ``n_batch`` tokens in the same ``llama_decode`` as the other slots' one token
@@ -223,8 +220,8 @@ class ServiceModel:
         Returns:
             False if the sample says nothing about size (no usage, no token
             generated, as from the rule engine) or would mislead it (a
-            ``json_schema`` request: its grammar slows every step, 485 ms/token
-            learned where plain decoding takes 60-90): nothing was learned.
+            ``json_schema`` request: its grammar slows every step several times
+            over, docs/bench/figures.md): nothing was learned.
         """
         if not isinstance(usage, dict) or req.json_schema is not None:
             return False
@@ -419,7 +416,7 @@ class ServiceEstimator:
     ``levels`` follows each worker's running requests over time (the broker calls
     ``levels.running`` on every change of a worker's running set and
     ``levels.first_token`` on a request's first token) to tell each finished
-    request's batch level. The mean is one EWMA per kind: a rule answer (~1 ms)
+    request's batch level. The mean is one EWMA per kind: a rule answer (milliseconds)
     must not dilute the model's (seconds), nor the model's make rules look slow.
     """
 

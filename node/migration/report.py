@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from broker.units import percent
+from broker.rounding import percent
 
 #: The verdict's policy: samples needed before advancing, and the bars to clear.
 MIN_SAMPLES = 50

@@ -1,4 +1,4 @@
-"""Unit conversions the broker's and the node's reports share (a leaf: imports nothing)."""
+"""Rounding the broker's and the node's reports share (a leaf: imports nothing)."""
 
 from __future__ import annotations
 
