@@ -259,8 +259,8 @@ class AdmissionGate:
             if shed is not None:
                 return shed
         evict: Job | None = None
-        # Each engine has its own bound: a model backlog must not shut out the rules,
-        # the fallback meant for exactly that time (test_a_model_backlog_leaves_the_rules_their_own_queue).
+        # Each engine has its own bound: a model backlog must not shut out the rules, the
+        # fallback meant for that time (test_a_model_backlog_leaves_the_rules_their_own_queue).
         if sum(j.kind == route.kind for j in self) >= self.queue_bound(engine.slots):
             evict = self._eviction_victim(req.priority, route.kind)
             if evict is None:
