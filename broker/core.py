@@ -11,8 +11,9 @@ latency budget, cancel grace), the node's pressure readings. It builds its
 parts and asks them, each of which owns its state and never calls back:
 
 * ``broker.admission``: the queue and whether a request may wait in it;
-* ``broker.service_time``: the service-time estimator (rates, batch levels,
-  retry advice) that admission reads and the worker messages teach;
+* ``broker.service_time``: the service-time estimator (the rates of
+  ``broker.service_model``, the batch levels of ``broker.batch_levels``, retry
+  advice) that admission reads and the worker messages teach;
 * ``broker.routing``: which engine answers (migration modes, circuit breaker);
 * ``broker.dispatch``: credit, REQUESTs and CANCELs;
 * ``broker.liveness``: heartbeats and the dead/stalled/hung verdicts;
