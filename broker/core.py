@@ -10,7 +10,8 @@ refuse, cancel), a worker's message (partial, final, loss), a timer (deadline,
 latency budget, cancel grace), the node's pressure readings. It builds its
 parts and asks them, each of which owns its state and never calls back:
 
-* ``broker.admission``: the queue and whether a request may wait in it;
+* ``broker.queue``: the requests waiting for a slot, and each client's open ones;
+* ``broker.admission``: whether a request may wait in the queue (the ordered checks);
 * ``broker.service_time``: the service-time estimator (the rates of
   ``broker.service_model``, the batch levels of ``broker.batch_levels``, retry
   advice) that admission reads and the worker messages teach;
@@ -47,6 +48,7 @@ from broker.lifecycle import Lifecycle
 from broker.liveness import Liveness
 from broker.outbox import Outbox
 from broker.protocol import WorkerCommand
+from broker.queue import ClientCounts, RequestQueue
 from broker.records import BrokerSettings, Job, JobState, WorkerEvent
 from broker.replies import final_reply
 from broker.routing import PoolView, Route, Router, RoutingSettings
@@ -86,18 +88,34 @@ class Broker:
             settings.service_estimate == "size", settings.default_max_tokens
         )
         self.jobs = JobTable()
-        self.gate = AdmissionGate(settings, self.estimator, self.jobs, count_tokens, self.workers)
+        self.queue = RequestQueue(self.estimator)
+        self.clients = ClientCounts()
+        self.gate = AdmissionGate(
+            settings,
+            self.estimator,
+            self.jobs,
+            self.queue,
+            self.clients,
+            count_tokens,
+            self.workers,
+        )
         self.router = Router(routing, breaker, self.outbox)
         self.delivery = Delivery(settings.client_backlog, self.stats.counters)
         self.dispatcher = Dispatcher(
-            settings, self.workers, self.jobs, self.gate, self.estimator, self.outbox
+            settings, self.workers, self.jobs, self.queue, self.gate, self.estimator, self.outbox
         )
         self.liveness = Liveness(settings, self.workers, self.outbox)
         self.life = Lifecycle(
-            self.jobs, self.gate, self.router, self.dispatcher, self.stats, self.outbox
+            self.jobs,
+            self.queue,
+            self.clients,
+            self.router,
+            self.dispatcher,
+            self.stats,
+            self.outbox,
         )
         self.handover = Handover(
-            self.life, self.jobs, self.gate, self.router, self.stats, self.workers
+            self.life, self.jobs, self.queue, self.router, self.stats, self.workers
         )
         self._status_hook = status_hook
         self.draining = False
@@ -144,8 +162,8 @@ class Broker:
         job.degraded, job.permit = route.degraded, route.permit
         job.prompt_tokens = verdict.prompt_tokens
         self.jobs.bind(job)
-        self.gate.opened(identity)
-        self.gate.push(job)
+        self.clients.opened(identity)
+        self.queue.push(job)
         if route.hedge:
             self.handover.hedge(job)
         elif route.watch_ttft:
@@ -184,7 +202,7 @@ class Broker:
 
     def _copy_to_model(self, primary: Job, mode: str, now: float) -> None:
         """Give the model a copy of ``primary`` (answered by the rules) to compare."""
-        if len(self.gate) > self.gate.queue_bound(self.workers.total_slots()):
+        if len(self.queue) > self.gate.queue_bound(self.workers.total_slots()):
             self.router.copy_skipped(primary, "queue_full")
             return
         permit = self.router.breaker.allow(now)
@@ -194,7 +212,7 @@ class Broker:
         req = replace(primary.req, stream=False, route="llm", priority="sheddable")
         copy = self.jobs.new(b"", req, now, primary.deadline, "llm")
         copy.permit, copy.copy_of = permit, primary.rid
-        self.gate.push(copy)
+        self.queue.push(copy)
         self.router.open_pair(primary, mode)
 
     def _refuse(self, identity: bytes, rid: str | int, shed: Shed) -> None:
@@ -450,7 +468,7 @@ class Broker:
             elif not self.handover.fall_back(job, "worker_lost", now):
                 self._give_up(job, cause, now, blamed, worker.kind)
         if worker.kind == "llm" and not self.workers.of_kind("llm"):
-            for queued in list(self.gate):  # nobody left to run them: the rules answer
+            for queued in list(self.queue):  # nobody left to run them: the rules answer
                 self.handover.fall_back(queued, "no_model_worker", now)
         self.dispatcher.dispatch(now)
 
@@ -554,7 +572,7 @@ class Broker:
         slots = self.workers.total_slots()
         node: dict[str, Any] = {
             "protocol": p.PROTOCOL_VERSION,
-            "queue_depth": len(self.gate),
+            "queue_depth": len(self.queue),
             "queue_bound": self.gate.queue_bound(slots),
             "in_flight": self.jobs.running(),
             "credit": self.workers.total_credit(),
