@@ -36,6 +36,9 @@ from broker.service_model import ALPHA, ServiceModel
 RETRY_AFTER_MIN_MS = 50
 RETRY_AFTER_MAX_MS = 30_000
 
+#: The mean service time (s) assumed before any measurement; the first one replaces it.
+INITIAL_SERVICE_S = 1.0
+
 #: The pool as the estimator plays it forward: per worker, when each of its
 #: usable slots is free (s from now; a heap).
 Pool = list[list[float]]
@@ -67,7 +70,6 @@ class ServiceEstimator:
         by_size: predict each request from its size once a kind has a measured
             request (``service_estimate = "size"``); False: always by the mean.
         default_max_tokens: the ``max_tokens`` of a request that sets none.
-        initial_service_s: the mean service time assumed before any measurement.
 
     ``sizes`` holds the per-token rates by batch level (``ServiceModel``);
     ``levels`` follows each worker's running requests over time (the broker calls
@@ -77,12 +79,9 @@ class ServiceEstimator:
     must not dilute the model's (seconds), nor the model's make rules look slow.
     """
 
-    def __init__(
-        self, by_size: bool = True, default_max_tokens: int = 128, initial_service_s: float = 1.0
-    ) -> None:
+    def __init__(self, by_size: bool = True, default_max_tokens: int = 128) -> None:
         self.by_size = by_size
         self.default_max_tokens = default_max_tokens
-        self.initial_service_s = initial_service_s
         self.sizes = ServiceModel()
         self.levels = BatchLevels()
         self._mean: dict[EngineKind, float] = {}
@@ -117,7 +116,7 @@ class ServiceEstimator:
 
     def mean_s(self, kind: EngineKind) -> float:
         """Mean service time of ``kind``'s workers (s); the initial guess until measured."""
-        return self._mean.get(kind, self.initial_service_s)
+        return self._mean.get(kind, INITIAL_SERVICE_S)
 
     def samples(self, kind: EngineKind) -> int:
         """How many service times of ``kind`` were observed."""
