@@ -195,7 +195,7 @@ class ServiceModel:
                 and ``cached_tokens`` (prompt tokens a slot reused: not evaluated,
                 so they teach no prefill rate).
             prefill_level: requests running on its worker during its prefill
-                (itself included; a time-weighted mean, ``BatchLevels``).
+                (itself included; a time-weighted mean, ``broker.batch_levels.BatchLevels``).
             decode_level: the same during its decode.
 
         Returns:
