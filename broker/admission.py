@@ -13,6 +13,7 @@ refuse without saying when to come back. A hedged model request (degrade
 mode, the model already too late) that the model cannot take goes to the
 rules instead, as for the model's failures.
 
+The queue and the per-client counts are ``broker.queue``'s; the gate reads them.
 The request is judged on one snapshot of the pool (``broker.routing.PoolView``,
 built once per request and shared with routing): per engine, its slots, free
 credit, context and when the request would start. Deadline feasibility and
@@ -30,14 +31,14 @@ the queue and the credit alone (they bound memory, not CPU time).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from broker.client_request import ClientRequest
 from broker.errors import ErrorCode
 from broker.jobs import JobTable
-from broker.kinds import PRIORITIES, CpuLevel, EngineKind, PressureLevel, Priority
-from broker.protocol import ClientRequest
+from broker.kinds import CpuLevel, EngineKind, PressureLevel, Priority
+from broker.queue import ClientCounts, RequestQueue
 from broker.records import BrokerSettings, Job
 from broker.routing import EnginePool, PoolView, Route
 from broker.service_time import ServiceEstimator, Slots
@@ -77,7 +78,7 @@ class _Counted:
 
 
 class AdmissionGate:
-    """One FIFO per priority, per-client in-flight counts and the pressure level.
+    """The ordered checks on a new request, and the pressure levels they react to.
 
     Args:
         settings: ``max_queue`` (0 = 8 per pool slot), ``max_in_flight_per_client``,
@@ -87,6 +88,9 @@ class AdmissionGate:
             snapshot's waits.
         jobs: the broker's job table (a reference): duplicate ids, and the running
             requests whose remaining work delays a new one.
+        queue: the broker's queue (a reference): its bound per engine, the jobs a
+            new request waits behind, and whom to evict.
+        clients: the broker's per-client counts of open requests (a reference).
         count_tokens: prompt tokens of a request, or None to skip the size check
             (workers still refuse prompts that do not fit with 413); asked only for
             what its budget allows (``TokenCounter.bounded``).
@@ -100,60 +104,20 @@ class AdmissionGate:
         settings: BrokerSettings,
         estimator: ServiceEstimator,
         jobs: JobTable,
+        queue: RequestQueue,
+        clients: ClientCounts,
         count_tokens: TokenCounter | None = None,
         workers: WorkerRegistry | None = None,
     ) -> None:
         self.settings = settings
         self.estimator = estimator
         self.jobs = jobs
+        self.queue = queue
+        self.clients = clients
         self.count_tokens = count_tokens
         self.workers = workers if workers is not None else WorkerRegistry()
         self.pressure: PressureLevel = "ok"
         self.cpu: CpuLevel = "ok"
-        self._queues: dict[Priority, OrderedDict[int, Job]] = {p: OrderedDict() for p in PRIORITIES}
-        self._per_client: dict[bytes, int] = {}
-
-    # ------------------------------------------------------------------ queue
-
-    def __len__(self) -> int:
-        return sum(len(q) for q in self._queues.values())
-
-    def __iter__(self) -> Iterator[Job]:
-        """Queued jobs in dispatch order: by priority, then arrival."""
-        for priority in PRIORITIES:
-            yield from list(self._queues[priority].values())
-
-    def push(self, job: Job, *, front: bool = False) -> None:
-        """Queue ``job``; ``front`` puts it first in its class (a re-dispatch). A job
-        without ``prompt_tokens`` gets the estimator's estimate, if it has one."""
-        if job.prompt_tokens is None:
-            job.prompt_tokens = self.estimator.prompt_tokens(job.req, job.kind)
-        queue = self._queues[job.req.priority]
-        queue[job.rid] = job
-        if front:
-            queue.move_to_end(job.rid, last=False)
-
-    def remove(self, job: Job) -> bool:
-        """Take ``job`` out of the queue; False if it was not queued."""
-        return self._queues[job.req.priority].pop(job.rid, None) is not None
-
-    def queued(self, priority: Priority) -> list[Job]:
-        """The queued jobs of one priority class, oldest first."""
-        return list(self._queues[priority].values())
-
-    # ------------------------------------------------------------------ clients
-
-    def opened(self, client: bytes) -> None:
-        """A request of ``client`` was accepted."""
-        self._per_client[client] = self._per_client.get(client, 0) + 1
-
-    def closed(self, client: bytes) -> None:
-        """A request of ``client`` was answered."""
-        left = self._per_client.get(client, 0) - 1
-        if left > 0:
-            self._per_client[client] = left
-        else:
-            self._per_client.pop(client, None)
 
     # ------------------------------------------------------------------ limits
 
@@ -177,11 +141,7 @@ class AdmissionGate:
         request would start there (the queue ahead of it, its class and those
         above, played forward once: ``ServiceEstimator.wait``)."""
         slots = self._slots(kind, free)
-        rank = PRIORITIES.index(priority)
-        ahead = [
-            j for p in PRIORITIES[: rank + 1] for j in self._queues[p].values() if j.kind == kind
-        ]
-        wait_s, level = self.estimator.wait(ahead, slots, now)
+        wait_s, level = self.estimator.wait(self.queue.ahead(kind, priority), slots, now)
         return EnginePool(
             workers=len(self.workers.of_kind(kind)),
             slots=slots.slots,
@@ -259,14 +219,14 @@ class AdmissionGate:
             if shed is not None:
                 return shed
         evict: Job | None = None
-        # Each engine has its own bound: a model backlog must not shut out the
-        # rules, the fallback meant for exactly that time (break-it session).
-        if sum(j.kind == route.kind for j in self) >= self.queue_bound(engine.slots):
-            evict = self._eviction_victim(req.priority, route.kind)
+        # Each engine has its own bound: a model backlog must not shut out the rules, the
+        # fallback meant for that time (test_a_model_backlog_leaves_the_rules_their_own_queue).
+        if self.queue.of_kind(route.kind) >= self.queue_bound(engine.slots):
+            evict = self.queue.eviction_victim(req.priority, route.kind)
             if evict is None:
                 return self._shed_queue_full(engine.slots, now)
         cap = self.settings.max_in_flight_per_client
-        if self._per_client.get(client, 0) >= cap:
+        if self.clients.of(client) >= cap:
             message = f"{cap} requests of this client are already in flight"
             return Shed(
                 ErrorCode.OVERLOADED, "client_cap", message, self.retry_after(engine.slots, now)
@@ -288,7 +248,7 @@ class AdmissionGate:
         ``kind`` would start on ``slots`` (``ServiceEstimator.retry_after_ms``;
         ``fits``: at a batch level it accepts)."""
         busy = Slots(kind, slots, 0, self._running(kind), self._credit(kind))
-        return self.estimator.retry_after_ms(list(self), busy, now, fits)
+        return self.estimator.retry_after_ms(list(self.queue), busy, now, fits)
 
     # ------------------------------------------------------------------ the checks
 
@@ -336,15 +296,6 @@ class AdmissionGate:
                 "the host's CPU is under pressure: sheddable work is shed",
                 self.retry_after(slots, now),
             )
-        return None
-
-    def _eviction_victim(self, priority: Priority, kind: EngineKind) -> Job | None:
-        """The newest queued ``kind`` job of a lower class than ``priority``, if any."""
-        rank = PRIORITIES.index(priority)
-        for p in reversed(PRIORITIES[rank + 1 :]):
-            victim = next((j for j in reversed(self._queues[p].values()) if j.kind == kind), None)
-            if victim is not None:
-                return victim
         return None
 
     def _shed_queue_full(self, slots: int, now: float) -> Shed:
@@ -406,14 +357,14 @@ class AdmissionGate:
             "high": ("sheddable",),
             "critical": ("normal", "sheddable"),
         }
-        queued = (j for p in classes[self.pressure] for j in self._queues[p].values())
+        queued = (j for p in classes[self.pressure] for j in self.queue.queued(p))
         return [j for j in queued if j.kind == "llm"]  # the rules need no memory to speak of
 
     def shed_for_cpu(self) -> list[Job]:
         """Queued sheddable model jobs while the host's CPU is under pressure (to answer 503)."""
         if self.cpu == "ok":
             return []
-        return [j for j in self._queues["sheddable"].values() if j.kind == "llm"]
+        return [j for j in self.queue.queued("sheddable") if j.kind == "llm"]
 
     # ------------------------------------------------------------------ the pool
 

@@ -43,6 +43,7 @@ from enum import Enum
 from typing import Any
 
 from broker.errors import ConfigError
+from broker.rounding import percent
 
 
 class BreakerState(str, Enum):
@@ -235,8 +236,8 @@ class CircuitBreaker:
             "calls": calls,
             "failures": w.failures,
             "slow_calls": w.slow,
-            "failure_rate_pct": _pct(w.failures, calls),
-            "slow_call_rate_pct": _pct(w.slow, calls),
+            "failure_rate_pct": percent(w.failures, calls, 1),
+            "slow_call_rate_pct": percent(w.slow, calls, 1),
             "minimum_calls": self.settings.minimum_calls,
             "opened_at": self._opened_at,
             "retry_after_ms": self.retry_after_ms(now),
@@ -381,7 +382,3 @@ class CircuitBreaker:
         self._half_open_at = None
         self._last_reason = reason
         self.transitions.append(Transition(now, old, new, reason))
-
-
-def _pct(part: int, whole: int) -> float | None:
-    return None if whole == 0 else round(100 * part / whole, 1)

@@ -2,8 +2,7 @@
 
 This is the validating half of the client conversation of wire protocol version 1
 (``docs/PROTOCOL.md``, the request fields); framing, encoding and the reply bodies
-are ``broker.protocol``, which re-exports everything public here so callers keep
-importing from one place. Every check raises ``ProtocolError`` naming the field.
+are ``broker.protocol``. Every check raises ``ProtocolError`` naming the field.
 """
 
 from __future__ import annotations

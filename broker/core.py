@@ -10,9 +10,11 @@ refuse, cancel), a worker's message (partial, final, loss), a timer (deadline,
 latency budget, cancel grace), the node's pressure readings. It builds its
 parts and asks them, each of which owns its state and never calls back:
 
-* ``broker.admission``: the queue and whether a request may wait in it;
-* ``broker.service_time``: the service-time estimator (rates, batch levels,
-  retry advice) that admission reads and the worker messages teach;
+* ``broker.queue``: the requests waiting for a slot, and each client's open ones;
+* ``broker.admission``: whether a request may wait in the queue (the ordered checks);
+* ``broker.service_time``: the service-time estimator (the rates of
+  ``broker.service_model``, the batch levels of ``broker.batch_levels``, retry
+  advice) that admission reads and the worker messages teach;
 * ``broker.routing``: which engine answers (migration modes, circuit breaker);
 * ``broker.dispatch``: credit, REQUESTs and CANCELs;
 * ``broker.liveness``: heartbeats and the dead/stalled/hung verdicts;
@@ -34,6 +36,7 @@ from typing import Any
 from broker import protocol as p
 from broker.admission import AdmissionGate, Admit, Shed
 from broker.breaker import BreakerSettings
+from broker.client_request import ClientRequest, parse_client_request
 from broker.delivery import Delivery, GoneCause, ReplyKind
 from broker.dispatch import Dispatcher
 from broker.errors import EdgeNodeError, ErrorCode, ProtocolError
@@ -44,7 +47,8 @@ from broker.kinds import ENGINE_KINDS, PRESSURE_LEVELS, CpuLevel, EngineKind, Fi
 from broker.lifecycle import Lifecycle
 from broker.liveness import Liveness
 from broker.outbox import Outbox
-from broker.protocol import ClientRequest, WorkerCommand
+from broker.protocol import WorkerCommand
+from broker.queue import ClientCounts, RequestQueue
 from broker.records import BrokerSettings, Job, JobState, WorkerEvent
 from broker.replies import final_reply
 from broker.routing import PoolView, Route, Router, RoutingSettings
@@ -84,18 +88,34 @@ class Broker:
             settings.service_estimate == "size", settings.default_max_tokens
         )
         self.jobs = JobTable()
-        self.gate = AdmissionGate(settings, self.estimator, self.jobs, count_tokens, self.workers)
+        self.queue = RequestQueue(self.estimator)
+        self.clients = ClientCounts()
+        self.gate = AdmissionGate(
+            settings,
+            self.estimator,
+            self.jobs,
+            self.queue,
+            self.clients,
+            count_tokens,
+            self.workers,
+        )
         self.router = Router(routing, breaker, self.outbox)
         self.delivery = Delivery(settings.client_backlog, self.stats.counters)
         self.dispatcher = Dispatcher(
-            settings, self.workers, self.jobs, self.gate, self.estimator, self.outbox
+            settings, self.workers, self.jobs, self.queue, self.gate, self.estimator, self.outbox
         )
         self.liveness = Liveness(settings, self.workers, self.outbox)
         self.life = Lifecycle(
-            self.jobs, self.gate, self.router, self.dispatcher, self.stats, self.outbox
+            self.jobs,
+            self.queue,
+            self.clients,
+            self.router,
+            self.dispatcher,
+            self.stats,
+            self.outbox,
         )
         self.handover = Handover(
-            self.life, self.jobs, self.gate, self.router, self.stats, self.workers
+            self.life, self.jobs, self.queue, self.router, self.stats, self.workers
         )
         self._status_hook = status_hook
         self.draining = False
@@ -111,7 +131,7 @@ class Broker:
         try:
             _, body = p.split_client_frames(frames)
             p.check_body_size(body, self.settings.max_body_bytes)
-            req = p.parse_client_request(p.unpack_map(body))
+            req = parse_client_request(p.unpack_map(body))
         except EdgeNodeError as exc:
             self.stats.count("rejected_bad_request")
             # Bodies are bounded by ZMQ_MAXMSGSIZE, so salvaging even an oversized one is cheap.
@@ -142,8 +162,8 @@ class Broker:
         job.degraded, job.permit = route.degraded, route.permit
         job.prompt_tokens = verdict.prompt_tokens
         self.jobs.bind(job)
-        self.gate.opened(identity)
-        self.gate.push(job)
+        self.clients.opened(identity)
+        self.queue.push(job)
         if route.hedge:
             self.handover.hedge(job)
         elif route.watch_ttft:
@@ -182,7 +202,7 @@ class Broker:
 
     def _copy_to_model(self, primary: Job, mode: str, now: float) -> None:
         """Give the model a copy of ``primary`` (answered by the rules) to compare."""
-        if len(self.gate) > self.gate.queue_bound(self.workers.total_slots()):
+        if len(self.queue) > self.gate.queue_bound(self.workers.total_slots()):
             self.router.copy_skipped(primary, "queue_full")
             return
         permit = self.router.breaker.allow(now)
@@ -192,7 +212,7 @@ class Broker:
         req = replace(primary.req, stream=False, route="llm", priority="sheddable")
         copy = self.jobs.new(b"", req, now, primary.deadline, "llm")
         copy.permit, copy.copy_of = permit, primary.rid
-        self.gate.push(copy)
+        self.queue.push(copy)
         self.router.open_pair(primary, mode)
 
     def _refuse(self, identity: bytes, rid: str | int, shed: Shed) -> None:
@@ -448,7 +468,7 @@ class Broker:
             elif not self.handover.fall_back(job, "worker_lost", now):
                 self._give_up(job, cause, now, blamed, worker.kind)
         if worker.kind == "llm" and not self.workers.of_kind("llm"):
-            for queued in list(self.gate):  # nobody left to run them: the rules answer
+            for queued in list(self.queue):  # nobody left to run them: the rules answer
                 self.handover.fall_back(queued, "no_model_worker", now)
         self.dispatcher.dispatch(now)
 
@@ -474,18 +494,18 @@ class Broker:
 
     def tick(self, now: float) -> None:
         """Expire deadlines, check liveness and send heartbeats due at ``now``."""
-        for kind, rid in self.jobs.expired(now):
+        for timer, rid in self.jobs.expired(now):
             job = self.jobs.get(rid)
             if job is None:
                 continue
-            if kind == "job" and not job.settled:
+            if timer == "job" and not job.settled:
                 self.stats.count("deadline_exceeded")
                 self._finish_early(job, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded", now)
-            elif kind == "ttft" and not job.settled and job.first_token_at is None:
+            elif timer == "ttft" and not job.settled and job.first_token_at is None:
                 if job.hedged_by is None and self.handover.can_fall_back(job):
                     self.handover.hedge(job)
                     self.dispatcher.dispatch(now)
-            elif kind == "ack":
+            elif timer == "ack":
                 self._ack_overdue(job, now)
         for worker, verdict in self.liveness.verdicts(now):
             self._lose_worker(worker, ExitCause(verdict), now)
@@ -552,7 +572,7 @@ class Broker:
         slots = self.workers.total_slots()
         node: dict[str, Any] = {
             "protocol": p.PROTOCOL_VERSION,
-            "queue_depth": len(self.gate),
+            "queue_depth": len(self.queue),
             "queue_bound": self.gate.queue_bound(slots),
             "in_flight": self.jobs.running(),
             "credit": self.workers.total_credit(),

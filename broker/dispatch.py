@@ -14,6 +14,7 @@ from broker.admission import AdmissionGate
 from broker.jobs import JobTable
 from broker.outbox import Outbox
 from broker.protocol import WorkerCommand
+from broker.queue import RequestQueue
 from broker.records import BrokerSettings, Job
 from broker.service_time import ServiceEstimator
 from broker.workers import WorkerRegistry
@@ -24,8 +25,9 @@ class Dispatcher:
 
     Args:
         settings: the broker's knobs (``default_max_tokens``, ``cancel_grace_ms``).
-        workers, jobs, gate: the registry, the job table and the queue it reads
+        workers, jobs, queue: the registry, the job table and the queue it reads
             and moves jobs between.
+        gate: how much of the model's credit the pressure leaves usable.
         estimator: told each worker's batch level as jobs start on it.
         outbox: where the frames go.
     """
@@ -35,6 +37,7 @@ class Dispatcher:
         settings: BrokerSettings,
         workers: WorkerRegistry,
         jobs: JobTable,
+        queue: RequestQueue,
         gate: AdmissionGate,
         estimator: ServiceEstimator,
         outbox: Outbox,
@@ -42,6 +45,7 @@ class Dispatcher:
         self.settings = settings
         self.workers = workers
         self.jobs = jobs
+        self.queue = queue
         self.gate = gate
         self.estimator = estimator
         self.outbox = outbox
@@ -58,7 +62,7 @@ class Dispatcher:
     def dispatch(self, now: float) -> None:
         """Send queued requests, by priority then age, while credit allows."""
         free = {"llm": self.free_credit("llm"), "rules": self.free_credit("rules")}
-        for job in self.gate:
+        for job in self.queue:
             if free[job.kind] <= 0:
                 if not any(n > 0 for n in free.values()):
                     return
@@ -66,7 +70,7 @@ class Dispatcher:
             worker = self.workers.pick(job.kind)
             if worker is None:
                 continue  # another kind of worker may still take later requests
-            self.gate.remove(job)
+            self.queue.remove(job)
             free[job.kind] -= 1
             worker.active.add(job.rid)
             self.estimator.levels.running(worker.identity, worker.active, now)

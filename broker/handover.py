@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.admission import AdmissionGate
 from broker.jobs import JobTable
 from broker.kinds import DegradeReason
 from broker.lifecycle import Lifecycle
+from broker.queue import RequestQueue
 from broker.records import Job
 from broker.routing import Router, usable_rules_answer
 from broker.stats import Stats
@@ -33,7 +33,7 @@ class Handover:
 
     Args:
         life: the job owner, which hands jobs over and drops hedges.
-        jobs, gate: the job table (new rules jobs) and the queue they join.
+        jobs, queue: the job table (new rules jobs) and the queue they join.
         router: the migration mode.
         stats: the counters (``fallback_*``, ``hedge_*``).
         workers: the registry (are there rule workers?).
@@ -43,14 +43,14 @@ class Handover:
         self,
         life: Lifecycle,
         jobs: JobTable,
-        gate: AdmissionGate,
+        queue: RequestQueue,
         router: Router,
         stats: Stats,
         workers: WorkerRegistry,
     ) -> None:
         self.life = life
         self.jobs = jobs
-        self.gate = gate
+        self.queue = queue
         self.router = router
         self.stats = stats
         self.workers = workers
@@ -80,7 +80,7 @@ class Handover:
         new = self.jobs.new(job.client, job.req, job.accepted_at, job.deadline, "rules")
         new.degraded = reason
         self.life.hand_over(job, new, now)
-        self.gate.push(new, front=True)
+        self.queue.push(new, front=True)
         self.stats.count(f"fallback_{reason}")
         return True
 
@@ -94,7 +94,7 @@ class Handover:
         job.hedged_by = hedge.rid
         # The model's request owns the client's id and deadline; the hedge ends with it.
         self.jobs.disarm("job", hedge.rid)
-        self.gate.push(hedge, front=True)
+        self.queue.push(hedge, front=True)
 
     def take_hedge(self, hedge: Job, body: dict[str, Any], now: float) -> bool:
         """Whether the rules' final ``body`` answers the client (the caller then

@@ -2,9 +2,8 @@
 
 ``JobTable`` owns everything keyed by a job: the jobs themselves (by the
 broker's request id), the mapping from a client's own ``(identity, id)`` to the
-job answering it, the timers (a ``DeadlineHeap`` keyed ``(timer, rid)``:
-``job`` = the request's deadline, ``ttft`` = degrade mode's first-token budget,
-``ack`` = the grace a cancelled worker has to acknowledge), and the state
+job answering it, the timers (a ``DeadlineHeap`` keyed ``(timer, rid)``, the
+timer a ``Timer``), and the state
 machine of ``broker.records.JobState``: ``start``, ``requeue``, ``settle`` and
 ``cancelling`` each check the state the job leaves and raise
 ``InvalidTransition`` if it is not one they move from. What a transition
@@ -15,13 +14,18 @@ machine of ``broker.records.JobState``: ``start``, ``requeue``, ``settle`` and
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Literal
 
+from broker.client_request import ClientRequest
 from broker.deadlines import DeadlineHeap
 from broker.kinds import EngineKind
-from broker.protocol import ClientRequest
 from broker.records import OPEN_STATES, Job, JobState
 
 ClientKey = tuple[bytes, str | int]
+
+#: A job's timers: ``job`` = the request's deadline, ``ttft`` = degrade mode's
+#: first-token budget, ``ack`` = the grace a cancelled worker has to acknowledge.
+Timer = Literal["job", "ttft", "ack"]
 
 #: The states a job may be settled into (``JobTable.settle``).
 SETTLED_STATES = frozenset({JobState.ANSWERED, JobState.HANDED_OVER, JobState.DROPPED})
@@ -43,7 +47,7 @@ class JobTable:
     def __init__(self) -> None:
         self._jobs: dict[int, Job] = {}
         self._by_client: dict[ClientKey, int] = {}
-        self._timers: DeadlineHeap[tuple[str, int]] = DeadlineHeap()
+        self._timers: DeadlineHeap[tuple[Timer, int]] = DeadlineHeap()
         self._next_rid = 1
 
     def __iter__(self) -> Iterator[Job]:
@@ -116,15 +120,15 @@ class JobTable:
 
     # ------------------------------------------------------------------ timers
 
-    def arm(self, timer: str, rid: int, at: float) -> None:
-        """Set ``timer`` (``job``, ``ttft`` or ``ack``) of job ``rid`` to fire at ``at``."""
+    def arm(self, timer: Timer, rid: int, at: float) -> None:
+        """Set ``timer`` of job ``rid`` to fire at ``at``."""
         self._timers.set((timer, rid), at)
 
-    def disarm(self, timer: str, rid: int) -> None:
+    def disarm(self, timer: Timer, rid: int) -> None:
         """Cancel ``timer`` of job ``rid`` (lazy: the heap skips it later)."""
         self._timers.discard((timer, rid))
 
-    def expired(self, now: float) -> list[tuple[str, int]]:
+    def expired(self, now: float) -> list[tuple[Timer, int]]:
         """``(timer, rid)`` of every timer due at ``now``, earliest first. The
         caller looks each job up as it goes: handling one may end another."""
         return self._timers.pop_expired(now)

@@ -21,12 +21,12 @@ from __future__ import annotations
 from typing import Any
 
 from broker import protocol as p
-from broker.admission import AdmissionGate
 from broker.delivery import ReplyKind
 from broker.dispatch import Dispatcher
 from broker.jobs import JobTable
 from broker.kinds import FinalOutcome
 from broker.outbox import Outbox
+from broker.queue import ClientCounts, RequestQueue
 from broker.records import Job, JobState
 from broker.routing import Router
 from broker.stats import Stats
@@ -37,7 +37,7 @@ class Lifecycle:
 
     Args:
         jobs: the job table (the state machine and the client ids).
-        gate: the queue, and the per-client counts of open requests.
+        queue, clients: the queue, and the per-client counts of open requests.
         router: settles breaker permits and queues migration records.
         dispatcher: cancels running jobs.
         stats: the outcome counters.
@@ -47,14 +47,16 @@ class Lifecycle:
     def __init__(
         self,
         jobs: JobTable,
-        gate: AdmissionGate,
+        queue: RequestQueue,
+        clients: ClientCounts,
         router: Router,
         dispatcher: Dispatcher,
         stats: Stats,
         outbox: Outbox,
     ) -> None:
         self.jobs = jobs
-        self.gate = gate
+        self.queue = queue
+        self.clients = clients
         self.router = router
         self.dispatcher = dispatcher
         self.stats = stats
@@ -89,7 +91,7 @@ class Lifecycle:
         if job.copy_of is not None:
             return
         self.jobs.release(job)
-        self.gate.closed(job.client)
+        self.clients.closed(job.client)
         if deliver:
             self.outbox.client(job.client, body, ReplyKind.FINAL, counted)
 
@@ -128,9 +130,9 @@ class Lifecycle:
     def requeue(self, job: Job) -> None:
         """Run ``job`` again (its worker was lost), ahead of the queue: it waited longest."""
         self.jobs.requeue(job)
-        self.gate.push(job, front=True)
+        self.queue.push(job, front=True)
 
     def forget(self, job: Job) -> None:
         """Drop ``job`` from the ledger and the queue (it ended, or its worker acked)."""
         self.jobs.forget(job)
-        self.gate.remove(job)
+        self.queue.remove(job)

@@ -39,8 +39,8 @@ RCVHWM = 1000
 #: Upper bound on messages read from one socket before others get a turn.
 BATCH = 256
 #: Client messages handled per turn, and the time they may take (s): admitting
-#: one may tokenize a long prompt (~7 µs per token here), and workers' heartbeats
-#: must not wait behind a burst of them.
+#: one may tokenize a long prompt (measured: docs/bench/figures.md, "broker.loop"),
+#: and workers' heartbeats must not wait behind a burst of them.
 CLIENT_BATCH = 16
 CLIENT_TIME_S = 0.05
 #: The frontend connection events the loop follows (``broker.connections``).
@@ -51,7 +51,7 @@ def secure_ipc_dir(endpoint: str) -> None:
     """Create the directory of an ``ipc://`` endpoint with mode 0700.
 
     Only this user may then connect, so a foreign process cannot register as a
-    worker and receive users' prompts (DESIGN.md §7).
+    worker and receive users' prompts.
     """
     if not endpoint.startswith("ipc://"):
         return

@@ -11,8 +11,8 @@ Worker <-> broker (backend ROUTER, workers are DEALERs)::
 
 Bodies are msgpack maps with string keys. The field tables live in
 ``docs/PROTOCOL.md``; this module (framing, encoding, reply bodies) and
-``broker.client_request`` (validating a client's request, re-exported here) are
-their executable form. Nothing here does I/O, so the same code validates in the
+``broker.client_request`` (validating a client's request) are their executable
+form. Nothing here does I/O, so the same code validates in the
 broker, the workers and the tests.
 """
 
@@ -24,26 +24,8 @@ from typing import Any
 
 import msgpack
 
-# The request's fields and their validation live in broker.client_request; they
-# are re-exported because node/, fallback/ and the tests import them from here.
-from broker.client_request import MAX_ID_CHARS as MAX_ID_CHARS
-from broker.client_request import MAX_STOP_CHARS as MAX_STOP_CHARS
-from broker.client_request import MAX_STOP_SEQUENCES as MAX_STOP_SEQUENCES
-from broker.client_request import MAX_TOKENS_LIMIT as MAX_TOKENS_LIMIT
-from broker.client_request import OPS as OPS
-from broker.client_request import ROLES as ROLES
-from broker.client_request import ROUTES as ROUTES
-from broker.client_request import ClientRequest as ClientRequest
-from broker.client_request import parse_client_request as parse_client_request
-from broker.client_request import request_id_of as request_id_of
-
-# Cancelled and ConfigError are re-exported: the wire's error contract is what
-# fallback/ may use, and it imports nothing else of the project.
-from broker.errors import Cancelled as Cancelled
-from broker.errors import ConfigError as ConfigError
-from broker.errors import ErrorCode, TooLarge
-from broker.errors import ProtocolError as ProtocolError
-from broker.kinds import PRIORITIES as PRIORITIES
+from broker.client_request import request_id_of
+from broker.errors import ConfigError, ErrorCode, ProtocolError, TooLarge
 
 PROTOCOL_VERSION = 1
 CLIENT_TAG = b"EDGE/C1"

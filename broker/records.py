@@ -12,10 +12,10 @@ from typing import Literal
 
 from broker import protocol as p
 from broker.breaker import Permit
+from broker.client_request import ClientRequest
 from broker.errors import ConfigError
 from broker.exits import ExitCause
 from broker.kinds import DegradeReason, EngineKind
-from broker.protocol import ClientRequest
 
 #: ``BrokerSettings.service_estimate`` values.
 SERVICE_ESTIMATES = ("size", "mean")
@@ -33,7 +33,7 @@ class BrokerSettings:
     slot); ``max_in_flight_per_client`` caps one client's queued + running
     requests (429 above it). ``service_estimate`` is how admission predicts
     service times: ``size`` (each request from its prompt tokens and
-    ``max_tokens``, ``broker.service_time``) or ``mean`` (one mean per engine, the
+    ``max_tokens``, ``broker.service_model``) or ``mean`` (one mean per engine, the
     estimator before it; kept for benchmarks that compare the two).
     ``client_backlog`` bounds the final replies that may wait for one client
     that is not reading (``broker.delivery``): one more and the client is

@@ -13,6 +13,7 @@ from broker import protocol as p
 from broker.errors import ErrorCode
 from broker.kinds import FinalOutcome
 from broker.records import Job
+from broker.rounding import ms
 
 #: The ``finish_reason`` values of PROTOCOL §4.2; a worker's other values become "stop".
 FINISH_REASONS = frozenset({"stop", "length"})
@@ -32,11 +33,6 @@ ERROR_OUTCOMES: dict[ErrorCode, FinalOutcome] = {
     ErrorCode.UNAVAILABLE: "error_unavailable",
     ErrorCode.DEADLINE_EXCEEDED: "error_deadline_exceeded",
 }
-
-
-def ms(seconds: float) -> int:
-    """Seconds as whole milliseconds, never negative."""
-    return max(0, round(seconds * 1000))
 
 
 def finish_reason(value: object) -> str:

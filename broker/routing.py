@@ -1,6 +1,6 @@
 """Which engine answers: migration modes, the circuit breaker and the fallback.
 
-Devices adopt a model beside their legacy rule engine in stages (DESIGN.md §4):
+Devices adopt a model beside their legacy rule engine in stages:
 
 * ``shadow``: the rules answer; the model gets a copy only when it has free
   credit right now, so it can never delay an answer;
@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.breaker import BreakerSettings, CircuitBreaker, Permit
+from broker.client_request import ClientRequest
 from broker.errors import ErrorCode
 from broker.kinds import CpuLevel, DegradeReason, EngineKind, PressureLevel
 from broker.outbox import Outbox
-from broker.protocol import ClientRequest
 from broker.records import Job
+from broker.rounding import ms
 from broker.service_time import RETRY_AFTER_MIN_MS
 
 MODES = ("shadow", "dual", "degrade", "full")
@@ -192,7 +193,7 @@ class Router:
                 "mode": self.mode,
                 "id": job.req.id,
                 "reason": job.degraded,
-                "latency_ms": _ms(now - job.accepted_at),
+                "latency_ms": ms(now - job.accepted_at),
             }
             if job.hedge_of is not None:
                 record["hedge"] = "rules_won"
@@ -286,11 +287,11 @@ def usable_rules_answer(body: dict[str, Any]) -> bool:
 
 
 def _outcome(job: Job, body: dict[str, Any], now: float) -> dict[str, Any]:
-    ttft = None if job.first_token_at is None else _ms(job.first_token_at - job.accepted_at)
+    ttft = None if job.first_token_at is None else ms(job.first_token_at - job.accepted_at)
     return {
         "status": body.get("status"),
         "text": body.get("text", ""),
-        "latency_ms": _ms(now - job.accepted_at),
+        "latency_ms": ms(now - job.accepted_at),
         "ttft_ms": ttft,
         "worker": body.get("worker"),
         "code": body.get("code"),
@@ -298,7 +299,3 @@ def _outcome(job: Job, body: dict[str, Any], now: float) -> dict[str, Any]:
         "reason": body.get("reason"),
         "dispatched": job.dispatched_at is not None,
     }
-
-
-def _ms(seconds: float) -> int:
-    return max(0, round(seconds * 1000))

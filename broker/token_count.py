@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from broker.protocol import ClientRequest
+from broker.client_request import ClientRequest
 
 #: Template tokens a chat message may add around its content (role markers,
 #: turn delimiters): Gemma's template uses 4-5.
@@ -32,8 +32,8 @@ class TokenCount:
 class TokenCounter(Protocol):
     """Counts a request's prompt in tokens, and can answer within a fixed budget of
     work: the node's llama.cpp counter (``node.llama.vocab``), whose exact count of
-    a 256 KB body held the loop for 0.2 s to minutes, or the test engine's word
-    counter (``node.engine.WordCounter``)."""
+    a large body can hold the loop for seconds (docs/bench/figures.md,
+    "broker.token_count"), or the test engine's word counter (``node.engine.WordCounter``)."""
 
     def __call__(self, req: ClientRequest) -> int:
         """The exact count, whatever it costs."""

@@ -105,9 +105,6 @@ class WorkerRegistry:
     def __iter__(self) -> Iterator[WorkerState]:
         return iter(list(self._by_identity.values()))
 
-    def __len__(self) -> int:
-        return len(self._by_identity)
-
     def get(self, identity: bytes) -> WorkerState | None:
         """The worker with this socket identity, if registered."""
         return self._by_identity.get(identity)

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any, get_args
 
 from broker.breaker import BreakerSettings
+from broker.client_request import MAX_TOKENS_LIMIT
 from broker.errors import ConfigError
-from broker.protocol import MAX_TOKENS_LIMIT, message_limits
+from broker.protocol import message_limits
 from broker.records import BrokerSettings
 from broker.routing import MODES, RoutingSettings
 from node.capacity.worker_limits import validate_memory

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from broker.client_request import ClientRequest
 from broker.errors import Cancelled, EdgeNodeError
-from broker.protocol import ClientRequest
 from broker.token_count import TokenCount, TokenCounter
 
 #: Callback the engine calls once per generated piece of text (one token).

@@ -25,7 +25,7 @@ from typing import Any
 import llama_cpp.llama_cpp as llama_c
 import numpy as np
 
-from broker.protocol import ClientRequest
+from broker.client_request import ClientRequest
 from broker.token_count import CHAT_TOKENS_PER_MESSAGE, TokenCount
 from node.llama.boundaries import (
     MAX_PIECE_BYTES,

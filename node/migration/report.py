@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from broker.rounding import percent
+
 #: The verdict's policy: samples needed before advancing, and the bars to clear.
 MIN_SAMPLES = 50
 #: dual -> degrade: fields of the model's JSON must match the rules' this often (%).
@@ -181,7 +183,7 @@ class _Tally:
             "count": self.pairs,
             "compared": self.compared,
             "agree": self.agree,
-            "agreement_pct": _pct(self.agree, self.compared),
+            "agreement_pct": percent(self.agree, self.compared, 2),
             "mean_ratio": round(self.ratio_sum / self.compared, 4) if self.compared else None,
             "low_confidence": self.low_confidence,
             "rules_errors": self.rules_errors,
@@ -293,10 +295,6 @@ def _model_failure(llm: dict[str, Any]) -> bool:
     )
 
 
-def _pct(part: int, whole: int) -> float | None:
-    return round(100.0 * part / whole, 2) if whole else None
-
-
 def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
@@ -314,7 +312,7 @@ def verdict(mode: str, s: dict[str, Any]) -> str:
     """A one-line hint whether ``mode``'s evidence supports the next stage (policy: the
     module's MIN_/MAX_ constants). A hint: the operator decides."""
     llm = s["llm"]
-    error_pct = _pct(llm["errors"], llm["attempts"]) or 0.0
+    error_pct = percent(llm["errors"], llm["attempts"], 2) or 0.0
     if mode == "full":
         if error_pct > MAX_LLM_ERROR_PCT:
             return f"model errors {error_pct:.1f}% > {MAX_LLM_ERROR_PCT:g}%: consider degrade"
@@ -340,7 +338,7 @@ def _hold_reason(mode: str, s: dict[str, Any], error_pct: float) -> str | None:
 
 def _shadow_hold(s: dict[str, Any]) -> str | None:
     skipped = s["copy_skipped"]["total"]
-    skipped_pct = _pct(skipped, skipped + s["pairs"]["count"]) or 0.0
+    skipped_pct = percent(skipped, skipped + s["pairs"]["count"], 2) or 0.0
     if skipped_pct > MAX_SKIPPED_PCT:
         return (
             f"{skipped_pct:.1f}% of copies skipped (model busy) > {MAX_SKIPPED_PCT:g}%: "
@@ -364,7 +362,7 @@ def _dual_hold(s: dict[str, Any]) -> str | None:
 
 def _degrade_hold(s: dict[str, Any], samples: int) -> str | None:
     fallbacks = s["fallback"]
-    fallback_pct = _pct(fallbacks["total"], samples) or 0.0
+    fallback_pct = percent(fallbacks["total"], samples, 2) or 0.0
     if fallback_pct > MAX_FALLBACK_PCT:
         top = next(iter(fallbacks["by_reason"]), "?")
         return (

@@ -21,8 +21,8 @@ from typing import Any
 import llama_cpp.llama_cpp as llama_c
 import pytest
 
+from broker.client_request import ClientRequest
 from broker.errors import TooLarge
-from broker.protocol import ClientRequest
 from node.llama.vocab import LOOP_BYTES, PromptCounter, make_token_counter
 from node.model import resolve_model
 from node.testing import Collector, NodeProcess

@@ -16,8 +16,9 @@ from typing import Any
 
 from broker import protocol as p
 from broker.breaker import BreakerSettings
+from broker.client_request import ClientRequest, request_id_of
 from broker.core import Broker
-from broker.protocol import ClientRequest, WorkerCommand
+from broker.protocol import WorkerCommand
 from broker.records import BrokerSettings, WorkerEvent
 from broker.routing import RoutingSettings
 from broker.token_count import TokenCount
@@ -88,7 +89,7 @@ class BrokerHarness:
 
     def send(self, body: dict[str, Any], now: float, client: bytes = CLIENT) -> None:
         """A well-framed client message; its reply is expected under its id."""
-        self.send_frames(p.client_frames(client, body), now, p.request_id_of(body))
+        self.send_frames(p.client_frames(client, body), now, request_id_of(body))
 
     def send_frames(self, frames: list[bytes], now: float, expect_id: str | int | None) -> None:
         """Any client message; exactly one final reply is expected with ``expect_id``."""

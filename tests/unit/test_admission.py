@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from broker.protocol import ClientRequest, WorkerCommand
+from broker.client_request import ClientRequest
+from broker.protocol import WorkerCommand
 from brokerkit import (
     CLIENT,
     FAST,
@@ -214,7 +215,7 @@ def test_no_workers_means_queue_not_refuse() -> None:
     h.broker.estimator.observe_service(30.0)  # even with a slow history
     h.send(generate("early", timeout_ms=1000), 0.0)
     assert h.replies() == [] and h.broker.status(0.0)["queue_depth"] == 1
-    assert CLIENT in h.broker.gate._per_client
+    assert h.broker.clients.of(CLIENT) == 1
 
 
 def test_prompts_that_surely_fit_are_not_tokenized() -> None:
@@ -246,4 +247,4 @@ def test_a_model_backlog_leaves_the_rules_their_own_queue() -> None:
     h.send(generate("rules-run", route="rules"), 0.0)  # runs at once
     h.send(generate("rules-wait", route="rules"), 0.0)  # waits: the rule worker is busy
     assert errors(h) == [("model-more", 503, "queue_full")]
-    assert sum(j.kind == "rules" for j in h.broker.gate) == 1
+    assert sum(j.kind == "rules" for j in h.broker.queue) == 1

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from broker.protocol import ClientRequest, WorkerCommand
+from broker.client_request import ClientRequest
+from broker.protocol import WorkerCommand
 from broker.token_count import TokenCount, TokenCounter
 from brokerkit import FAST, W1, BrokerHarness, bodies, generate
 

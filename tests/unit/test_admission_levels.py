@@ -2,7 +2,7 @@
 would run at, with a fake clock and hand-driven workers.
 
 A worker with S slots decodes its running requests together, each the slower
-the more there are (``broker.service_time.batch_cost``). Predicting every request at
+the more there are (``broker.service_model.batch_cost``). Predicting every request at
 its speed alone admitted requests that could only meet their deadline on an
 idle worker.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from broker.protocol import WorkerCommand
-from broker.service_time import batch_cost
+from broker.service_model import batch_cost
 from brokerkit import FAST, W1, BrokerHarness, bodies, generate
 
 REQUEST = WorkerCommand.REQUEST

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from broker.admission import Admit
-from broker.protocol import ClientRequest, WorkerCommand
+from broker.client_request import ClientRequest
+from broker.protocol import WorkerCommand
 from broker.routing import EnginePool, PoolView, Route
 from broker.service_time import ServiceEstimator, Slots
 from brokerkit import CLIENT, FAST, W1, W2, BrokerHarness, Exact, generate

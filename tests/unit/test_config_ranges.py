@@ -14,8 +14,8 @@ import pytest
 import tomllib
 from click.testing import CliRunner
 
+from broker.client_request import MAX_TOKENS_LIMIT
 from broker.errors import ConfigError
-from broker.protocol import MAX_TOKENS_LIMIT
 from node import config as cfg
 from node.capacity.plan import KV_TYPES
 from node.cli import main as node_cli

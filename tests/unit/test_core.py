@@ -300,7 +300,7 @@ def test_unknown_worker_is_told_to_disconnect(
     h.worker_send(W1, command, body, 0.0)
     out = h.drain_workers()
     assert [(m.identity, m.command) for m in out] == [(W1, DISCONNECT)]
-    assert len(h.broker.workers) == 0 and h.broker.outbox.events == []
+    assert list(h.broker.workers) == [] and h.broker.outbox.events == []
     h.send(generate("a"), 0.1)  # and it did not become a worker with credit
     assert h.drain_workers() == []
     h.broker.abort_all("test over", 0.0)
@@ -320,7 +320,7 @@ def test_unknown_worker_is_told_to_disconnect(
 def test_invalid_ready_is_refused(h: BrokerHarness, body: dict[str, Any]) -> None:
     h.worker_send(W1, WorkerCommand.READY, body, 0.0)
     assert [m.command for m in h.drain_workers()] == [DISCONNECT]
-    assert len(h.broker.workers) == 0
+    assert list(h.broker.workers) == []
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import msgpack
 import pytest
 
 from broker import protocol as p
+from broker.client_request import MAX_TOKENS_LIMIT, ROUTES, parse_client_request, request_id_of
 from broker.errors import (
     ERROR_BY_CODE,
     EdgeNodeError,
@@ -17,6 +18,7 @@ from broker.errors import (
     TooLarge,
     error_from_wire,
 )
+from broker.kinds import PRIORITIES
 from broker.protocol import WorkerCommand
 
 BODY = p.pack({"id": "r1", "op": "ping"})
@@ -32,7 +34,7 @@ def valid(**fields: Any) -> dict[str, Any]:
 def assert_rejected(msg: dict[str, Any], *names: str) -> ProtocolError:
     """Assert that ``msg`` is refused with a ProtocolError naming all of ``names``."""
     with pytest.raises(ProtocolError) as info:
-        p.parse_client_request(msg)
+        parse_client_request(msg)
     err = info.value
     assert err.code == ErrorCode.BAD_REQUEST
     for name in names:
@@ -132,7 +134,7 @@ def test_unpack_map_rejects_non_str_keys(body: dict[Any, Any]) -> None:
 
 
 def test_minimal_generate_gets_documented_defaults() -> None:
-    req = p.parse_client_request(valid())
+    req = parse_client_request(valid())
     assert (req.id, req.op, req.prompt) == ("r1", "generate", "hi")
     assert req.max_tokens is None and req.timeout_ms is None
     assert req.temperature is None and req.top_p is None and req.seed is None
@@ -142,7 +144,7 @@ def test_minimal_generate_gets_documented_defaults() -> None:
 
 def test_every_field_is_carried() -> None:
     schema = {"type": "object"}
-    req = p.parse_client_request(
+    req = parse_client_request(
         valid(
             id=5,
             max_tokens=32,
@@ -190,15 +192,15 @@ def test_bad_id_types_are_rejected(bad: Any) -> None:
 
 @pytest.mark.parametrize("good", ["x", "x" * 128, 0, 2**63 - 1])
 def test_id_limits_are_inclusive(good: str | int) -> None:
-    assert p.parse_client_request(valid(id=good)).id == good
+    assert parse_client_request(valid(id=good)).id == good
 
 
 def test_request_id_of_only_returns_valid_ids() -> None:
-    assert p.request_id_of({"id": "abc"}) == "abc"
-    assert p.request_id_of({"id": 3}) == 3
-    assert p.request_id_of({"id": True}) is None
-    assert p.request_id_of({"id": ""}) is None
-    assert p.request_id_of({}) is None
+    assert request_id_of({"id": "abc"}) == "abc"
+    assert request_id_of({"id": 3}) == 3
+    assert request_id_of({"id": True}) is None
+    assert request_id_of({"id": ""}) is None
+    assert request_id_of({}) is None
 
 
 def test_missing_op_is_named() -> None:
@@ -213,7 +215,7 @@ def test_unknown_op_is_named(bad: Any) -> None:
 
 @pytest.mark.parametrize("op", ["ping", "status"])
 def test_ping_and_status_need_only_id_and_op(op: str) -> None:
-    req = p.parse_client_request({"id": "r9", "op": op})
+    req = parse_client_request({"id": "r9", "op": op})
     assert (req.id, req.op) == ("r9", op)
 
 
@@ -236,7 +238,7 @@ def test_generate_needs_a_non_empty_prompt(bad: Any, word: str) -> None:
 
 def test_chat_messages_are_parsed_in_order() -> None:
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    req = p.parse_client_request({"id": 1, "op": "chat", "messages": msgs})
+    req = parse_client_request({"id": 1, "op": "chat", "messages": msgs})
     assert req.messages == (("system", "be brief"), ("user", "hi"))
     assert req.prompt is None
 
@@ -277,7 +279,7 @@ def test_chat_messages_shape(messages: Any, named: str) -> None:
 
 
 def test_cancel_needs_a_valid_target() -> None:
-    assert p.parse_client_request({"id": 2, "op": "cancel", "target": "r1"}).target == "r1"
+    assert parse_client_request({"id": 2, "op": "cancel", "target": "r1"}).target == "r1"
     assert_rejected({"id": 2, "op": "cancel"}, "'target'", "missing")
     assert_rejected({"id": 2, "op": "cancel", "target": True}, "'target'")
 
@@ -289,7 +291,7 @@ def test_cancel_needs_a_valid_target() -> None:
     ("name", "value", "expected"),
     [
         ("max_tokens", 1, 1),
-        ("max_tokens", p.MAX_TOKENS_LIMIT, p.MAX_TOKENS_LIMIT),
+        ("max_tokens", MAX_TOKENS_LIMIT, MAX_TOKENS_LIMIT),
         ("temperature", 0, 0.0),
         ("temperature", 5.0, 5.0),
         ("temperature", 1, 1.0),
@@ -302,7 +304,7 @@ def test_cancel_needs_a_valid_target() -> None:
     ],
 )
 def test_range_limits_are_inclusive(name: str, value: Any, expected: Any) -> None:
-    got = getattr(p.parse_client_request(valid(**{name: value})), name)
+    got = getattr(parse_client_request(valid(**{name: value})), name)
     assert got == expected and type(got) is type(expected)
 
 
@@ -310,7 +312,7 @@ def test_range_limits_are_inclusive(name: str, value: Any, expected: Any) -> Non
     ("name", "value"),
     [
         ("max_tokens", 0),
-        ("max_tokens", p.MAX_TOKENS_LIMIT + 1),
+        ("max_tokens", MAX_TOKENS_LIMIT + 1),
         ("max_tokens", "10"),
         ("max_tokens", 10.0),
         ("max_tokens", True),
@@ -341,7 +343,7 @@ def test_out_of_range_or_mistyped_numbers_are_named(name: str, value: Any) -> No
     [("END", ("END",)), (["a", "b"], ("a", "b")), (["x" * 64] * 8, ("x" * 64,) * 8)],
 )
 def test_stop_accepts_a_string_or_a_list(value: Any, expected: tuple[str, ...]) -> None:
-    assert p.parse_client_request(valid(stop=value)).stop == expected
+    assert parse_client_request(valid(stop=value)).stop == expected
 
 
 @pytest.mark.parametrize(
@@ -362,14 +364,14 @@ def test_json_schema_must_be_a_map() -> None:
     assert_rejected(valid(json_schema=["type", "object"]), "'json_schema'")
 
 
-@pytest.mark.parametrize("route", p.ROUTES)
+@pytest.mark.parametrize("route", ROUTES)
 def test_every_route_is_accepted(route: str) -> None:
-    assert p.parse_client_request(valid(route=route)).route == route
+    assert parse_client_request(valid(route=route)).route == route
 
 
-@pytest.mark.parametrize("priority", p.PRIORITIES)
+@pytest.mark.parametrize("priority", PRIORITIES)
 def test_every_priority_is_accepted(priority: str) -> None:
-    assert p.parse_client_request(valid(priority=priority)).priority == priority
+    assert parse_client_request(valid(priority=priority)).priority == priority
 
 
 @pytest.mark.parametrize(
@@ -381,7 +383,7 @@ def test_bad_route_or_priority_is_named(name: str, value: Any) -> None:
 
 
 def test_engine_fields_carry_only_what_a_worker_needs() -> None:
-    req = p.parse_client_request(
+    req = parse_client_request(
         {
             "id": "r1",
             "op": "chat",

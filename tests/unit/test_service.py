@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from broker.batch_levels import BatchLevels
+from broker.client_request import ClientRequest
 from broker.errors import ConfigError
-from broker.protocol import ClientRequest
 from broker.records import BrokerSettings
-from broker.service_time import (
-    BatchLevels,
-    Ratio,
-    ServiceEstimator,
-    ServiceModel,
-    batch_cost,
-    level_key,
-)
+from broker.service_model import Ratio, ServiceModel, batch_cost, level_key
+from broker.service_time import ServiceEstimator
 from broker.token_count import byte_bound
 from brokerkit import W1, W2, BrokerHarness, generate
 from node.cli.status_view import render_status
