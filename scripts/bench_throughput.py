@@ -120,6 +120,7 @@ import zmq
 
 from node.migration.report import percentiles
 from node.model import resolve_model
+from node.sandbox.cores import parse_cpus
 from node.testing import DIE_WITH_HARNESS, NodeProcess
 
 REPO = Path(__file__).resolve().parent.parent
@@ -917,12 +918,8 @@ def layout(text: str) -> tuple[int, int]:
 
 
 def cores(text: str) -> list[int]:
-    """``0,1`` or ``0-3``."""
-    out: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        out += range(int(lo), int(hi or lo) + 1)
-    return sorted(set(out))
+    """``0,1`` or ``0-3`` (the kernel's cpu-list format, ``parse_cpus``)."""
+    return list(parse_cpus(text))
 
 
 def prompt_tokens(model: Path) -> list[int]:
