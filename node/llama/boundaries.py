@@ -32,12 +32,12 @@ from typing import Any
 import numpy as np
 
 #: Text is tokenized in pieces of about this many bytes, cut where no token can
-#: span, so the partition's quadratic cost stays that of a small piece: 4 KiB of
-#: alternating newlines and tabs take ~125 ms whole, ~7 ms in 256-byte pieces.
+#: span, so the partition's quadratic cost stays that of a small piece (measured:
+#: docs/bench/figures.md §node.llama.boundaries).
 PIECE_BYTES = 256
 #: The longest stretch tokenized in one call (bytes): text no token boundary is
-#: forced in (digits, CJK, ``<b><i>`` repeated) cannot be cut. 2 KiB of the worst
-#: such text measured here (``<b><i>`` repeated) take ~4 ms.
+#: forced in (digits, CJK, ``<b><i>`` repeated) cannot be cut; its cost at this
+#: size: docs/bench/figures.md §node.llama.boundaries.
 MAX_PIECE_BYTES = 2 * 1024
 
 _UTF8_CONTINUATION = 0x80  # 0b10xxxxxx: no character starts at such a byte
@@ -263,8 +263,8 @@ def count_unparsed(
     overlap another special text (then llama.cpp's order decides), or when it has
     more than ``calls`` runs.
 
-    With parse_special the partition searches the text for each control token
-    (6,250 in Gemma 3): ~55 µs per ``<`` in it, 14 ms for 256 bytes of ``<``.
+    With parse_special the partition searches the text for each control token, at a
+    cost per ``<`` in it (measured: docs/bench/figures.md §node.llama.boundaries).
     """
     starts = stretches(pair_max, piece, specials, longer=0)[0]
     found, run = 0, 0

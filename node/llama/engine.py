@@ -84,9 +84,9 @@ TOP_K = 40
 MIN_P = 0.05
 #: llama.h LLAMA_DEFAULT_SEED: a random seed per sampler.
 RANDOM_SEED = 0xFFFFFFFF
-#: Most prompt tokens in a step that also decodes other slots' tokens: about
-#: 0.7 s of prompt evaluation on one core here (~190 tokens/s), where a whole
-#: n_batch chunk (512) held the other slots' streams for 3-4 s (break-it session).
+#: Most prompt tokens in a step that also decodes other slots' tokens, so that one
+#: long prompt does not hold the other slots' streams for a whole n_batch chunk
+#: (measured: docs/bench/figures.md §node.llama.engine).
 PROMPT_BESIDE_DECODE = 128
 #: llama_decode's return code when the abort callback stopped it (llama.h).
 DECODE_ABORTED = 2

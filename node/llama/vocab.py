@@ -45,12 +45,12 @@ log = logging.getLogger(__name__)
 
 #: Bytes of one request the counter tokenizes on the broker's loop at most; beyond
 #: them, what the lower bound cannot refuse is left to the worker (which counts
-#: anyway). 4 KiB of ordinary text take ~3-5 ms here.
+#: anyway), a few ms of the loop (measured: docs/bench/figures.md §node.llama.vocab).
 LOOP_BYTES = 4 * 1024
 #: A piece with control-token text is counted in a ``llama_tokenize`` call per run
 #: between them (``Vocab._piece_count``), at most one per this many bytes: a call
-#: costs ~20 µs whatever its length (the partition walks all 6,414 special tokens
-#: of Gemma 3), so 4 KiB cost the loop ~8 ms at worst, as many pieces did before.
+#: costs the same whatever its length (the partition walks every special token),
+#: so this bounds the loop's cost (measured: docs/bench/figures.md §node.llama.vocab).
 _CALL_BYTES = 16
 #: Tokens the special-token partition cuts out of a text (llama_token_attr, llama.h);
 #: without parse_special it skips the CONTROL and UNKNOWN ones.
