@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Throughput and time to first token: the node vs llama-cpp-python vs llama-server
-(a benchmark, not a test; issue 10, "What it must show").
+(a benchmark, not a test; its targets and last figures: README, "Performance").
 
 What it measures, in one run, on the same cores (``--cpus``), with the default model
 (``node.model.resolve_model("default")``), the same prompts (six story and
