@@ -153,9 +153,10 @@ class LlamaEngine:
         self._mask = (llama_c.llama_logit_bias * len(masked))(
             *(llama_c.llama_logit_bias(int(token), float("-inf")) for token in masked)
         )
-        # ~0.6 s for Gemma 3: the tables that let prompts be tokenized in pieces.
+        # The tables that let prompts be tokenized in pieces (docs/bench/figures.md
+        # §node.llama.engine: their load time and heap).
         self.vocab = Vocab(self._vocab)
-        trim_heap()  # reading them freed ~6 MiB of heap that would stay resident
+        trim_heap()  # reading them freed heap that would stay resident
         self._chat = _chat_formatter(self.llm, spec.chat_format)  # ValueError: unknown name
         self._slots = [Slot(seq) for seq in range(self.slots)]
         self._batch = llama_c.llama_batch_init(self.n_batch, 0, 1)
