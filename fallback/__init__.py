@@ -5,6 +5,7 @@ Pure code: no zmq, no processes, no ``node`` imports (only ``broker.errors`` and
 need ``google-re2`` (``import re2``); without it the import fails loudly.
 
 * ``fallback.rules``   load and validate rule files (format: ``etc/rules.toml``).
+* ``fallback.rule_keys`` each key of one rule, checked and converted alone (for ``fallback.rules``).
 * ``fallback.regex``   the rules' regular expressions, on RE2: linear time, no backtracking.
 * ``fallback.engine``  ``RuleEngine``: first matching rule answers a worker REQUEST body.
 * ``fallback.compare`` field-by-field comparison of two outputs (shadow and dual runs).

@@ -83,7 +83,7 @@ class WorkersSection:
     test_load_ms: int = 0
     #: Bytes; a worker's log above it is rotated when the worker (re)spawns (0 = never).
     log_max_bytes: int = 4 * 1024 * 1024
-    # Isolation (issue 4): see etc/edgenode.toml, node/sandbox/cgroups.py and node/sandbox/cores.py.
+    # Isolation: see etc/edgenode.toml, node.sandbox.cgroups and node.sandbox.cores.
     sandbox: str = "auto"
     cgroup_root: str = ""
     memory_max: str | int = "1G"
@@ -507,7 +507,7 @@ def _int_tuple(key: str, value: list[Any]) -> tuple[int, ...]:
 
 
 def _validate_isolation(w: WorkersSection) -> None:
-    """The sandbox and affinity keys (issue 4); cores are checked against the
+    """The sandbox and affinity keys (cgroups, cores, nice levels); cores are checked against the
     host's allowed set later, by ``node.sandbox.cores.plan_cpus`` at start."""
     if w.cgroup_root and (not w.cgroup_root.startswith("/") or ".." in w.cgroup_root.split("/")):
         raise ConfigError(

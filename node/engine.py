@@ -171,9 +171,9 @@ class TestEngine:
             delay = int(words[1]) / 1000
         if words[:1] == ["!hog"] and len(words) > 1 and words[1].isdigit():
             # bytearray(n) memsets its n bytes (every page touched, charged) in one
-            # C call that holds the GIL: 237 MiB took 0.75 s at nice 0 on the loaded
-            # dev VM, and a nice-10 worker missed 3 s of heartbeats in it. A MiB per
-            # call lets the I/O thread in between.
+            # C call that holds the GIL, long enough to miss heartbeats; a MiB per
+            # call lets the I/O thread in between (docs/bench/figures.md §node.engine;
+            # test_isolation.py::test_a_worker_lost_at_its_memory_limit_says_so).
             self._hogged.extend(bytearray(1 << 20) for _ in range(int(words[1])))
         if words[:1] == ["!prefill"] and len(words) > 1 and words[1].isdigit():
             self._prefill(len(words) * int(words[1]) / 1000, cancelled)

@@ -13,19 +13,18 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from broker.exits import ExitCause
 from node.capacity.plan import resolve_slots
 from node.capacity.worker_limits import PlannedLimits
 from node.config import NodeConfig, WorkersSection
 from node.endpoints import connect_endpoint
-from node.engine import EngineSpec
+from node.engine import EngineKind, EngineSpec
 from node.sandbox.cgroups import Sandbox, cgroup_name, limits_for, options_for
 from node.sandbox.cores import CpuPlan, pin_all_threads, plan_cpus
 from node.sandbox.driver import MemoryReading
 from node.sandbox.niceness import process_niceness
-from node.supervisor import Supervisor
+from node.supervisor import ProcessStatus, Supervisor
 from node.units import format_size, parse_cores
 from node.worker import WorkerSpec
 
@@ -50,6 +49,21 @@ def plan_workers(w: WorkersSection, node_cpus: Sequence[int] = ()) -> CpuPlan:
         nice=w.nice,
         node=node_cpus,
     )
+
+
+class WorkerStatus(ProcessStatus):
+    """One worker's row of ``edgenode status``'s "processes": its process
+    (``ProcessStatus``), then its sandbox and layout."""
+
+    cgroup: str | None
+    memory: dict[str, int | bool | None] | None
+    oom_kills: int
+    cpus: list[int]
+    threads: int
+    slots: int
+    engine: EngineKind
+    nice: int | None
+    autogroup_nice: int | None
 
 
 class WorkerPool:
@@ -247,22 +261,26 @@ class WorkerPool:
         except OSError:
             return None  # the cgroup is being recreated for a restart
 
-    def status(self) -> list[dict[str, Any]]:
+    def status(self) -> list[WorkerStatus]:
         """Per worker: process state, cgroup, memory, OOM kills, cpus, threads, slots,
         nice levels (``nice``, ``autogroup_nice``: see node.sandbox.niceness)."""
         out = []
         for entry, spec in zip(self.supervisor.status(), self.specs, strict=True):
             wid = entry["worker_id"]
             reading = self.memory(wid) if wid != RULES_WORKER else None
-            entry |= {
-                "cgroup": self.sandbox.cgroup_of(wid) if self.sandbox.active else None,
-                "memory": reading.as_dict() if reading is not None else None,
-                "oom_kills": self.oom_kills.get(wid, 0),
-                "cpus": list(spec.cpus),
-                "threads": spec.engine.threads,
-                "slots": spec.slots,
-                "engine": spec.engine.kind,
-                **(process_niceness(entry["pid"]) if entry["pid"] else NO_NICENESS),
-            }
-            out.append(entry)
+            niceness = process_niceness(entry["pid"]) if entry["pid"] else NO_NICENESS
+            out.append(
+                WorkerStatus(
+                    **entry,
+                    cgroup=self.sandbox.cgroup_of(wid) if self.sandbox.active else None,
+                    memory=reading.as_dict() if reading is not None else None,
+                    oom_kills=self.oom_kills.get(wid, 0),
+                    cpus=list(spec.cpus),
+                    threads=spec.engine.threads,
+                    slots=spec.slots,
+                    engine=spec.engine.kind,
+                    nice=niceness["nice"],
+                    autogroup_nice=niceness["autogroup_nice"],
+                )
+            )
         return out

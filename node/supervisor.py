@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from logging.handlers import RotatingFileHandler
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Literal, TypedDict
 
-from broker.exits import KILL_VERDICTS, ExitCause
+from broker.exits import ExitCause, Verdict
 from node.config import WorkersSection
 from node.engine import EngineKind
 from node.worker import DETERMINISTIC_EXITS, EXIT_MESSAGE_MAX_BYTES, WorkerSpec, exit_meaning
@@ -30,18 +30,43 @@ from node.worker import DETERMINISTIC_EXITS, EXIT_MESSAGE_MAX_BYTES, WorkerSpec,
 log = logging.getLogger("edgenode.supervisor")
 
 
+#: A worker process's state, as the supervisor keeps it and ``edgenode status`` shows it
+#: ("processes"): ``starting`` (spawned, not READY yet), ``ready``, ``dead``/``stalled``/
+#: ``hung`` (the broker's kill verdict, until the killed process is reaped; ``lost`` for
+#: any other verdict), ``restarting`` (waiting out its backoff), ``failed`` (not
+#: restarted: a deterministic failure) and ``stopped``.
+ProcessState = Literal[
+    "starting", "ready", "dead", "stalled", "hung", "lost", "restarting", "failed", "stopped"
+]
+
+
+class ProcessStatus(TypedDict):
+    """One worker's row of ``Supervisor.status`` (``node.pool`` adds its sandbox's)."""
+
+    worker_id: str
+    pid: int | None
+    state: ProcessState
+    restarts: int
+    last_exit: str
+
+
+def killed_state(verdict: Verdict | None) -> ProcessState:
+    """The state of a worker killed on ``verdict`` until it is reaped: the kill
+    verdicts (``broker.exits.KILL_VERDICTS``) by name, any other ``lost``."""
+    match verdict:
+        case "dead" | "stalled" | "hung":
+            return verdict
+        case _:
+            return "lost"
+
+
 @dataclass
 class WorkerHandle:
-    """One logical worker slot and its current process, if any.
-
-    ``state`` is one of ``starting``, ``ready``, ``dead``/``stalled``/``hung``
-    (the broker's verdict, until the killed process is reaped), ``restarting``,
-    ``failed`` (not restarted: a deterministic failure) and ``stopped``.
-    """
+    """One logical worker slot and its current process, if any (``state``: ``ProcessState``)."""
 
     spec: WorkerSpec
     proc: subprocess.Popen[bytes] | None = None
-    state: str = "stopped"
+    state: ProcessState = "stopped"
     started_at: float = 0.0
     restarts: int = 0
     failures_in_row: int = 0
@@ -164,8 +189,7 @@ class Supervisor:
         handle.last_exit = cause.describe()
         log.warning("killing %s pid %d: %s", worker_id, handle.pid, handle.last_exit)
         handle.kill_cause = cause
-        verdict = cause.verdict
-        handle.state = verdict if verdict is not None and verdict in KILL_VERDICTS else "lost"
+        handle.state = killed_state(cause.verdict)
         _killpg(handle.pid, signal.SIGKILL)
 
     # ------------------------------------------------------------------ time
@@ -250,16 +274,16 @@ class Supervisor:
                 handle.log_file.close()
                 handle.log_file = None
 
-    def status(self) -> list[dict[str, Any]]:
+    def status(self) -> list[ProcessStatus]:
         """Per worker: id, pid, state, restarts, last exit reason."""
         return [
-            {
-                "worker_id": h.spec.worker_id,
-                "pid": h.pid,
-                "state": h.state,
-                "restarts": h.restarts,
-                "last_exit": h.last_exit,
-            }
+            ProcessStatus(
+                worker_id=h.spec.worker_id,
+                pid=h.pid,
+                state=h.state,
+                restarts=h.restarts,
+                last_exit=h.last_exit,
+            )
             for h in self.handles.values()
         ]
 

@@ -173,9 +173,8 @@ class WorkerLoop:
                 next_beat = now + self.interval
             # Busy, it keeps working: a broker that was only paused (SIGSTOP, a
             # host stall) takes the answer on this same identity, while one that
-            # restarted says DISCONNECT "not registered" to the next heartbeat.
-            # Reconnecting here threw away every stream in flight over a 5 s
-            # pause of the node (break-it session).
+            # restarted says DISCONNECT "not registered" to the next heartbeat
+            # (test_faults.py::test_streams_in_flight_survive_a_pause_of_the_node).
             silent = now - self.broker_seen > self.interval * self.spec.heartbeat_liveness
             if silent and not self.running:
                 log.warning("broker silent for %.1fs: reconnecting", now - self.broker_seen)
@@ -472,8 +471,9 @@ def die_with_parent() -> None:
 
 
 #: Longest error message a worker sends or logs (characters). Messages may quote
-#: client input (a rejected json_schema, whole): unclipped, 40 such requests put
-#: 4.75 MB into a worker's log, which is not rotated (break-it finding).
+#: client input (a rejected json_schema, whole), which would flood the worker's log
+#: (test_worker_messages.py::
+#: test_an_error_quoting_client_input_is_clipped_in_the_reply_and_the_log).
 MAX_MESSAGE_CHARS = 512
 
 

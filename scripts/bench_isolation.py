@@ -44,6 +44,9 @@ against the measured memory: the worker's cgroup (usage and peak) and its
 private memory from ``/proc/<pid>/smaps`` (``scripts/bench_memory.py``'s
 reading: private bytes minus the model file's).
 
+This file runs the nodes and the load; the probe is ``scripts/isolation_probe.py``,
+the printed report ``scripts/isolation_report.py``.
+
 The layout is the built-in default unless ``--workers``, ``--slots`` or
 ``--threads`` say otherwise.
 
@@ -58,149 +61,27 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from typing import Any
 
-import psutil
 import zmq
-from bench_memory import smaps
 
+from bench_memory import smaps
 from broker import protocol as p
 from broker.client import Client
+from isolation_probe import calibrate, probe, summarize
+from isolation_report import report
 from node.config import WorkersSection
-from node.migration.report import percentile
 from node.model import resolve_model
 from node.testing import NodeProcess
-from node.units import format_size
 
-MiB = 1 << 20
 N_CTX = 2048  # the default model.n_ctx
-
-#: The probe, a periodic control loop: pin, then every 1 ms period wake at the
-#: period's release time and run ``work`` iterations of arithmetic (--duty of the
-#: period on an idle core). Per cycle: how late it woke and when its work ended
-#: (ns after the release time), the window (CLOCK_MONOTONIC, comparable with this
-#: process's clock) and its CPU time. A cycle that overruns its period is a missed
-#: deadline; the next release is then the next period boundary after "now", as a
-#: control loop that drops a cycle does.
-PROBE = """
-import json, os, sys, time
-os.sched_setaffinity(0, {int(sys.argv[1])})
-n, work, period = int(sys.argv[2]), int(sys.argv[3]), 1_000_000
-def spin(k):
-    x = 0
-    for i in range(k):
-        x += i
-    return x
-late, resp = [], []
-start = time.monotonic()
-release = time.monotonic_ns() + period
-for _ in range(n):
-    now = time.monotonic_ns()
-    if release > now:
-        time.sleep((release - now) / 1e9)
-    late.append(time.monotonic_ns() - release)
-    spin(work)
-    done = time.monotonic_ns()
-    resp.append(done - release)
-    release += period
-    if release < done:
-        release += (done - release) // period * period + period
-end = time.monotonic()
-print(json.dumps({"late_ns": late, "resp_ns": resp, "start": start, "end": end,
-                  "cpu_s": time.process_time()}))
-"""
-
-#: Calibration, on the probe's core with the nodes not yet started: iterations per ms.
-CALIBRATE = """
-import os, sys, time
-os.sched_setaffinity(0, {int(sys.argv[1])})
-def spin(k):
-    x = 0
-    for i in range(k):
-        x += i
-    return x
-k, runs = 20_000, []
-for _ in range(40):
-    t = time.perf_counter(); spin(k); runs.append(time.perf_counter() - t)
-runs.sort()
-print(int(k / (runs[len(runs) // 2] * 1000)))
-"""
 
 #: A base model keeps going on a story; EOS ends one early now and then, and the
 #: generator sends the next at once.
 STORY = "Chapter one. The old lighthouse keeper climbed the stairs and"
-
-
-# --------------------------------------------------------------------------- probe
-
-
-def cpu_ticks() -> list[tuple[float, float]]:
-    """(busy, total) seconds per core since boot, from /proc/stat."""
-    hz = os.sysconf("SC_CLK_TCK")
-    out = []
-    with open("/proc/stat") as fh:
-        for line in fh:
-            name, *fields = line.split()
-            if name.startswith("cpu") and name != "cpu":
-                v = [int(x) for x in fields]
-                idle = v[3] + v[4]  # idle + iowait
-                out.append(((sum(v[:8]) - idle) / hz, sum(v[:8]) / hz))
-    return out
-
-
-def tree_cpu(pid: int) -> float:
-    """CPU seconds used so far by ``pid`` and its live descendants."""
-    total = 0.0
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0.0
-    for proc in procs:
-        try:
-            t = proc.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            continue
-    return total
-
-
-def probe(args: argparse.Namespace, node_pids: list[int]) -> dict[str, Any]:
-    """Run the probe on ``args.probe_core`` (nice 0, a fresh process, ``args.work``
-    iterations per cycle); its output plus CPU accounting."""
-    ticks, node_cpu = cpu_ticks(), sum(map(tree_cpu, node_pids))
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE, str(args.probe_core), str(args.iterations), str(args.work)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=args.iterations / 100 + 60,
-    )
-    after, node_after = cpu_ticks(), sum(map(tree_cpu, node_pids))
-    result: dict[str, Any] = json.loads(out.stdout)
-    busy = [b1 - b0 for (b0, _), (b1, _) in zip(ticks, after, strict=True)]
-    total = [t1 - t0 for (_, t0), (_, t1) in zip(ticks, after, strict=True)]
-    result["core_busy"] = [b / t if t else 0.0 for b, t in zip(busy, total, strict=True)]
-    wall = total[0] or 1.0
-    # Cores' worth of CPU used by everything else: the host's other work.
-    result["other_cores"] = max(0.0, (sum(busy) - (node_after - node_cpu) - result["cpu_s"]) / wall)
-    return result
-
-
-def calibrate(core: int, duty: float) -> int:
-    """Probe iterations per cycle for ``duty`` (0..1) of a 1 ms period on an idle ``core``."""
-    out = subprocess.run(
-        [sys.executable, "-c", CALIBRATE, str(core)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    return max(1, int(int(out.stdout) * duty))
 
 
 def pin_threads_off(core: int) -> list[int]:
@@ -214,35 +95,6 @@ def pin_threads_off(core: int) -> list[int]:
         except OSError:
             continue  # a thread that just ended
     return cores
-
-
-def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Wake-up lateness and response (µs) over all rounds and per round, missed
-    deadlines, CPU shares."""
-
-    def us(key: str) -> tuple[list[float], list[list[float]]]:
-        per_round = [[ns / 1000 for ns in r[key]] for r in rounds]
-        return [x for r in per_round for x in r], per_round
-
-    late, late_rounds = us("late_ns")
-    resp, resp_rounds = us("resp_ns")
-    return {
-        "p50_us": round(statistics.median(late), 1),
-        "p99_us": round(percentile(late, 99), 1),
-        "max_us": round(max(late), 1),
-        "p99_rounds_us": [round(percentile(r, 99), 1) for r in late_rounds],
-        "p99_median_us": round(statistics.median(percentile(r, 99) for r in late_rounds), 1),
-        "resp_p50_us": round(statistics.median(resp), 1),
-        "resp_p99_us": round(percentile(resp, 99), 1),
-        "resp_p99_rounds_us": [round(percentile(r, 99), 1) for r in resp_rounds],
-        "resp_p99_median_us": round(statistics.median(percentile(r, 99) for r in resp_rounds), 1),
-        "missed_pct": round(100 * sum(x > 1000 for x in resp) / len(resp), 2),
-        "core_busy": [
-            round(statistics.mean(c), 3)
-            for c in zip(*(r["core_busy"] for r in rounds), strict=True)
-        ],
-        "other_cores": round(statistics.mean(r["other_cores"] for r in rounds), 2),
-    }
 
 
 # --------------------------------------------------------------------------- load
@@ -500,99 +352,6 @@ def read_memory(node: NodeProcess) -> list[dict[str, Any]]:
             }
         )
     return out
-
-
-# --------------------------------------------------------------------------- report
-
-
-def report(result: dict[str, Any], args: argparse.Namespace) -> None:
-    report_probe(result, args)
-    report_memory(result["configs"])
-
-
-def report_probe(result: dict[str, Any], args: argparse.Namespace) -> None:
-    idle, configs = result["idle"], result["configs"]
-    print(
-        f"\nprobe: {args.rounds} rounds x {args.iterations} cycles of a 1 ms control loop on core "
-        f"{args.probe_core} at nice 0, {args.work} iterations of work per cycle "
-        f"({args.duty:.0%} of the period on an idle core).\nwake = how late a cycle started, "
-        "resp = when its work ended, both after the period's release (µs); missed = resp > 1 ms"
-    )
-    header = (
-        f"{'case':<17} {'workers.cpus':<12} {'placement':<14} "
-        f"{'wake p50':>8} {'p99':>6} {'resp p50':>8} {'p99':>6} {'p99 med':>7} {'missed':>6} "
-        f"{'busy':>5} {'core0':>5} {'core1':>5} {'other':>5} {'tok/s':>5}"
-    )
-    print(header)
-    print("-" * len(header))
-    rows = [("both nodes idle", "", "", idle, "", "")]
-    for c in configs:
-        place = " ".join(f"{w[4:]}:{','.join(map(str, v))}" for w, v in c["placement"].items() if v)
-        cover, rate = f"{c['busy_coverage']:.0%}", str(c["tok_per_s"])
-        rows.append((f"{c['name']} busy", str(c["workers_cpus"]), place, c["busy"], cover, rate))
-    for label, cpus, place, s, cover, rate in rows:
-        cores = [f"{x:.0%}" for x in s["core_busy"][:2]]
-        print(
-            f"{label:<17} {cpus:<12} {place:<14} {s['p50_us']:>8} {s['p99_us']:>6} "
-            f"{s['resp_p50_us']:>8} {s['resp_p99_us']:>6} {s['resp_p99_median_us']:>7} "
-            f"{s['missed_pct']:>5}% {cover:>5} {cores[0]:>5} {cores[1]:>5} "
-            f"{s['other_cores']:>5} {rate:>5}"
-        )
-    print(
-        "(p99 med = median of the rounds' resp p99; busy = share of the probe windows with every "
-        "worker generating;\n coreN = how busy each core was; other = cores' worth of CPU used "
-        "by processes outside the nodes and the probe. Both come from /proc/stat, which the "
-        "kernel samples\n at its tick: the probe's 1 ms cycle, phase-locked to the tick, can "
-        "show as idle, so core0 and other are rough)"
-    )
-    print(f"\nresp p99 per round: idle {idle['resp_p99_rounds_us']}")
-    for c in configs:
-        print(f"                    {c['name']} busy {c['busy']['resp_p99_rounds_us']}")
-    print("\nbusy/idle (1.0 = the host does not notice the model):")
-    for c in configs:
-        b = c["busy"]
-        print(
-            f"  {c['name']:<11} resp p99 {b['resp_p99_us'] / idle['resp_p99_us']:5.2f}x pooled, "
-            f"{b['resp_p99_median_us'] / idle['resp_p99_median_us']:5.2f}x median of rounds; "
-            f"resp p50 {b['resp_p50_us'] / idle['resp_p50_us']:.2f}x; "
-            f"wake p99 {b['p99_us'] / idle['p99_us']:.2f}x; "
-            f"missed {b['missed_pct']}% (idle {idle['missed_pct']}%)"
-        )
-    for c in configs:
-        if c["errors"]:
-            print(f"  {c['name']}: {c['error_count']} generator errors, first: {c['errors']}")
-
-
-def report_memory(configs: list[dict[str, Any]]) -> None:
-    print("\nmemory per worker: plan estimate vs measured (while generating, contexts filled)")
-    print(
-        f"{'config':<11} {'worker':<7} {'estimate':>9} {'cg usage':>9} {'err':>7} "
-        f"{'cg peak':>9} {'err':>7} {'private':>9} {'err':>7} {'cg limit':>9}"
-    )
-    for c in configs:
-        # These requests carry no json_schema: the plan's grammar term is not used.
-        est = c["capacity"]["per_worker"] - c["capacity"].get("grammar", 0)
-        for m in c["memory"]:
-            peak = m["cgroup_peak"]
-            limit = format_size(m["cgroup_limit"]) if m["cgroup_limit"] else "max"
-            print(
-                f"{c['name']:<11} {m['worker']:<7} {est / MiB:>8.1f}M "
-                f"{m['cgroup_current'] / MiB:>8.1f}M {_err(est, m['cgroup_current']):>7} "
-                f"{(peak or 0) / MiB:>8.1f}M {_err(est, peak):>7} "
-                f"{m['private'] / MiB:>8.1f}M {_err(est, m['private']):>7} {limit:>9}"
-            )
-    cap = configs[0]["capacity"]
-    print(
-        f"plan: per worker {format_size(cap['per_worker'])} (with the margin "
-        f"{format_size(cap['memory_max'])}), total {format_size(cap['total'])} of a "
-        f"{format_size(cap['budget'])} budget; err = (estimate - measured) / measured.\n"
-        "The cgroup misses what the worker's interpreter touched before it joined its "
-        "cgroup (charged to the node's leaf); private (smaps) counts it."
-    )
-
-
-def _err(estimate: int, measured: int | None) -> str:
-    return f"{(estimate - measured) / measured * 100:+.1f}%" if measured else "-"
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ per worker, mode ``full``, no rule worker) and sends, one after another:
   with a different first word each time, so no slot holds any of their prefix.
 
 It reports the first request's TTFT, the median and p90 of the later ones and
-their ratio to the first (issue 10's target: at most 20 %), next to the
+their ratio to the first (the target: at most 20 %), next to the
 baseline. With several model workers the broker does not yet route by prefix,
 so a later request may land on a worker that has not seen the prompt: run it
 with one worker (``--layout 1x4``) to measure the slot's reuse.

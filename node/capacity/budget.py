@@ -113,12 +113,6 @@ def tightest_limit(
     return None
 
 
-def cgroup_memory_limit(host: Host | None = None) -> int | None:
-    """``tightest_limit`` of this process's cgroup, in bytes (None: no limit)."""
-    limit = tightest_limit(host)
-    return None if limit is None else limit.bytes
-
-
 def node_limit(config: NodeConfig, host: Host | None = None) -> CgroupLimit | None:
     """The tightest memory limit on the node's cgroup path: the running node's
     cgroup (the holder of ``config.run_dir``'s lock, ``node.pidfile.lock_holder``),

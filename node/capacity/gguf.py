@@ -1,9 +1,9 @@
 """Read the few GGUF header fields the capacity model needs, without the weights.
 
 gguf's ``GGUFReader`` decodes every metadata value, including the 262k-entry
-vocabulary of the default model (17 s and 740 MB RSS here); this reader walks
-the header with gguf's own type tables and keeps only the architecture's shape
-keys and the tensor sizes (0.27 s). A unit test checks it against
+vocabulary of the default model (seconds and hundreds of MB: docs/bench/figures.md
+§node.capacity.gguf); this reader walks the header with gguf's own type tables and
+keeps only the architecture's shape keys and the tensor sizes. A unit test checks it against
 ``GGUFReader`` on a small generated file.
 """
 

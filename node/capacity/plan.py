@@ -70,25 +70,18 @@ CTX_PAD = 256  # llama.cpp: GGML_PAD(n_ctx, 256)
 N_UBATCH = 512  # llama-cpp-python's default n_ubatch
 PAGE = 4096
 #: Bytes per vocabulary token that one ``json_schema`` request adds to a worker's
-#: peak (``grammar_allowance``). Measured by ``scripts/bench_grammar.py`` on the
-#: default model (262,144 tokens), llama-cpp-python 0.3.36, n_ctx 2048: a fresh
-#: worker's cgroup peak for a context-filling prompt and then up to 174
-#: grammar-constrained tokens was 258.4-301.0 MiB with every schema case admitted
-#: by ``node.llama.grammar`` (the intent schema, 1 to 31 nested levels, a 256-character
-#: string, 394 properties), against 134.7 MiB without a schema: at most 166.2 MiB
-#: more, 665 B per token, rounded up to 704 (176 MiB). The cost follows the
-#: vocabulary: at every sampled token llama.cpp matches all candidate tokens
-#: against the grammar (llama-grammar.cpp,
-#: ``llama_grammar_reject_candidates_for_stack``: 32 B per candidate and per code
-#: point matched), while the schema's size or depth hardly matters (153.9-166.2
-#: MiB for all of them). Other vocabularies are planned at the same bytes per
-#: token; that is not measured.
+#: peak (``grammar_allowance``): the most ``scripts/bench_grammar.py`` measured over
+#: every schema case ``node.llama.grammar`` admits, rounded up (measured:
+#: docs/bench/figures.md §node.capacity.plan). The cost follows the vocabulary: at
+#: every sampled token llama.cpp matches all candidate tokens against the grammar
+#: (llama-grammar.cpp, ``llama_grammar_reject_candidates_for_stack``: 32 B per
+#: candidate and per code point matched), while the schema's size or depth hardly
+#: matters. Other vocabularies are planned at the same bytes per token, unmeasured.
 GRAMMAR_BYTES_PER_TOKEN = 704
 #: Bytes per vocabulary token that each slot beyond the first adds to a worker:
 #: its row of f32 logits (4 B, llama.cpp's output buffer holds one per sequence)
-#: and its sampler's candidate array (``llama_token_data``, 12 B). 4 MiB for the
-#: default model; ``scripts/bench_memory.py`` measured 5 MiB per slot (1, 2 and 4
-#: slots, private memory). Without it the plan of a 4-slot worker was 6 % short.
+#: and its sampler's candidate array (``llama_token_data``, 12 B); checked against
+#: ``scripts/bench_memory.py`` (docs/bench/figures.md §node.capacity.plan).
 SLOT_BYTES_PER_TOKEN = 16
 KV_TYPES = {
     "f16": GGMLQuantizationType.F16,
@@ -96,11 +89,8 @@ KV_TYPES = {
     "q4_0": GGMLQuantizationType.Q4_0,
 }
 #: ``workers.slots = "auto"`` gives a worker at most this many slots per thread
-#: (``workers.threads``). Measured on this 2-core machine with the default model:
-#: one sequence's tokens/s falls 3-4x at 8 sequences per core, while batching
-#: gains only 1.3-1.55x aggregate tokens/s at 4 sequences in one context and
-#: 1.7-1.9x at 8 (issue 10): beyond 4 per core, requests wait much longer for
-#: little more throughput.
+#: (``workers.threads``): beyond 4 per core, requests wait much longer for little
+#: more aggregate throughput (measured: docs/bench/figures.md §node.capacity.plan).
 AUTO_SLOTS_PER_THREAD = 4
 
 
@@ -141,8 +131,7 @@ def attention_scratch(meta: ModelMeta, n_ctx: int, n_batch: int, flash_attn: boo
     n_ubatch x cells`` (src/llama-graph.cpp, ``build_attn_mha``). With it
     (``ggml_flash_attn_ext``, no ``KQ``): ``4 x n_ubatch x (cells + 4 x n_head x
     key_length)``, fitted on the default model's private memory after a full
-    prompt (one process, n_ctx 1024/2048/4096: the flash-attention minus plain
-    difference measured 5.7/16.5-22/45.8 MiB, planned 6/20/48); read it as the
+    prompt (docs/bench/figures.md §node.capacity.plan); read it as the
     f16 ``KQ`` masks of Gemma 3's two KV caches plus four f32 Q-sized tensors.
     """
     ubatch = min(n_ctx, n_batch, N_UBATCH)

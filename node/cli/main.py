@@ -42,7 +42,7 @@ from node.pidfile import (
     signal_holder,
     wait_for_starts,
 )
-from node.pool import plan_workers
+from node.pool import WorkerStatus, plan_workers
 
 #: ``edgenode status`` exit code when no node runs (LSB init-script convention).
 EXIT_NOT_RUNNING = 3
@@ -269,7 +269,8 @@ def _wait_started(
                 answered_by = status.get("pid")
                 time.sleep(0.2)
                 continue
-            failed = [p for p in status.get("processes", []) if p["state"] == "failed"]
+            processes: list[WorkerStatus] = status.get("processes", [])
+            failed = [p for p in processes if p["state"] == "failed"]
             if failed:
                 reasons = "; ".join(f"{p['worker_id']}: {p['last_exit']}" for p in failed)
                 raise click.ClickException(

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from node.units import format_size
+
+if TYPE_CHECKING:
+    from node.pool import WorkerStatus
 
 
 def render_status(node: dict[str, Any]) -> str:
@@ -24,7 +27,8 @@ def render_status(node: dict[str, Any]) -> str:
         f"{'THR':>3} {'NICE':>5} {'MEM/LIMIT':>13} {'PEAK':>7} {'OOM':>3}  LAST EXIT",
     ]
     registered = {w["worker_id"]: w for w in node.get("workers", [])}
-    for proc in node.get("processes", []):
+    processes: list[WorkerStatus] = node.get("processes", [])
+    for proc in processes:
         lines.append(_worker_line(proc, registered.get(proc["worker_id"])))
     counters = node.get("counters", {})
     outcomes = {k: v for k, v in counters.items() if k not in DELIVERY_COUNTERS}
@@ -160,7 +164,7 @@ def _service_line(service: dict[str, dict[str, Any]]) -> str:
     return "service: " + ", ".join(parts)
 
 
-def _worker_line(proc: dict[str, Any], reg: dict[str, Any] | None) -> str:
+def _worker_line(proc: WorkerStatus, reg: dict[str, Any] | None) -> str:
     state = reg["state"] if reg and proc["state"] == "ready" else proc["state"]
     credit = f"{reg['credit']}/{reg['slots']}" if reg else "-"
     memory = proc.get("memory") or {}
@@ -174,7 +178,7 @@ def _worker_line(proc: dict[str, Any], reg: dict[str, Any] | None) -> str:
     )
 
 
-def _nice(proc: dict[str, Any]) -> str:
+def _nice(proc: WorkerStatus) -> str:
     """The nice level; "10/0" when the worker's autogroup, which is what ranks it
     against the host's sessions, has another (node.sandbox.niceness)."""
     nice, group = proc.get("nice"), proc.get("autogroup_nice")

@@ -5,11 +5,10 @@ Why: llama.cpp's tokenizer costs time growing with the square of the special-tok
 matches in a text. Its special-token partition (``tokenizer_st_partition`` in
 ``src/llama-vocab.cpp``) erases each match from a linked list of fragments by
 walking the list from the start, so text dense in user-defined tokens (Gemma 3 has
-one per newline, tab and HTML tag) is quadratic: 16 KB of ``"a\\n"`` took 0.95 s
-here, 64 KB 22 s (52 s through ``Llama.tokenize``), 250 KB of ordinary words
-0.2-0.3 s. Cut into pieces of ~``PIECE_BYTES`` where no token can span, a text
-costs time linear in its length, and a lower bound on its tokens comes from its
-bytes alone.
+one per newline, tab and HTML tag) is quadratic (measured: docs/bench/figures.md
+§node.llama.boundaries). Cut into pieces of ~``PIECE_BYTES`` where no token can span,
+a text costs time linear in its length, and a lower bound on its tokens comes from
+its bytes alone.
 
 What: the vocabulary's byte-pair table (``hold_pairs``, ``spell_spaces``: per byte
 pair, the longest token text holding it; a pair none holds is a forced token
@@ -32,12 +31,12 @@ from typing import Any
 import numpy as np
 
 #: Text is tokenized in pieces of about this many bytes, cut where no token can
-#: span, so the partition's quadratic cost stays that of a small piece: 4 KiB of
-#: alternating newlines and tabs take ~125 ms whole, ~7 ms in 256-byte pieces.
+#: span, so the partition's quadratic cost stays that of a small piece (measured:
+#: docs/bench/figures.md §node.llama.boundaries).
 PIECE_BYTES = 256
 #: The longest stretch tokenized in one call (bytes): text no token boundary is
-#: forced in (digits, CJK, ``<b><i>`` repeated) cannot be cut. 2 KiB of the worst
-#: such text measured here (``<b><i>`` repeated) take ~4 ms.
+#: forced in (digits, CJK, ``<b><i>`` repeated) cannot be cut; its cost at this
+#: size: docs/bench/figures.md §node.llama.boundaries.
 MAX_PIECE_BYTES = 2 * 1024
 
 _UTF8_CONTINUATION = 0x80  # 0b10xxxxxx: no character starts at such a byte
@@ -159,7 +158,7 @@ class Specials:
         self.pairs = np.zeros(256 * 256, dtype=bool)  # the byte pairs a text holds
         for text in self.texts:
             self.pairs[[x * 256 + y for x, y in pairwise(text)]] = True
-        self._simple: dict[bytes, bool] = {}  # memo: ~1 s for all of Gemma 3's
+        self._simple: dict[bytes, bool] = {}  # memo: a second or so for all texts
 
     def simple(self, text: bytes) -> bool:
         """Whether ``text`` is one of the texts and holds no other one."""
@@ -174,7 +173,7 @@ class Specials:
     @functools.cached_property
     def _find(self) -> re.Pattern[bytes] | None:
         # A trie as a regular expression: a match costs its length whatever the
-        # number of texts (Gemma 3 has 6,250 control tokens; ~0.15 s to compile).
+        # number of texts (thousands of control tokens in Gemma 3).
         return re.compile(trie(self.texts)) if self.texts else None
 
     def search(self, text: bytes, begin: int, end: int) -> bool:
@@ -263,8 +262,8 @@ def count_unparsed(
     overlap another special text (then llama.cpp's order decides), or when it has
     more than ``calls`` runs.
 
-    With parse_special the partition searches the text for each control token
-    (6,250 in Gemma 3): ~55 µs per ``<`` in it, 14 ms for 256 bytes of ``<``.
+    With parse_special the partition searches the text for each control token, at a
+    cost per ``<`` in it (measured: docs/bench/figures.md §node.llama.boundaries).
     """
     starts = stretches(pair_max, piece, specials, longer=0)[0]
     found, run = 0, 0

@@ -84,9 +84,9 @@ TOP_K = 40
 MIN_P = 0.05
 #: llama.h LLAMA_DEFAULT_SEED: a random seed per sampler.
 RANDOM_SEED = 0xFFFFFFFF
-#: Most prompt tokens in a step that also decodes other slots' tokens: about
-#: 0.7 s of prompt evaluation on one core here (~190 tokens/s), where a whole
-#: n_batch chunk (512) held the other slots' streams for 3-4 s (break-it session).
+#: Most prompt tokens in a step that also decodes other slots' tokens, so that one
+#: long prompt does not hold the other slots' streams for a whole n_batch chunk
+#: (measured: docs/bench/figures.md §node.llama.engine).
 PROMPT_BESIDE_DECODE = 128
 #: llama_decode's return code when the abort callback stopped it (llama.h).
 DECODE_ABORTED = 2
@@ -153,9 +153,10 @@ class LlamaEngine:
         self._mask = (llama_c.llama_logit_bias * len(masked))(
             *(llama_c.llama_logit_bias(int(token), float("-inf")) for token in masked)
         )
-        # ~0.6 s for Gemma 3: the tables that let prompts be tokenized in pieces.
+        # The tables that let prompts be tokenized in pieces (docs/bench/figures.md
+        # §node.llama.engine: their load time and heap).
         self.vocab = Vocab(self._vocab)
-        trim_heap()  # reading them freed ~6 MiB of heap that would stay resident
+        trim_heap()  # reading them freed heap that would stay resident
         self._chat = _chat_formatter(self.llm, spec.chat_format)  # ValueError: unknown name
         self._slots = [Slot(seq) for seq in range(self.slots)]
         self._batch = llama_c.llama_batch_init(self.n_batch, 0, 1)

@@ -181,17 +181,12 @@ def trim_heap() -> bool:
     262,144 tokens, two per code point matched). Once glibc has raised its mmap
     threshold (it does so each time a mapped block is freed, up to 32 MiB;
     mallopt(3)), these come from the heap, and their freed pages stay
-    resident. Measured with the default model (one process, five
-    ``maxLength`` 256 requests): 168 MiB stayed resident after the first
-    request; with this call 3 MiB did, at the same peak (+160-169 MiB) and the
-    same speed (~157 ms per token here). ``scripts/bench_grammar.py`` saw a
-    worker keep 147-161 MiB private after a schema request with this call, and
-    207-314 MiB without it.
+    resident; this call gives them back, at the same peak and speed (measured:
+    docs/bench/figures.md §node.llama.grammar, ``scripts/bench_grammar.py``).
 
     Not done instead: pinning the mmap threshold to 128 KiB (``mallopt``), which
-    unmaps every vector at once. It lowered the peak to +106-122 MiB but made
-    each constrained token 1.6x slower (~250 ms), as every token faulted its
-    pages in afresh.
+    unmaps every vector at once: a lower peak, but every constrained token
+    faults its pages in afresh and is much slower (same section).
 
     Returns False where the C library has no ``malloc_trim`` (not glibc).
     """

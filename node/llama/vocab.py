@@ -45,12 +45,12 @@ log = logging.getLogger(__name__)
 
 #: Bytes of one request the counter tokenizes on the broker's loop at most; beyond
 #: them, what the lower bound cannot refuse is left to the worker (which counts
-#: anyway). 4 KiB of ordinary text take ~3-5 ms here.
+#: anyway), a few ms of the loop (measured: docs/bench/figures.md §node.llama.vocab).
 LOOP_BYTES = 4 * 1024
 #: A piece with control-token text is counted in a ``llama_tokenize`` call per run
 #: between them (``Vocab._piece_count``), at most one per this many bytes: a call
-#: costs ~20 µs whatever its length (the partition walks all 6,414 special tokens
-#: of Gemma 3), so 4 KiB cost the loop ~8 ms at worst, as many pieces did before.
+#: costs the same whatever its length (the partition walks every special token),
+#: so this bounds the loop's cost (measured: docs/bench/figures.md §node.llama.vocab).
 _CALL_BYTES = 16
 #: Tokens the special-token partition cuts out of a text (llama_token_attr, llama.h);
 #: without parse_special it skips the CONTROL and UNKNOWN ones.
@@ -65,10 +65,10 @@ _CONTROL = llama_c.LLAMA_TOKEN_ATTR_CONTROL | llama_c.LLAMA_TOKEN_ATTR_UNKNOWN
 def make_token_counter(model_path: str) -> PromptCounter:
     """A prompt-token counter for the broker's 413 check, from the model's vocabulary.
 
-    Loads only the GGUF's vocabulary (``Vocab.load``: a few MB, no weights; ~1 s
-    for Gemma 3's 262,144 tokens, and ~0.8 s more for the bound's tables), in the
-    node process, once. ``chat`` prompts are counted as their contents plus
-    ``CHAT_TOKENS_PER_MESSAGE`` per message.
+    Loads only the GGUF's vocabulary (``Vocab.load``: a few MB, no weights; about
+    a second, docs/bench/figures.md §node.llama.vocab), in the node process, once.
+    ``chat`` prompts are counted as their contents plus ``CHAT_TOKENS_PER_MESSAGE``
+    per message.
 
     Raises:
         ValueError: llama.cpp could not read the vocabulary (its error is logged).
@@ -216,11 +216,10 @@ class Vocab:
         spans a cut, and the partition's quadratic cost stays that of a piece
         (checked at load on ``SAMPLE``). A piece with no control-token text is
         tokenized without parse_special (the same ids), which spares the
-        partition a search per control token (6,250 in Gemma 3): with one, a
-        piece costs ~50 µs per ``<`` in it (256 KB of ``<pad>``: 2.8 s). What no
+        partition a search per control token, a cost per ``<`` in the piece. What no
         cut can split stays one piece: a run of one whitespace character costs
-        time growing with the square of its tokens (31 bytes each in Gemma 3;
-        256 KB of newlines: 0.2 s, of random words: 0.35 s).
+        time growing with the square of its tokens (measured: docs/bench/figures.md
+        §node.llama.vocab).
 
         Raises:
             TooManyTokens: ``text`` has more than ``limit`` tokens: checked first
@@ -341,7 +340,7 @@ def special_tokens(llm: Any) -> tuple[frozenset[int], Any]:
     Special = a llama.cpp attribute in ``_NOT_TEXT``, or a user-defined token
     spelled like a marker (``_MARKER``). End-of-generation tokens
     (``llama_vocab_is_eog``) are special but not masked: the model must be able
-    to stop. One pass over the vocabulary per load (~0.2 s for Gemma's 262k tokens).
+    to stop. One pass over the vocabulary per load.
     """
     vocab = llama_c.llama_model_get_vocab(llm.model)
     special: set[int] = set()

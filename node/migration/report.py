@@ -2,7 +2,8 @@
 
 ``summarize`` reads each log with its rotated backups (oldest first) and returns plain data
 (JSON-able); ``verdict`` says whether a mode's evidence supports the next migration stage
-(shadow -> dual -> degrade -> full, DESIGN.md §4);
+(``routing.mode``: shadow -> dual -> degrade -> full, each stage giving the model more of
+the answers the rules gave);
 ``node.migration.report_view.format_report`` turns both into the text an operator reads.
 
 Conventions:

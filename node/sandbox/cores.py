@@ -11,9 +11,8 @@ stops the start with nothing half-started):
   worker run. By default they follow the reservation: the whole node stays on
   the reserved cores, at nice 0 ahead of the workers (nice 10), so the host's
   cores see nothing of it. A broker on the host's cores relays every token
-  there (tens of wake-ups a second): measured here, a 50 %-duty control loop
-  sharing its core with the broker missed 3x more 1 ms deadlines than idle;
-  with the broker on the reserved core, as many as idle.
+  there (tens of wake-ups a second), which makes the host's own latency-bound
+  processes miss deadlines (measured: docs/bench/figures.md §node.sandbox.cores).
 * **Placement**: with at least as many cores as workers, each worker gets its
   own disjoint slice of the pool (sizes differ by at most one core); with fewer,
   every worker shares the whole pool (``cpus = [1]`` and two workers: both on
@@ -218,8 +217,8 @@ def pin_all_threads(cpus: Collection[int], task_dir: Path = Path("/proc/self/tas
     """Pin every thread this process already has (and so those they create later).
 
     ``pin`` moves only the calling thread; a library may have started threads at
-    import (numpy's OpenBLAS pool in the node: found by a break-it session on a
-    node whose ``workers.cpus = [1]`` still had one thread allowed on core 0).
+    import (numpy's OpenBLAS pool) that would stay on the old cores
+    (test_cores.py::test_pin_all_threads_moves_threads_started_earlier).
 
     Raises:
         SandboxError: the kernel refused (a core offline or outside the cpuset).

@@ -109,8 +109,9 @@ class MemoryReading:
     def near_limit(self) -> bool:
         """Working set at or above ``NEAR_LIMIT`` of ``limit``: the kernel is reclaiming
         the process's own pages. Without swap (the node turns it off) a worker there
-        stalls in direct reclaim for seconds before the OOM killer ends it, long
-        enough to miss its heartbeats on a loaded host (seen in a break-it run)."""
+        can stall in direct reclaim long enough to miss its heartbeats before the OOM
+        killer ends it (tests/system/test_isolation.py::
+        test_a_worker_lost_at_its_memory_limit_says_so)."""
         return self.limit is not None and self.working_set >= NEAR_LIMIT * self.limit
 
     @property

@@ -5,9 +5,9 @@ session leader (one ``killpg`` takes all of it), and with
 ``CONFIG_SCHED_AUTOGROUP`` (``kernel.sched_autogroup_enabled = 1``, the default
 on Debian, Ubuntu and most desktop-derived images) every session is its own
 group that competes with the host's sessions at nice 0 whatever its threads'
-nice level (sched(7), "The autogroup feature"). Measured here: a 50 %-duty
-control loop beside a nice-10 worker on its core missed 5.5 % of its 1 ms
-deadlines. So the worker also sets its autogroup's nice level
+nice level (sched(7), "The autogroup feature"), so a nice-10 worker still makes
+the host's processes on its core miss deadlines (measured: docs/bench/figures.md
+§node.sandbox.niceness). So the worker also sets its autogroup's nice level
 (``/proc/self/autogroup``); inside a cgroup of its own with the cpu controller,
 the sandbox gives the cgroup the nice level's weight instead (``nice_weight``:
 autogroups only exist in the root task group).

@@ -1,4 +1,5 @@
-"""What the capacity tests share: a config with a fixed budget, and the CLI."""
+"""What the capacity tests share: a config with a fixed budget, the CLI, fake cgroup hosts
+and the limit read from them."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from click.testing import CliRunner
 
+from node.capacity.budget import tightest_limit
 from node.cli.capacity import capacity
 from node.config import from_dict
 from node.sandbox.cgroupfs import Host
@@ -65,3 +67,9 @@ def fake_host(tmp_path: Path, mountinfo: str, proc_cgroup: str, files: dict[str,
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text + "\n")
     return Host(root=tmp_path, proc=tmp_path / "proc")
+
+
+def cgroup_memory_limit(host: Host) -> int | None:
+    """``tightest_limit`` of ``host``'s own cgroup, in bytes (None: no limit)."""
+    limit = tightest_limit(host)
+    return None if limit is None else limit.bytes

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import node.capacity.budget
-from capacitykit import fake_host
+from capacitykit import cgroup_memory_limit, fake_host
 from node.capacity.budget import (
     CgroupLimit,
     configured_budget,
@@ -97,7 +97,7 @@ def test_v1_a_parent_that_does_not_account_its_children_does_not_limit_them(
         **v1_cgroup("p/c", limit=str(GiB)),
     }
     host = fake_host(tmp_path, V1_MOUNTS, "4:memory:/p/c\n", files)
-    assert node.capacity.budget.cgroup_memory_limit(host) == GiB
+    assert cgroup_memory_limit(host) == GiB
 
 
 # ---------------------------------------------------------------- v2

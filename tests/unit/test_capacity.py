@@ -15,8 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from broker.errors import ConfigError
-from capacitykit import TEXTBOOK, GiB, MiB, config, fake_host, run_cli
-from node.capacity.budget import cgroup_memory_limit
+from capacitykit import TEXTBOOK, GiB, MiB, cgroup_memory_limit, config, fake_host, run_cli
 from node.capacity.gguf import ModelMeta, read_gguf_meta
 from node.capacity.plan import (
     Plan,

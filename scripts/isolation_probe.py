@@ -1,0 +1,165 @@
+"""The host's stand-in of ``scripts/bench_isolation.py``: a periodic control loop pinned
+to one core, run as a fresh process per case, its calibration, the CPU accounting
+around it, and the summary of its rounds (wake-up lateness, response, missed deadlines).
+
+Owns the probe's subprocesses and /proc/stat readings; knows nothing of nodes or load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+import psutil
+
+from node.migration.report import percentile
+
+#: The probe, a periodic control loop: pin, then every 1 ms period wake at the
+#: period's release time and run ``work`` iterations of arithmetic (--duty of the
+#: period on an idle core). Per cycle: how late it woke and when its work ended
+#: (ns after the release time), the window (CLOCK_MONOTONIC, comparable with this
+#: process's clock) and its CPU time. A cycle that overruns its period is a missed
+#: deadline; the next release is then the next period boundary after "now", as a
+#: control loop that drops a cycle does.
+PROBE = """
+import json, os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+n, work, period = int(sys.argv[2]), int(sys.argv[3]), 1_000_000
+def spin(k):
+    x = 0
+    for i in range(k):
+        x += i
+    return x
+late, resp = [], []
+start = time.monotonic()
+release = time.monotonic_ns() + period
+for _ in range(n):
+    now = time.monotonic_ns()
+    if release > now:
+        time.sleep((release - now) / 1e9)
+    late.append(time.monotonic_ns() - release)
+    spin(work)
+    done = time.monotonic_ns()
+    resp.append(done - release)
+    release += period
+    if release < done:
+        release += (done - release) // period * period + period
+end = time.monotonic()
+print(json.dumps({"late_ns": late, "resp_ns": resp, "start": start, "end": end,
+                  "cpu_s": time.process_time()}))
+"""
+
+#: Calibration, on the probe's core with the nodes not yet started: iterations per ms.
+CALIBRATE = """
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+def spin(k):
+    x = 0
+    for i in range(k):
+        x += i
+    return x
+k, runs = 20_000, []
+for _ in range(40):
+    t = time.perf_counter(); spin(k); runs.append(time.perf_counter() - t)
+runs.sort()
+print(int(k / (runs[len(runs) // 2] * 1000)))
+"""
+
+
+def cpu_ticks() -> list[tuple[float, float]]:
+    """(busy, total) seconds per core since boot, from /proc/stat."""
+    hz = os.sysconf("SC_CLK_TCK")
+    out = []
+    with open("/proc/stat") as fh:
+        for line in fh:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name != "cpu":
+                v = [int(x) for x in fields]
+                idle = v[3] + v[4]  # idle + iowait
+                out.append(((sum(v[:8]) - idle) / hz, sum(v[:8]) / hz))
+    return out
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds used so far by ``pid`` and its live descendants."""
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
+
+
+def probe(args: argparse.Namespace, node_pids: list[int]) -> dict[str, Any]:
+    """Run the probe on ``args.probe_core`` (nice 0, a fresh process, ``args.work``
+    iterations per cycle); its output plus CPU accounting."""
+    ticks, node_cpu = cpu_ticks(), sum(map(tree_cpu, node_pids))
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, str(args.probe_core), str(args.iterations), str(args.work)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=args.iterations / 100 + 60,
+    )
+    after, node_after = cpu_ticks(), sum(map(tree_cpu, node_pids))
+    result: dict[str, Any] = json.loads(out.stdout)
+    busy = [b1 - b0 for (b0, _), (b1, _) in zip(ticks, after, strict=True)]
+    total = [t1 - t0 for (_, t0), (_, t1) in zip(ticks, after, strict=True)]
+    result["core_busy"] = [b / t if t else 0.0 for b, t in zip(busy, total, strict=True)]
+    wall = total[0] or 1.0
+    # Cores' worth of CPU used by everything else: the host's other work.
+    result["other_cores"] = max(0.0, (sum(busy) - (node_after - node_cpu) - result["cpu_s"]) / wall)
+    return result
+
+
+def calibrate(core: int, duty: float) -> int:
+    """Probe iterations per cycle for ``duty`` (0..1) of a 1 ms period on an idle ``core``."""
+    out = subprocess.run(
+        [sys.executable, "-c", CALIBRATE, str(core)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return max(1, int(int(out.stdout) * duty))
+
+
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Wake-up lateness and response (µs) over all rounds and per round, missed
+    deadlines, CPU shares."""
+
+    def us(key: str) -> tuple[list[float], list[list[float]]]:
+        per_round = [[ns / 1000 for ns in r[key]] for r in rounds]
+        return [x for r in per_round for x in r], per_round
+
+    late, late_rounds = us("late_ns")
+    resp, resp_rounds = us("resp_ns")
+    return {
+        "p50_us": round(statistics.median(late), 1),
+        "p99_us": round(percentile(late, 99), 1),
+        "max_us": round(max(late), 1),
+        "p99_rounds_us": [round(percentile(r, 99), 1) for r in late_rounds],
+        "p99_median_us": round(statistics.median(percentile(r, 99) for r in late_rounds), 1),
+        "resp_p50_us": round(statistics.median(resp), 1),
+        "resp_p99_us": round(percentile(resp, 99), 1),
+        "resp_p99_rounds_us": [round(percentile(r, 99), 1) for r in resp_rounds],
+        "resp_p99_median_us": round(statistics.median(percentile(r, 99) for r in resp_rounds), 1),
+        "missed_pct": round(100 * sum(x > 1000 for x in resp) / len(resp), 2),
+        "core_busy": [
+            round(statistics.mean(c), 3)
+            for c in zip(*(r["core_busy"] for r in rounds), strict=True)
+        ],
+        "other_cores": round(statistics.mean(r["other_cores"] for r in rounds), 2),
+    }
