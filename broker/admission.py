@@ -62,13 +62,14 @@ class Admit:
     for a hedged request the model refused), its ``deadline`` (the broker's clock,
     s: now + its ``timeout_ms``, or the default, at most the maximum), the queued
     lower-priority ``evict`` job that must be answered 503 to make room (None if
-    none), and its ``prompt_tokens`` as counted or estimated, for
-    ``Job.prompt_tokens``."""
+    none) with that answer's ``evict_retry_ms`` (``retry_after``), and its
+    ``prompt_tokens`` as counted or estimated, for ``Job.prompt_tokens``."""
 
     route: Route
     deadline: float
     evict: Job | None = None
     prompt_tokens: float | None = None
+    evict_retry_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,10 @@ class AdmissionGate:
         shed = self._deadline(req, tokens, route.kind, engine, budget_s, now)
         if shed is not None:
             return shed
-        return Admit(route, now + budget_s, evict, tokens)
+        evict_retry_ms = None
+        if evict is not None:  # its advice, on the queue it still waits in
+            evict_retry_ms = self.retry_after(self.workers.slots(evict.kind), now, evict.kind)
+        return Admit(route, now + budget_s, evict, tokens, evict_retry_ms)
 
     def retry_after(
         self,

@@ -175,17 +175,18 @@ class Broker:
             return
         route = verdict.route
         if verdict.evict is not None:  # a lower-priority request yields its place
-            self._shed_job(verdict.evict, "evicted by a higher-priority request", "queue_full", now)
+            message = "evicted by a higher-priority request"
+            self._shed_job(verdict.evict, message, "queue_full", now, verdict.evict_retry_ms)
         job = self.jobs.new(identity, req, now, verdict.deadline, route.kind)
         job.degraded, job.permit = route.degraded, route.permit
         job.prompt_tokens = verdict.prompt_tokens
         self.jobs.bind(job)
+        if route.ttft_budget_s is not None and not route.hedge:
+            self.jobs.arm("ttft", job.rid, now + route.ttft_budget_s)
         self.clients.opened(identity)
         self.queue.push(job)
         if route.hedge:
             self.handover.hedge(job)
-        elif route.ttft_budget_s is not None:
-            self.jobs.arm("ttft", job.rid, now + route.ttft_budget_s)
         if route.copy:
             self._copy_to_model(job, route.copy, now)
         elif route.copy_skipped:
@@ -227,10 +228,14 @@ class Broker:
         )
         self.outbox.client(identity, body)
 
-    def _shed_job(self, job: Job, message: str, reason: str, now: float) -> None:
-        """Answer an admitted job 503 now (pressure, eviction) and cancel it if running."""
+    def _shed_job(
+        self, job: Job, message: str, reason: str, now: float, retry: int | None = None
+    ) -> None:
+        """Answer an admitted job 503 now (pressure, eviction) and cancel it if running;
+        ``retry``: its ``retry_after_ms`` if admission gave it (an eviction), else asked."""
         self.stats.count(f"shed_{reason}")
-        retry = self.gate.retry_after(self.workers.slots(job.kind), now, job.kind)
+        if retry is None:
+            retry = self.gate.retry_after(self.workers.slots(job.kind), now, job.kind)
         self._finish_early(
             job, ErrorCode.UNAVAILABLE, message, now, reason=reason, retry_after_ms=retry
         )
