@@ -14,19 +14,17 @@ mode, the model already too late) that the model cannot take goes to the
 rules instead, as for the model's failures.
 
 The queue and the per-client counts are ``broker.queue``'s; the gate reads them.
-The request is judged on one snapshot of the pool (``broker.routing.PoolView``,
+The request is judged on one snapshot of the pool (``broker.snapshot.PoolView``,
 built once per request and shared with routing): per engine, its slots, free
 credit, context and when the request would start. Deadline feasibility and
 ``retry_after_ms`` rest on the one service-time estimator
-(``broker.service_time.ServiceEstimator``).
+(``broker.service_time.ServiceEstimator``). An admitted request's verdict carries
+its deadline (``Admit.deadline``), computed here with the deadline check.
 
-Pressure levels come from outside (the node reads its cgroup); the gate only
-reacts: ``high`` sheds sheddable work, halves the queue and the credit the
-broker uses; ``critical`` admits only critical work and asks the broker to
-cancel sheddable requests in flight. ``ok`` restores everything. The host's CPU
-pressure (``cpu``, PSI read by the node: ``node.pressure``) has one level above
-``ok``: ``high`` sheds sheddable model work as memory's ``high`` does; it leaves
-the queue and the credit alone (they bound memory, not CPU time).
+The memory and CPU pressure levels are ``broker.pressure.PressureLevels``'s (the
+broker sets them; the gate reads them): which classes they shed, the queue's
+bound. Under ``critical`` memory pressure the broker also cancels sheddable
+requests in flight.
 """
 
 from __future__ import annotations
@@ -37,11 +35,13 @@ from dataclasses import dataclass
 from broker.client_request import ClientRequest
 from broker.errors import ErrorCode
 from broker.jobs import JobTable
-from broker.kinds import CpuLevel, EngineKind, PressureLevel, Priority
+from broker.kinds import EngineKind
+from broker.pressure import PressureLevels
 from broker.queue import ClientCounts, RequestQueue
 from broker.records import BrokerSettings, Job
-from broker.routing import EnginePool, PoolView, Route
-from broker.service_time import ServiceEstimator, Slots
+from broker.routing import Route
+from broker.service_time import ServiceEstimator
+from broker.snapshot import EnginePool, PoolView, engine_slots
 from broker.token_count import TokenCounter, byte_bound
 from broker.workers import WorkerRegistry
 
@@ -59,13 +59,17 @@ class Shed:
 @dataclass(frozen=True)
 class Admit:
     """An admitted request: the ``route`` it takes (the one asked for, or the rules
-    for a hedged request the model refused), the queued lower-priority ``evict``
-    job that must be answered 503 to make room (None if none), and its
+    for a hedged request the model refused), its ``deadline`` (the broker's clock,
+    s: now + its ``timeout_ms``, or the default, at most the maximum), the queued
+    lower-priority ``evict`` job that must be answered 503 to make room (None if
+    none) with that answer's ``evict_retry_ms`` (``retry_after``), and its
     ``prompt_tokens`` as counted or estimated, for ``Job.prompt_tokens``."""
 
     route: Route
+    deadline: float
     evict: Job | None = None
     prompt_tokens: float | None = None
+    evict_retry_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ class _Counted:
 
 
 class AdmissionGate:
-    """The ordered checks on a new request, and the pressure levels they react to.
+    """The ordered checks on a new request.
 
     Args:
         settings: ``max_queue`` (0 = 8 per pool slot), ``max_in_flight_per_client``,
@@ -91,12 +95,14 @@ class AdmissionGate:
         queue: the broker's queue (a reference): its bound per engine, the jobs a
             new request waits behind, and whom to evict.
         clients: the broker's per-client counts of open requests (a reference).
+        workers: the broker's worker registry (a reference): the engines' slots and
+            which worker a free slot belongs to, hence the batch level a request
+            would start at, for ``retry_after_ms``.
+        levels: the broker's pressure levels (a reference): which classes they
+            shed, the queue's bound.
         count_tokens: prompt tokens of a request, or None to skip the size check
             (workers still refuse prompts that do not fit with 413); asked only for
             what its budget allows (``TokenCounter.bounded``).
-        workers: the broker's worker registry (a reference): the engines' slots and
-            contexts, and which worker a free slot belongs to, hence the batch level
-            a request would start at.
     """
 
     def __init__(
@@ -106,50 +112,18 @@ class AdmissionGate:
         jobs: JobTable,
         queue: RequestQueue,
         clients: ClientCounts,
+        workers: WorkerRegistry,
+        levels: PressureLevels,
         count_tokens: TokenCounter | None = None,
-        workers: WorkerRegistry | None = None,
     ) -> None:
         self.settings = settings
         self.estimator = estimator
         self.jobs = jobs
         self.queue = queue
         self.clients = clients
+        self.workers = workers
+        self.levels = levels
         self.count_tokens = count_tokens
-        self.workers = workers if workers is not None else WorkerRegistry()
-        self.pressure: PressureLevel = "ok"
-        self.cpu: CpuLevel = "ok"
-
-    # ------------------------------------------------------------------ limits
-
-    def queue_bound(self, slots: int) -> int:
-        """How many requests for one engine may wait: configured (or 8 per slot),
-        halved under pressure."""
-        bound = self.settings.max_queue or 8 * max(1, slots)
-        return bound if self.pressure == "ok" else max(1, bound // 2)
-
-    def concurrency(self, slots: int) -> int:
-        """How much of the pool's credit the broker may use now."""
-        return slots if self.pressure == "ok" else max(1, slots // 2)
-
-    # ------------------------------------------------------------------ the snapshot
-
-    def engine_pool(
-        self, kind: EngineKind, priority: Priority, free: int, now: float
-    ) -> EnginePool:
-        """``kind``'s engine as a new request of ``priority`` finds it, with ``free``
-        credit usable now: its workers, slots and smallest context, and when the
-        request would start there (the queue ahead of it, its class and those
-        above, played forward once: ``ServiceEstimator.wait``)."""
-        slots = self._slots(kind, free)
-        wait_s, level = self.estimator.wait(self.queue.ahead(kind, priority), slots, now)
-        return EnginePool(
-            workers=len(self.workers.of_kind(kind)),
-            slots=slots.slots,
-            free=free,
-            n_ctx=self.workers.min_n_ctx(kind),
-            wait_s=wait_s,
-            level=level,
-        )
 
     # ------------------------------------------------------------------ the gate
 
@@ -167,7 +141,8 @@ class AdmissionGate:
             now: the broker's clock (s).
 
         Returns:
-            An ``Admit`` (with a queued job to evict first, if any), or a ``Shed``.
+            An ``Admit`` (with its deadline, and a queued job to evict first, if
+            any), or a ``Shed``.
         """
         shed = self._valid(client, req, pool) or self._circuit(route)
         if shed is not None:
@@ -179,7 +154,7 @@ class AdmissionGate:
             return self._engine(client, req, Route("rules", degraded="latency_budget"), pool, now)
         return verdict
 
-    def timeout_s(self, req: ClientRequest) -> float:
+    def _budget_s(self, req: ClientRequest) -> float:
         """``req``'s budget (s): its ``timeout_ms`` or the default, at most the maximum."""
         timeout_ms = min(
             req.timeout_ms or self.settings.default_timeout_ms, self.settings.max_timeout_ms
@@ -221,7 +196,7 @@ class AdmissionGate:
         evict: Job | None = None
         # Each engine has its own bound: a model backlog must not shut out the rules, the
         # fallback meant for that time (test_a_model_backlog_leaves_the_rules_their_own_queue).
-        if self.queue.of_kind(route.kind) >= self.queue_bound(engine.slots):
+        if self.queue.of_kind(route.kind) >= self._queue_bound(engine.slots):
             evict = self.queue.eviction_victim(req.priority, route.kind)
             if evict is None:
                 return self._shed_queue_full(engine.slots, now)
@@ -232,10 +207,14 @@ class AdmissionGate:
                 ErrorCode.OVERLOADED, "client_cap", message, self.retry_after(engine.slots, now)
             )
         tokens = self.estimator.prompt_tokens(req, route.kind, counted.low, counted.high)
-        shed = self._deadline(req, tokens, route.kind, engine, self.timeout_s(req), now)
+        budget_s = self._budget_s(req)
+        shed = self._deadline(req, tokens, route.kind, engine, budget_s, now)
         if shed is not None:
             return shed
-        return Admit(route, evict, tokens)
+        evict_retry_ms = None
+        if evict is not None:  # its advice, on the queue it still waits in
+            evict_retry_ms = self.retry_after(self.workers.slots(evict.kind), now, evict.kind)
+        return Admit(route, now + budget_s, evict, tokens, evict_retry_ms)
 
     def retry_after(
         self,
@@ -247,7 +226,7 @@ class AdmissionGate:
         """Advice for a shed client (ms, clamped): when a request queued last for
         ``kind`` would start on ``slots`` (``ServiceEstimator.retry_after_ms``;
         ``fits``: at a batch level it accepts)."""
-        busy = Slots(kind, slots, 0, self._running(kind), self._credit(kind))
+        busy = engine_slots(kind, slots, 0, self.workers, self.jobs)
         return self.estimator.retry_after_ms(list(self.queue), busy, now, fits)
 
     # ------------------------------------------------------------------ the checks
@@ -279,17 +258,14 @@ class AdmissionGate:
         )
 
     def _pressure(self, req: ClientRequest, slots: int, now: float) -> Shed | None:
-        refused = (self.pressure == "high" and req.priority == "sheddable") or (
-            self.pressure == "critical" and req.priority != "critical"
-        )
-        if refused:
+        if req.priority in self.levels.memory_sheds():
             return Shed(
                 ErrorCode.UNAVAILABLE,
                 "memory_pressure",
-                f"memory pressure is {self.pressure}: {req.priority} work is shed",
+                f"memory pressure is {self.levels.level}: {req.priority} work is shed",
                 self.retry_after(slots, now),
             )
-        if self.cpu == "high" and req.priority == "sheddable":
+        if self.levels.cpu_sheds(req.priority):
             return Shed(
                 ErrorCode.UNAVAILABLE,
                 "cpu_pressure",
@@ -302,7 +278,7 @@ class AdmissionGate:
         return Shed(
             ErrorCode.UNAVAILABLE,
             "queue_full",
-            f"queue is full ({self.queue_bound(slots)} waiting)",
+            f"queue is full ({self._queue_bound(slots)} waiting)",
             self.retry_after(slots, now),
         )
 
@@ -350,36 +326,17 @@ class AdmissionGate:
 
     # ------------------------------------------------------------------ pressure
 
+    def _queue_bound(self, slots: int) -> int:
+        """How many requests for one engine of ``slots`` may wait now."""
+        return self.levels.queue_bound(slots, self.settings.max_queue)
+
     def shed_for_pressure(self) -> list[Job]:
-        """Queued jobs the current pressure no longer admits (to answer 503)."""
-        classes: dict[PressureLevel, tuple[Priority, ...]] = {
-            "ok": (),
-            "high": ("sheddable",),
-            "critical": ("normal", "sheddable"),
-        }
-        queued = (j for p in classes[self.pressure] for j in self.queue.queued(p))
+        """Queued jobs the current memory pressure no longer admits (to answer 503)."""
+        queued = (j for p in self.levels.memory_sheds() for j in self.queue.queued(p))
         return [j for j in queued if j.kind == "llm"]  # the rules need no memory to speak of
 
     def shed_for_cpu(self) -> list[Job]:
         """Queued sheddable model jobs while the host's CPU is under pressure (to answer 503)."""
-        if self.cpu == "ok":
+        if self.levels.cpu == "ok":
             return []
         return [j for j in self.queue.queued("sheddable") if j.kind == "llm"]
-
-    # ------------------------------------------------------------------ the pool
-
-    def _slots(self, kind: EngineKind, free: int) -> Slots:
-        """``kind``'s slots for the estimator, ``free`` of them usable now."""
-        return Slots(kind, self.workers.slots(kind), free, self._running(kind), self._credit(kind))
-
-    def _running(self, kind: EngineKind) -> list[Job]:
-        """``kind``'s jobs holding a slot (a cancelled one until its worker acks)."""
-        return [
-            j
-            for j in self.jobs
-            if j.kind == kind and j.worker is not None and j.dispatched_at is not None
-        ]
-
-    def _credit(self, kind: EngineKind) -> dict[bytes, int]:
-        """Free credit of each of ``kind``'s workers, by identity."""
-        return {w.identity: w.credit for w in self.workers.of_kind(kind)}

@@ -11,6 +11,8 @@ latency budget, cancel grace), the node's pressure readings. It builds its
 parts and asks them, each of which owns its state and never calls back:
 
 * ``broker.queue``: the requests waiting for a slot, and each client's open ones;
+* ``broker.pressure``: the node's memory and CPU pressure levels, and what they shed;
+* ``broker.snapshot``: the pool as one request finds it, for routing and admission;
 * ``broker.admission``: whether a request may wait in the queue (the ordered checks);
 * ``broker.service_time``: the service-time estimator (the rates of
   ``broker.service_model``, the batch levels of ``broker.batch_levels``, retry
@@ -24,7 +26,8 @@ parts and asks them, each of which owns its state and never calls back:
 * ``broker.exits``: why a worker is gone, and whether its request runs again.
 
 Invariant: every accepted client request gets exactly one final reply
-(``ok`` or ``error``), whatever happens to its worker.
+(``ok`` or ``error``), whatever happens to its worker. The path of one request
+through these modules: docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -43,16 +46,18 @@ from broker.errors import EdgeNodeError, ErrorCode, ProtocolError
 from broker.exits import ExitCause, blames_its_request, not_retried
 from broker.handover import Handover
 from broker.jobs import JobTable
-from broker.kinds import ENGINE_KINDS, PRESSURE_LEVELS, CpuLevel, EngineKind, FinalOutcome
+from broker.kinds import PRESSURE_LEVELS, CpuLevel, EngineKind, FinalOutcome
 from broker.lifecycle import Lifecycle
 from broker.liveness import Liveness
 from broker.outbox import Outbox
+from broker.pressure import PressureLevels
 from broker.protocol import WorkerCommand
 from broker.queue import ClientCounts, RequestQueue
 from broker.records import BrokerSettings, Job, JobState, WorkerEvent
 from broker.replies import final_reply
-from broker.routing import PoolView, Route, Router, RoutingSettings
+from broker.routing import Route, Router, RoutingSettings
 from broker.service_time import ServiceEstimator
+from broker.snapshot import PoolSnapshot, PoolView
 from broker.stats import Stats
 from broker.token_count import TokenCounter
 from broker.workers import WorkerRegistry, WorkerState, parse_ready
@@ -90,19 +95,31 @@ class Broker:
         self.jobs = JobTable()
         self.queue = RequestQueue(self.estimator)
         self.clients = ClientCounts()
+        #: The node's pressure levels: set here, read by the snapshot, the gate and dispatch.
+        self.pressure = PressureLevels()
+        self.snapshot = PoolSnapshot(
+            self.workers, self.jobs, self.queue, self.pressure, self.estimator
+        )
         self.gate = AdmissionGate(
             settings,
             self.estimator,
             self.jobs,
             self.queue,
             self.clients,
-            count_tokens,
             self.workers,
+            self.pressure,
+            count_tokens,
         )
         self.router = Router(routing, breaker, self.outbox)
         self.delivery = Delivery(settings.client_backlog, self.stats.counters)
         self.dispatcher = Dispatcher(
-            settings, self.workers, self.jobs, self.queue, self.gate, self.estimator, self.outbox
+            settings,
+            self.workers,
+            self.jobs,
+            self.queue,
+            self.pressure,
+            self.estimator,
+            self.outbox,
         )
         self.liveness = Liveness(settings, self.workers, self.outbox)
         self.life = Lifecycle(
@@ -148,7 +165,9 @@ class Broker:
             self._accept(identity, req, now)
 
     def _accept(self, identity: bytes, req: ClientRequest, now: float) -> None:
-        pool = self._pool_view(req, now)
+        """Route, admit, queue and dispatch a new ``generate`` request (each module
+        once on the way in: docs/ARCHITECTURE.md, "One generate request")."""
+        pool = self.snapshot.view(req.priority, self.draining, now)
         route = self.router.route(req, pool, now)
         verdict = self._admit(identity, req, route, pool, now)
         if isinstance(verdict, Shed):
@@ -156,19 +175,18 @@ class Broker:
             return
         route = verdict.route
         if verdict.evict is not None:  # a lower-priority request yields its place
-            self._shed_job(verdict.evict, "evicted by a higher-priority request", "queue_full", now)
-        deadline = now + self.gate.timeout_s(req)
-        job = self.jobs.new(identity, req, now, deadline, route.kind)
+            message = "evicted by a higher-priority request"
+            self._shed_job(verdict.evict, message, "queue_full", now, verdict.evict_retry_ms)
+        job = self.jobs.new(identity, req, now, verdict.deadline, route.kind)
         job.degraded, job.permit = route.degraded, route.permit
         job.prompt_tokens = verdict.prompt_tokens
         self.jobs.bind(job)
+        if route.ttft_budget_s is not None and not route.hedge:
+            self.jobs.arm("ttft", job.rid, now + route.ttft_budget_s)
         self.clients.opened(identity)
         self.queue.push(job)
         if route.hedge:
             self.handover.hedge(job)
-        elif route.watch_ttft:
-            budget_s = self.router.settings.ttft_budget_ms / 1000
-            self.jobs.arm("ttft", job.rid, now + budget_s)
         if route.copy:
             self._copy_to_model(job, route.copy, now)
         elif route.copy_skipped:
@@ -186,23 +204,11 @@ class Broker:
             self.router.breaker.release(route.permit, now)
         return verdict
 
-    def _pool_view(self, req: ClientRequest, now: float) -> PoolView:
-        """The pool as ``req`` finds it: one snapshot, for routing and admission."""
-        llm, rules = (
-            self.gate.engine_pool(kind, req.priority, self.dispatcher.free_credit(kind), now)
-            for kind in ENGINE_KINDS
-        )
-        return PoolView(
-            llm=llm,
-            rules=rules,
-            pressure=self.gate.pressure,
-            cpu_pressure=self.gate.cpu,
-            draining=self.draining,
-        )
-
     def _copy_to_model(self, primary: Job, mode: str, now: float) -> None:
         """Give the model a copy of ``primary`` (answered by the rules) to compare."""
-        if len(self.queue) > self.gate.queue_bound(self.workers.total_slots()):
+        if len(self.queue) > self.pressure.queue_bound(
+            self.workers.total_slots(), self.settings.max_queue
+        ):
             self.router.copy_skipped(primary, "queue_full")
             return
         permit = self.router.breaker.allow(now)
@@ -222,10 +228,14 @@ class Broker:
         )
         self.outbox.client(identity, body)
 
-    def _shed_job(self, job: Job, message: str, reason: str, now: float) -> None:
-        """Answer an admitted job 503 now (pressure, eviction) and cancel it if running."""
+    def _shed_job(
+        self, job: Job, message: str, reason: str, now: float, retry: int | None = None
+    ) -> None:
+        """Answer an admitted job 503 now (pressure, eviction) and cancel it if running;
+        ``retry``: its ``retry_after_ms`` if admission gave it (an eviction), else asked."""
         self.stats.count(f"shed_{reason}")
-        retry = self.gate.retry_after(self.workers.slots(job.kind), now, job.kind)
+        if retry is None:
+            retry = self.gate.retry_after(self.workers.slots(job.kind), now, job.kind)
         self._finish_early(
             job, ErrorCode.UNAVAILABLE, message, now, reason=reason, retry_after_ms=retry
         )
@@ -234,12 +244,12 @@ class Broker:
         """React to the node's memory pressure (``ok``, ``high`` or ``critical``).
 
         Rising pressure sheds queued work the level no longer admits and, at
-        ``critical``, cancels sheddable requests in flight; the gate halves the
-        queue and the credit used. ``ok`` restores both.
+        ``critical``, cancels sheddable requests in flight; the levels halve the
+        queue and the credit used (``PressureLevels``). ``ok`` restores both.
         """
-        if level not in PRESSURE_LEVELS or level == self.gate.pressure:
+        if level not in PRESSURE_LEVELS or level == self.pressure.level:
             return
-        self.gate.pressure = level
+        self.pressure.level = level
         message = f"shed under memory pressure ({level})"
         for job in self.gate.shed_for_pressure():
             self._shed_job(job, message, "memory_pressure", now)
@@ -257,9 +267,9 @@ class Broker:
         new sheddable model work is refused (``AdmissionGate``); in degrade mode
         ``auto`` requests go to the rules (``Router``). ``ok`` restores both.
         """
-        if level == self.gate.cpu:
+        if level == self.pressure.cpu:
             return
-        self.gate.cpu = level
+        self.pressure.cpu = level
         for job in self.gate.shed_for_cpu():
             self._shed_job(job, "shed under CPU pressure", "cpu_pressure", now)
         self.dispatcher.dispatch(now)
@@ -573,12 +583,12 @@ class Broker:
         node: dict[str, Any] = {
             "protocol": p.PROTOCOL_VERSION,
             "queue_depth": len(self.queue),
-            "queue_bound": self.gate.queue_bound(slots),
+            "queue_bound": self.pressure.queue_bound(slots, self.settings.max_queue),
             "in_flight": self.jobs.running(),
             "credit": self.workers.total_credit(),
-            "credit_limit": self.gate.concurrency(self.workers.slots("llm")),
-            "pressure": self.gate.pressure,
-            "cpu_pressure": self.gate.cpu,
+            "credit_limit": self.pressure.concurrency(self.workers.slots("llm")),
+            "pressure": self.pressure.level,
+            "cpu_pressure": self.pressure.cpu,
             "routing": self.router.snapshot(now),
             "draining": self.draining,
             "workers": workers,

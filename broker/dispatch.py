@@ -4,30 +4,33 @@ A worker's credit is its slots minus the requests it holds (``WorkerState.active
 only READY, REQUEST, FINAL and CREDIT change it, never a heartbeat. A request
 leaves the queue only onto a worker with free credit, and a cancelled one keeps
 its slot until the worker acks with its FINAL: the broker never runs more on a
-worker than it said it can take. Under memory pressure the admission gate
-withholds part of the model's credit (``AdmissionGate.concurrency``).
+worker than it said it can take. Under memory pressure part of the model's
+credit is withheld (``broker.snapshot.free_credit``).
 """
 
 from __future__ import annotations
 
-from broker.admission import AdmissionGate
 from broker.jobs import JobTable
+from broker.kinds import ENGINE_KINDS
 from broker.outbox import Outbox
+from broker.pressure import PressureLevels
 from broker.protocol import WorkerCommand
 from broker.queue import RequestQueue
 from broker.records import BrokerSettings, Job
 from broker.service_time import ServiceEstimator
+from broker.snapshot import free_credit
 from broker.workers import WorkerRegistry
 
 
 class Dispatcher:
-    """Free credit, the queue -> REQUEST frames, and CANCEL frames.
+    """The queue -> REQUEST frames within free credit, and CANCEL frames.
 
     Args:
         settings: the broker's knobs (``default_max_tokens``, ``cancel_grace_ms``).
         workers, jobs, queue: the registry, the job table and the queue it reads
             and moves jobs between.
-        gate: how much of the model's credit the pressure leaves usable.
+        levels: the broker's pressure levels (a reference): how much of the
+            model's credit they leave usable.
         estimator: told each worker's batch level as jobs start on it.
         outbox: where the frames go.
     """
@@ -38,7 +41,7 @@ class Dispatcher:
         workers: WorkerRegistry,
         jobs: JobTable,
         queue: RequestQueue,
-        gate: AdmissionGate,
+        levels: PressureLevels,
         estimator: ServiceEstimator,
         outbox: Outbox,
     ) -> None:
@@ -46,22 +49,13 @@ class Dispatcher:
         self.workers = workers
         self.jobs = jobs
         self.queue = queue
-        self.gate = gate
+        self.levels = levels
         self.estimator = estimator
         self.outbox = outbox
 
-    def free_credit(self, kind: str) -> int:
-        """Credit of ``kind``'s workers the broker may still use; under memory
-        pressure the gate withholds some of the model's (the rules need none)."""
-        pool = self.workers.of_kind(kind)
-        slots = sum(w.slots for w in pool)
-        in_flight = sum(len(w.active) for w in pool)
-        limit = self.gate.concurrency(slots) if kind == "llm" else slots
-        return min(sum(w.credit for w in pool), limit - in_flight)
-
     def dispatch(self, now: float) -> None:
         """Send queued requests, by priority then age, while credit allows."""
-        free = {"llm": self.free_credit("llm"), "rules": self.free_credit("rules")}
+        free = {kind: free_credit(self.workers, self.levels, kind) for kind in ENGINE_KINDS}
         for job in self.queue:
             if free[job.kind] <= 0:
                 if not any(n > 0 for n in free.values()):

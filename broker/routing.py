@@ -7,7 +7,7 @@ Devices adopt a model beside their legacy rule engine in stages:
 * ``dual``: the rules answer; the model always runs a copy; both are compared;
 * ``degrade``: the model answers, and the rules take over when the breaker is
   open, no model worker is registered, or memory or the host's CPU is under
-  pressure (the node's readings: ``broker.admission``). When the
+  pressure (the node's readings: ``broker.pressure``). When the
   model misses the latency budget to its first token (or is sure to, because
   it would have to queue), the rules are asked *as well* — a hedge: a rule
   that matches answers and the model's job is cancelled; a rule miss is
@@ -28,11 +28,12 @@ from typing import Any
 from broker.breaker import BreakerSettings, CircuitBreaker, Permit
 from broker.client_request import ClientRequest
 from broker.errors import ErrorCode
-from broker.kinds import CpuLevel, DegradeReason, EngineKind, PressureLevel
+from broker.kinds import DegradeReason, EngineKind
 from broker.outbox import Outbox
 from broker.records import Job
 from broker.rounding import ms
 from broker.service_time import RETRY_AFTER_MIN_MS
+from broker.snapshot import PoolView
 
 MODES = ("shadow", "dual", "degrade", "full")
 #: How much of a prompt a migration record keeps (chars).
@@ -49,46 +50,14 @@ class RoutingSettings:
 
 
 @dataclass(frozen=True)
-class EnginePool:
-    """One engine kind's workers as one request finds them: how many, the
-    sequences they run at once (``slots``), the credit usable now (``free``), the
-    smallest context among them (``n_ctx``, tokens; None if none reported one),
-    and when the request would start there (``wait_s``, s from now) at which
-    batch ``level`` (``broker.service_time.ServiceEstimator.wait``)."""
-
-    workers: int
-    slots: int = 0
-    free: int = 0
-    n_ctx: int | None = None
-    wait_s: float = 0.0
-    level: int = 1
-
-
-@dataclass(frozen=True)
-class PoolView:
-    """The pool at one moment, built once per request and shared by routing
-    (``Router.route``) and admission (``AdmissionGate.check``): each engine, the
-    memory and CPU pressure, and whether the node is draining."""
-
-    llm: EnginePool
-    rules: EnginePool
-    pressure: PressureLevel = "ok"
-    cpu_pressure: CpuLevel = "ok"
-    draining: bool = False
-
-    def of(self, kind: EngineKind) -> EnginePool:
-        """The engine of ``kind``."""
-        return self.llm if kind == "llm" else self.rules
-
-
-@dataclass(frozen=True)
 class Route:
     """A decision: the engine ``kind``, why it is a fallback (``degraded``, None
     if not), the breaker permit of a model call, whether the model also
     gets a ``copy`` (``shadow`` or ``dual``), and why a copy was not made
     (``copy_skipped``: ``no_credit``, ``no_model_worker``; "" if none was due).
-    ``watch_ttft``: arm the latency budget to the first token; ``hedge``: the
-    model's wait already exceeds it, so ask the rules at once as well.
+    ``ttft_budget_s``: arm the latency budget to the first token, this many s
+    (None: not watched); ``hedge``: the model's wait already exceeds it, so ask
+    the rules at once as well.
     ``circuit_open_ms``: only the model may serve it and its breaker is open (no
     permit): admission refuses it, retry after this many ms."""
 
@@ -96,7 +65,7 @@ class Route:
     degraded: DegradeReason | None = None
     permit: Permit | None = None
     copy: str = ""
-    watch_ttft: bool = False
+    ttft_budget_s: float | None = None
     copy_skipped: str = ""
     hedge: bool = False
     circuit_open_ms: int | None = None
@@ -145,7 +114,8 @@ class Router:
         # A wait beyond the budget is a latency miss, not a failure: the model keeps the
         # request and the rules are only asked in parallel (a hedge), as at the budget.
         late = budget > 0 and pool.llm.wait_s * 1000 > budget
-        return Route("llm", permit=permit, watch_ttft=budget > 0, hedge=late)
+        watched = budget / 1000 if budget > 0 else None
+        return Route("llm", permit=permit, ttft_budget_s=watched, hedge=late)
 
     def _model_only(self, now: float) -> Route:
         permit = self.breaker.allow(now)

@@ -19,8 +19,9 @@ import pytest
 from broker.admission import Admit
 from broker.client_request import ClientRequest
 from broker.protocol import WorkerCommand
-from broker.routing import EnginePool, PoolView, Route
+from broker.routing import Route
 from broker.service_time import ServiceEstimator, Slots
+from broker.snapshot import EnginePool, PoolView
 from brokerkit import CLIENT, FAST, W1, W2, BrokerHarness, Exact, generate
 
 REQUEST = WorkerCommand.REQUEST
@@ -225,7 +226,7 @@ def test_each_checked_request_keeps_its_own_count() -> None:
     h, _ = warmed()
     gate = h.broker.gate
     gate.count_tokens = Exact(lambda req: len(req.prompt or "") // 2)
-    pool = PoolView(llm=gate.engine_pool("llm", "normal", 2, 2.0), rules=EnginePool(0))
+    pool = PoolView(llm=h.broker.snapshot.engine("llm", "normal", 2.0), rules=EnginePool(0))
     first, second = (
         ClientRequest(id=rid, op="generate", prompt=prompt, max_tokens=16)
         for rid, prompt in ((1, "y" * 2040), (2, "z" * 2036))  # both might not fit
