@@ -394,26 +394,28 @@ class Broker:
         job.chunks.append(text)
 
     def _on_final(self, worker: WorkerState, body: dict[str, Any], now: float) -> None:
+        """A worker's FINAL: each module once (docs/ARCHITECTURE.md, "One generate
+        request"): the job table's lookup, the reply (a hedge's only if the rules
+        win, ``Handover.take_hedge``), the job's end (``Lifecycle.finished``), the
+        estimator (``ServiceEstimator.on_final``), then the freed slot's dispatch."""
         rid = body.get("rid")
         job = self._owned_job(worker, body)
         if isinstance(rid, int):
             worker.active.discard(rid)  # the credit returns with the ack, never earlier
+        measured = None
         if job is not None:
-            self.jobs.disarm("ack", job.rid)
-            self.liveness.acked(job.rid)
+            reply: dict[str, Any] | None = None
+            outcome: FinalOutcome | None = None
             if not job.settled:
-                self._reply_final(job, worker, body, now)  # learns its batch level first
-            self.life.forget(job)
-        self.estimator.levels.running(worker.identity, worker.active, now)
+                reply, outcome = final_reply(job, worker.kind, worker.worker_id, body, now)
+                if outcome == "ok" and job.dispatched_at is not None:
+                    measured = job
+                self.stats.count(outcome)
+                if job.hedge_of is not None and not self.handover.take_hedge(job, reply, now):
+                    reply = None  # dropped: the model keeps the request
+            self.life.finished(job, reply, now, counted=outcome)
+        self.estimator.on_final(worker.identity, worker.active, now, measured, body.get("usage"))
         self.dispatcher.dispatch(now)
-
-    def _reply_final(self, job: Job, worker: WorkerState, body: dict[str, Any], now: float) -> None:
-        reply, outcome = final_reply(job, worker.kind, worker.worker_id, body, now)
-        if outcome == "ok" and job.dispatched_at is not None:
-            max_tokens = job.req.max_tokens or self.settings.default_max_tokens
-            self.estimator.observe_final(job, body.get("usage"), now, max_tokens)
-        self.stats.count(outcome)
-        self._end(job, reply, now, counted=outcome)
 
     def worker_exited(self, worker_id: str, cause: ExitCause, now: float) -> None:
         """The supervisor reaped this worker's process (``cause``: how it ended):
@@ -458,7 +460,6 @@ class Broker:
             if job is None:
                 continue
             self.jobs.disarm("ack", rid)
-            self.liveness.acked(rid)
             if worker.kind == "llm" and failure:
                 self.router.worker_failed(job, now, reason)
             else:
@@ -527,7 +528,9 @@ class Broker:
         worker = None if job.worker is None else self.workers.get(job.worker)
         if worker is None:
             return
-        again = self.liveness.ack_overdue(job.rid, worker, now)
+        if job.ack_late_since is None:
+            job.ack_late_since = now
+        again = self.liveness.ack_overdue(worker, job.ack_late_since, now)
         if again is not None:
             self.jobs.arm("ack", job.rid, again)
             return

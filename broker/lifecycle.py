@@ -10,7 +10,9 @@ A job ends in exactly one of three ways (``broker.records.JobState``):
 * **dropped**: a hedge whose answer nobody takes.
 
 A settled job then leaves: forgotten if it never ran, cancelled on its worker
-if it runs (``broker.dispatch``; it keeps its slot until the worker acks).
+if it runs (``broker.dispatch``; it keeps its slot until the worker acks). A
+job whose worker sent its FINAL ends in one call (``finished``): answered if
+still open, then forgotten.
 ``Lifecycle`` moves the state through ``broker.jobs.JobTable``'s checked
 transitions and puts every effect in the outbox; it never decides *whether* a
 job ends (the core does) nor whether the rules may take it (``broker.handover``).
@@ -94,6 +96,23 @@ class Lifecycle:
         self.clients.closed(job.client)
         if deliver:
             self.outbox.client(job.client, body, ReplyKind.FINAL, counted)
+
+    def finished(
+        self,
+        job: Job,
+        reply: dict[str, Any] | None,
+        now: float,
+        *,
+        counted: FinalOutcome | None = None,
+    ) -> None:
+        """``job``'s worker sent its FINAL (for a cancelled job: its ack): the
+        ``ack`` timer is disarmed, ``reply`` answers it (``answer``; None: nothing
+        to send, it was settled already or is a hedge nobody takes), and it is
+        forgotten (``forget``). ``counted``: as for ``answer``."""
+        self.jobs.disarm("ack", job.rid)
+        if reply is not None:
+            self.answer(job, reply, now, counted=counted)
+        self.forget(job)
 
     def hand_over(self, old: Job, new: Job, now: float) -> None:
         """``new`` answers ``old``'s client from now on (``old``: ``HANDED_OVER``,

@@ -9,6 +9,8 @@ progress counter in heartbeats and partials; a heartbeat never grants credit
 * **stalled**: busy with a progress counter frozen for ``stall_timeout_ms``;
 * **hung**: no ack to a CANCEL within ``cancel_grace_ms``, while its progress
   stopped too (a multi-slot worker still producing tokens gets more graces).
+  The grace is the cancelled job's ``ack`` timer (``broker.jobs``), so that all
+  of a job's timers fire in one order; ``Liveness`` only judges it.
 
 A broker that did not run for a whole liveness window (SIGSTOP, a VM or swap
 stall) forgives its workers that time (``excuse``). ``Liveness`` only gives the
@@ -41,9 +43,6 @@ class Liveness:
         self.next_heartbeat = 0.0
         #: When ``verdicts`` last ran, to notice the broker's own pauses.
         self._last_tick: float | None = None
-        #: rid -> when its CANCEL's grace first ran out while its worker still made
-        #: progress (a slow step beside other slots, a starved process): ``ack_overdue``.
-        self._late_acks: dict[int, float] = {}
 
     # ------------------------------------------------------------------ news
 
@@ -85,9 +84,10 @@ class Liveness:
                 out.append((w, "stalled"))
         return out
 
-    def ack_overdue(self, rid: int, worker: WorkerState, now: float) -> float | None:
-        """The grace for ``worker``'s ack of cancelled job ``rid`` ran out: when to
-        look again (its progress counter moved during the grace), or None: it is hung.
+    def ack_overdue(self, worker: WorkerState, late_since: float, now: float) -> float | None:
+        """The grace for ``worker``'s ack of a CANCEL ran out at ``now`` (first at
+        ``late_since``): when to look again (its progress counter moved during the
+        grace), or None: it is hung.
 
         A multi-slot worker acks a cancel after its current step, which under host
         CPU load can outlast the grace while its other slots go on producing
@@ -95,16 +95,10 @@ class Liveness:
         graces, up to ``stall_timeout_ms`` in all.
         """
         grace = self.settings.cancel_grace_ms / 1000
-        late_since = self._late_acks.setdefault(rid, now)
         working = worker.progress_at > now - grace
         if working and now - late_since < self.settings.stall_timeout_ms / 1000:
             return now + grace
-        self._late_acks.pop(rid, None)
         return None
-
-    def acked(self, rid: int) -> None:
-        """Job ``rid`` no longer waits for an ack (it came, or its worker is gone)."""
-        self._late_acks.pop(rid, None)
 
     # ------------------------------------------------------------------ heartbeats
 

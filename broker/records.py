@@ -103,6 +103,8 @@ class Job:
     admission, None while there is neither.
     ``state`` is where it is in its life (``JobState``); ``worker`` the worker
     holding it (running or cancelling), ``attempts`` its re-dispatches.
+    ``ack_late_since``: when the grace for its worker's ack of its CANCEL first
+    ran out (``broker.liveness.Liveness.ack_overdue``), None until it has.
     """
 
     rid: int
@@ -123,6 +125,7 @@ class Job:
     hedge_of: int | None = None
     hedged_by: int | None = None
     prompt_tokens: float | None = None
+    ack_late_since: float | None = None
 
     @property
     def settled(self) -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from broker.batch_levels import BatchLevels
@@ -72,10 +72,10 @@ class ServiceEstimator:
         default_max_tokens: the ``max_tokens`` of a request that sets none.
 
     ``sizes`` holds the per-token rates by batch level (``ServiceModel``);
-    ``levels`` follows each worker's running requests over time (the broker calls
-    ``levels.running`` on every change of a worker's running set and
-    ``levels.first_token`` on a request's first token) to tell each finished
-    request's batch level. The mean is one EWMA per kind: a rule answer (milliseconds)
+    ``levels`` follows each worker's running requests over time (``levels.running``
+    on every change of a worker's running set: dispatch, ``on_final``, a lost
+    worker; ``levels.first_token`` on a request's first token) to tell each
+    finished request's batch level. The mean is one EWMA per kind: a rule answer (milliseconds)
     must not dilute the model's (seconds), nor the model's make rules look slow.
     """
 
@@ -98,18 +98,37 @@ class ServiceEstimator:
         else:
             self._mean[kind] += ALPHA * (seconds - self._mean[kind])
 
-    def observe_final(self, job: Job, usage: object, now: float, max_tokens: int) -> None:
-        """A successful FINAL of ``job`` (dispatched) at ``now``: its dispatch-to-final
+    def on_final(
+        self,
+        worker: bytes,
+        running: Collection[int],
+        now: float,
+        measured: Job | None = None,
+        usage: object = None,
+    ) -> None:
+        """A FINAL came from ``worker`` at ``now``; it now runs ``running`` (its
+        running set without the finished request).
+
+        ``measured``: the job it answered ``ok`` (dispatched): its dispatch-to-final
         time joins the mean; with a first token and the worker's ``usage``, its
         prefill and decode times teach ``sizes`` at the batch levels it ran at
-        (``levels``; call before its worker's running set drops it).
-        ``max_tokens``: the worker's limit."""
+        (``levels``, read before the worker's running set drops it). Then the
+        worker's batch level moves on (``levels.running``).
+        """
+        if measured is not None:
+            self._observe_final(measured, usage, now)
+        self.levels.running(worker, running, now)
+
+    def _observe_final(self, job: Job, usage: object, now: float) -> None:
+        """Learn from ``job``'s successful FINAL at ``now`` (``on_final``); its
+        ``max_tokens`` is the worker's limit (the default if it set none)."""
         assert job.dispatched_at is not None
         total_s = now - job.dispatched_at
         self.observe_service(total_s, job.kind)
         if job.first_token_at is not None:
             ttft_s = job.first_token_at - job.dispatched_at
             at = (1.0, 1.0) if job.worker is None else self.levels.levels(job.worker, job.rid, now)
+            max_tokens = job.req.max_tokens or self.default_max_tokens
             self.sizes.observe(job.kind, job.req, max_tokens, ttft_s, total_s, usage, *at)
 
     # ------------------------------------------------------------------ reading
