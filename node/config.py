@@ -23,7 +23,7 @@ from broker.records import BrokerSettings
 from broker.routing import MODES, RoutingSettings
 from node.capacity.worker_limits import validate_memory
 from node.endpoints import parse_endpoint
-from node.engine import ModelEngineKind
+from node.engine import ModelEngineName
 from node.units import parse_cores, parse_size
 
 if sys.version_info >= (3, 11):
@@ -32,7 +32,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
 SYSTEM_CONFIG = Path("/etc/edgenode/edgenode.toml")
-ENGINES: tuple[str, ...] = get_args(ModelEngineKind)
+ENGINES: tuple[str, ...] = get_args(ModelEngineName)
 SANDBOX_MODES = ("auto", "required", "off")
 #: The most sequences (slots) one worker may run: ``workers.slots`` in [1, MAX_SLOTS].
 MAX_SLOTS = 64
@@ -70,7 +70,7 @@ class WorkersSection:
     """The worker pool: how many processes, which engine, how they start and stop."""
 
     count: int = 1
-    engine: ModelEngineKind = "llama"
+    engine: ModelEngineName = "llama"
     threads: int = 2
     #: Sequences per model worker: an integer in [1, ``MAX_SLOTS``] or "auto"
     #: (``node.capacity.plan.resolve_slots`` turns it into an int at start).

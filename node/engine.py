@@ -28,18 +28,18 @@ Outcome = dict[str, Any] | EdgeNodeError
 
 
 #: The engines ``workers.engine`` can name: llama.cpp, or the fast test stand-in.
-ModelEngineKind = Literal["llama", "test"]
+ModelEngineName = Literal["llama", "test"]
 #: The engines a worker can run: a model engine, or the rules (``rules-0``).
-EngineKind = Literal[ModelEngineKind, "rules"]
+EngineName = Literal[ModelEngineName, "rules"]
 #: What each kind loads before it can serve (the exit-66 wording: "<it> failed to load").
-LOADS: dict[EngineKind, str] = {"llama": "model", "test": "model", "rules": "rules"}
+LOADS: dict[EngineName, str] = {"llama": "model", "test": "model", "rules": "rules"}
 
 
 @dataclass(frozen=True)
 class EngineSpec:
     """What a worker needs to build its engine (JSON-able, passed on its command line)."""
 
-    kind: EngineKind
+    kind: EngineName
     model_path: str
     n_ctx: int
     n_batch: int

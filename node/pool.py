@@ -19,7 +19,7 @@ from node.capacity.plan import resolve_slots
 from node.capacity.worker_limits import PlannedLimits
 from node.config import NodeConfig, WorkersSection
 from node.endpoints import connect_endpoint
-from node.engine import EngineKind, EngineSpec
+from node.engine import EngineName, EngineSpec
 from node.sandbox.cgroups import Sandbox, cgroup_name, limits_for, options_for
 from node.sandbox.cores import CpuPlan, pin_all_threads, plan_cpus
 from node.sandbox.driver import MemoryReading
@@ -61,7 +61,7 @@ class WorkerStatus(ProcessStatus):
     cpus: list[int]
     threads: int
     slots: int
-    engine: EngineKind
+    engine: EngineName
     nice: int | None
     autogroup_nice: int | None
 

@@ -24,7 +24,7 @@ from typing import IO, Literal, TypedDict
 
 from broker.exits import ExitCause, Verdict
 from node.config import WorkersSection
-from node.engine import EngineKind
+from node.engine import EngineName
 from node.worker import DETERMINISTIC_EXITS, EXIT_MESSAGE_MAX_BYTES, WorkerSpec, exit_meaning
 
 log = logging.getLogger("edgenode.supervisor")
@@ -354,7 +354,7 @@ def open_worker_log(path: Path, max_bytes: int) -> IO[bytes]:
     return open(path, "ab")  # the caller closes it (at the next spawn or at stop)
 
 
-def exit_cause(code: int, kind: EngineKind = "llama", message: str = "") -> ExitCause:
+def exit_cause(code: int, kind: EngineName = "llama", message: str = "") -> ExitCause:
     """The cause of a ``Popen.returncode`` (negative = killed by a signal).
 
     Args:

@@ -42,7 +42,7 @@ from node.engine import (
     LOADS,
     BatchEngine,
     Engine,
-    EngineKind,
+    EngineName,
     EngineSpec,
     Outcome,
     TestEngine,
@@ -63,7 +63,7 @@ DETERMINISTIC_EXITS = (EXIT_CONFIG, EXIT_MODEL_LOAD)
 EXIT_MESSAGE_MAX_BYTES = 512
 
 
-def exit_meaning(code: int, kind: EngineKind) -> str | None:
+def exit_meaning(code: int, kind: EngineName) -> str | None:
     """What a deterministic exit ``code`` of a worker running ``kind`` means, or None."""
     if code == EXIT_CONFIG:
         return "bad worker configuration"
