@@ -42,7 +42,8 @@ from node.pidfile import (
     signal_holder,
     wait_for_starts,
 )
-from node.pool import WorkerStatus, plan_workers
+from node.pool import WorkerStatus
+from node.sandbox.cores import plan_workers
 
 #: ``edgenode status`` exit code when no node runs (LSB init-script convention).
 EXIT_NOT_RUNNING = 3
