@@ -40,6 +40,7 @@ from typing import Any
 import zmq
 
 from broker import protocol as p
+from broker.client_request import check_request_id
 from broker.errors import EdgeNodeError, ProtocolError, Unavailable, error_from_wire
 
 #: Extra wait beyond the request's own ``timeout_ms`` before the client gives
@@ -176,7 +177,8 @@ class Client:
             libzmq drops the connection without a reply (PROTOCOL §2.3).
 
     The request methods take the protocol's fields as keywords (PROTOCOL §3.1):
-    ``id`` (str of 1-128 characters or int; default ``"<pid in hex>-<n>"``),
+    ``id`` (str of 1-128 characters or int in [0, 2**63); default ``"<pid in hex>-<n>"``;
+    another raises ``ProtocolError`` before anything is sent),
     ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
     ``json_schema``, ``timeout_ms`` (ms), ``route``, ``priority``. An ``id`` that
     is still in flight on this client raises ``ProtocolError`` with ``reason``
@@ -303,9 +305,9 @@ class Client:
         body = dict(body)
         if body.get("id") is None:
             body["id"] = self._prefix + str(next(self._ids))
-        rid = body["id"]
-        if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-            raise ProtocolError(f"id must be a str or an int, got {rid!r}")
+        # The broker's own rule: its 400 for a bad id carries ``id: nil``, which no
+        # inbox would take, so the call would wait out its whole wait for nothing.
+        rid = check_request_id("id", body["id"])
         if rid in self._inboxes:
             # The node would refuse it too, but its 400 would carry this same id
             # and end the request in flight instead (PROTOCOL §3.3).

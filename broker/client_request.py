@@ -73,7 +73,7 @@ def request_id_of(msg: dict[str, Any]) -> str | int | None:
     """The message's ``id`` if it is a valid id, else None (for error replies)."""
     value = msg.get("id")
     try:
-        return _check_id("id", value)
+        return check_request_id("id", value)
     except ProtocolError:
         return None
 
@@ -87,7 +87,7 @@ def parse_client_request(msg: dict[str, Any]) -> ClientRequest:
     unknown = sorted(set(msg) - _CLIENT_FIELDS)
     if unknown:
         raise ProtocolError(f"unknown field {unknown[0]!r}")
-    rid = _check_id("id", msg.get("id"))
+    rid = check_request_id("id", msg.get("id"))
     op = _check_choice("op", msg.get("op"), OPS)
     kwargs: dict[str, Any] = {"id": rid, "op": op}
     if op == "generate":
@@ -95,7 +95,7 @@ def parse_client_request(msg: dict[str, Any]) -> ClientRequest:
     elif op == "chat":
         kwargs["messages"] = _check_messages(msg.get("messages"))
     elif op == "cancel":
-        kwargs["target"] = _check_id("target", msg.get("target"))
+        kwargs["target"] = check_request_id("target", msg.get("target"))
     opt = _optional
     kwargs["max_tokens"] = opt(
         msg, "max_tokens", lambda n, v: _check_int(n, v, 1, MAX_TOKENS_LIMIT)
@@ -128,7 +128,15 @@ def _optional(msg: dict[str, Any], name: str, check: Any) -> Any:
     return None if value is None else check(name, value)
 
 
-def _check_id(name: str, value: Any) -> str | int:
+def check_request_id(name: str, value: Any) -> str | int:
+    """``value`` if it is a valid request id: a string of 1-``MAX_ID_CHARS`` characters
+    or an integer in [0, 2**63). The broker checks ``id`` and ``target`` with it, the
+    client checks its ids before sending (the node's 400 for a bad id has no id to
+    carry, so the client could not match it to the request).
+
+    Raises:
+        ProtocolError: missing (None) or not a valid id; the message names ``name``.
+    """
     if isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS:
         return value
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63:

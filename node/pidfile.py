@@ -55,6 +55,11 @@ PIDFILE_NAME = "edgenode.pid"
 #: locked, that a background ``edgenode start`` hands to the node it spawns.
 LOCK_FD_ENV = "EDGENODE_LOCK_FD"
 
+#: How long a refused start waits for a background start that holds the lock to
+#: launch its node, so the refusal names the node (``serving_holder``), seconds:
+#: the start checks the config (the model's metadata, the rules) first.
+HANDOVER_WAIT_S = 30.0
+
 #: How often ``signal_holder`` follows the lock to a new holder (the start
 #: command exiting after its node is up hands the lock over once).
 HOLDER_CHANGES = 3
@@ -199,14 +204,61 @@ def describe(proc: psutil.Process) -> str:
         return "?"
 
 
-def in_use_message(run_dir: Path) -> str:
+def in_use_message(run_dir: Path, wait_s: float = HANDOVER_WAIT_S) -> str:
     """Why a node cannot start on ``run_dir``: "edgenode already running (pid N,
-    DIR)", or, for a holder that is not an edgenode start, which process it is."""
-    holder = lock_holder(run_dir)
+    DIR)" naming the node (``serving_holder``, which may wait up to ``wait_s``
+    seconds for a background start to launch it), or, for a holder that is not
+    an edgenode start, which process it is."""
+    holder = serving_holder(run_dir, wait_s)
     if holder is not None and not is_node(holder):
         return ForeignHolderError(run_dir, holder.pid, describe(holder)).message
-    who = f"pid {holder.pid}" if holder is not None else "a process that just exited"
+    if holder is None:
+        who = "a process that just exited"
+    elif is_launcher(holder):
+        who = f"pid {holder.pid}, a start still launching its node"
+    else:
+        who = f"pid {holder.pid}"
     return f"edgenode already running ({who}, {run_dir}): one node per run directory"
+
+
+def is_launcher(proc: psutil.Process) -> bool:
+    """Whether ``proc`` is a background start (``is_node``, without ``--foreground``):
+    it holds the lock only until the node it launches takes it over."""
+    try:
+        cmdline = proc.cmdline()
+    except psutil.Error:
+        return False
+    return is_node_command(cmdline) and "--foreground" not in cmdline
+
+
+def serving_holder(run_dir: Path, wait_s: float = HANDOVER_WAIT_S) -> psutil.Process | None:
+    """The process to name as ``run_dir``'s node: the lock holder, except that for
+    a background start (``is_launcher``) it is the node that start launched, as
+    soon as that child holds the lock. Waits at most ``wait_s`` seconds for the
+    start to launch it (its config check comes first), then names the start
+    itself. None: nobody holds the lock.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        holder = lock_holder(run_dir)
+        if holder is None or not is_launcher(holder):
+            return holder
+        node = _launched_node(holder, run_dir)
+        if node is not None:
+            return node
+        if time.monotonic() >= deadline:
+            return holder
+        time.sleep(0.05)
+
+
+def _launched_node(launcher: psutil.Process, run_dir: Path) -> psutil.Process | None:
+    """The child of ``launcher`` that holds ``run_dir``'s lock (handed over), or None."""
+    try:
+        st = os.stat(run_dir)
+        children = launcher.children()
+    except (OSError, psutil.Error):
+        return None
+    return next((child for child in children if _holds(child.pid, st)), None)
 
 
 def lock_holder(run_dir: Path) -> psutil.Process | None:

@@ -11,44 +11,27 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 from broker.exits import ExitCause
 from node.capacity.plan import resolve_slots
 from node.capacity.worker_limits import PlannedLimits
-from node.config import NodeConfig, WorkersSection
+from node.config import NodeConfig
 from node.endpoints import connect_endpoint
 from node.engine import EngineName, EngineSpec
 from node.sandbox.cgroups import Sandbox, cgroup_name, limits_for, options_for
-from node.sandbox.cores import CpuPlan, pin_all_threads, plan_cpus
+from node.sandbox.cores import CpuPlan, pin_all_threads, plan_workers
 from node.sandbox.driver import MemoryReading
 from node.sandbox.niceness import process_niceness
 from node.supervisor import ProcessStatus, Supervisor
-from node.units import format_size, parse_cores
+from node.units import format_size
 from node.worker import WorkerSpec
 
 log = logging.getLogger("edgenode.pool")
 
 RULES_WORKER = "rules-0"
 NO_NICENESS: dict[str, int | None] = {"nice": None, "autogroup_nice": None}
-
-
-def plan_workers(w: WorkersSection, node_cpus: Sequence[int] = ()) -> CpuPlan:
-    """The core plan for ``[workers]`` and ``node.cpus`` on this host (``edgenode
-    start`` checks it first).
-
-    Raises:
-        ConfigError: an impossible reservation (cores outside the allowed set, all of them).
-    """
-    return plan_cpus(
-        w.count,
-        w.cpus,
-        cpu_quota_cores=parse_cores(w.cpu_quota),
-        max_threads=w.threads,
-        nice=w.nice,
-        node=node_cpus,
-    )
 
 
 class WorkerStatus(ProcessStatus):

@@ -35,7 +35,8 @@ loading the weights) and the budget:
 * Slots (``workers.slots``): a worker with S slots is one process, one model,
   one llama context of S sequences with ``model.n_ctx`` cells each (non-unified
   KV), so it pays S x KV per sequence and the runtime and grammar once.
-  ``resolve_slots`` turns the setting into an int ("auto": ``AUTO_SLOTS_PER_THREAD``).
+  ``resolve_slots`` turns the setting into an int ("auto": ``AUTO_SLOTS_PER_THREAD``
+  per thread a worker really runs).
 
 Sizes are binary (``G`` = GiB = 2**30, ``M`` = MiB; ``node.units``), as systemd's
 ``MemoryMax=`` reads them. That makes the textbook example exact: 8G - 4.2G
@@ -61,6 +62,7 @@ from node.capacity.worker_limits import is_auto, memory_high_bytes, memory_max_b
 from node.config import MAX_SLOTS, is_auto_slots
 from node.engine import flash_attn_on
 from node.model import resolve_model
+from node.sandbox.cores import worker_threads
 from node.units import format_size as _format_size
 
 if TYPE_CHECKING:
@@ -88,9 +90,10 @@ KV_TYPES = {
     "q8_0": GGMLQuantizationType.Q8_0,
     "q4_0": GGMLQuantizationType.Q4_0,
 }
-#: ``workers.slots = "auto"`` gives a worker at most this many slots per thread
-#: (``workers.threads``): beyond 4 per core, requests wait much longer for little
-#: more aggregate throughput (measured: docs/bench/figures.md §node.capacity.plan).
+#: ``workers.slots = "auto"`` gives a worker at most this many slots per thread it
+#: really runs (``node.sandbox.cores.worker_threads``: ``workers.threads`` cut to its
+#: cores and quota): beyond 4 per core, requests wait much longer for little more
+#: aggregate throughput (measured: docs/bench/figures.md §node.capacity.plan).
 AUTO_SLOTS_PER_THREAD = 4
 
 
@@ -310,7 +313,6 @@ def config_plan(config: NodeConfig, **overrides: Any) -> tuple[Plan, ModelMeta |
     cap, m = config.capacity, config.model
     given = {k: v for k, v in overrides.items() if v is not None}
     slots: int | str = given.pop("slots", config.workers.slots)
-    threads = config.workers.threads
     if "budget" not in given:
         given["budget"], given["budget_source"] = configured_budget(config)
         bound = node_limit(config)
@@ -323,6 +325,7 @@ def config_plan(config: NodeConfig, **overrides: Any) -> tuple[Plan, ModelMeta |
         "runtime_overhead": config_size(cap.runtime_overhead, "capacity.runtime_overhead"),
         "weights_shared": not m.repack,
     } | given
+    threads = worker_threads(config.workers, ask["workers"])
     if config.workers.engine != "llama":
 
         def test(s: int) -> Plan:
@@ -342,7 +345,8 @@ def resolve_slots(config: NodeConfig, **overrides: Any) -> int:
     for "auto" the largest S for which ``workers.count`` workers of S slots fit the
     capacity plan with its margin (and, with the llama engine, one worker's
     estimate fits a fixed ``workers.memory_max``), at most
-    ``AUTO_SLOTS_PER_THREAD x workers.threads`` (and ``MAX_SLOTS``), at least 1
+    ``AUTO_SLOTS_PER_THREAD x`` the threads a worker really runs
+    (``node.sandbox.cores.worker_threads``) and ``MAX_SLOTS``, at least 1
     (a plan that does not fit even then is refused by ``check_fits``).
     ``overrides`` as for ``config_plan`` (``workers``, ``budget``, ..., ``slots``).
 
@@ -351,7 +355,8 @@ def resolve_slots(config: NodeConfig, **overrides: Any) -> int:
     returns, whose ``slots`` is this same number.
 
     Raises:
-        ConfigError: "auto" with a bad capacity key or an unreadable model.
+        ConfigError: "auto" with a bad capacity key, an unreadable model or an
+            impossible core reservation.
     """
     slots = overrides.get("slots")
     slots = config.workers.slots if slots is None else slots
@@ -379,7 +384,8 @@ def plan_slots(
     plan_for: Callable[[int], Plan], slots: int | str, threads: int, limit: int | None = None
 ) -> Plan:
     """The plan for ``slots`` per worker: ``plan_for(slots)`` for an integer; for
-    "auto" ``auto_slots`` up to ``AUTO_SLOTS_PER_THREAD x threads`` (and
+    "auto" ``auto_slots`` up to ``AUTO_SLOTS_PER_THREAD x threads`` (the threads
+    each worker runs, ``node.sandbox.cores.worker_threads``; and
     ``MAX_SLOTS``) within ``limit`` (see there). ``config_plan`` and the CLI's sizes
     by hand both use it."""
     if is_auto_slots(slots):

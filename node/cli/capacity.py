@@ -36,6 +36,7 @@ from node.capacity.plan import (
 )
 from node.capacity.worker_limits import describe, is_auto
 from node.config import MAX_SLOTS, NodeConfig, is_auto_slots, load_config
+from node.sandbox.cores import worker_threads
 from node.units import parse_size
 
 
@@ -163,7 +164,7 @@ def _manual(
         budget_source=source,
     )
     asked = config.workers.slots if slots is None else slots
-    return plan_slots(lambda s: by_hand(slots=s), asked, config.workers.threads)
+    return plan_slots(lambda s: by_hand(slots=s), asked, worker_threads(config.workers, count))
 
 
 def render(
@@ -179,7 +180,7 @@ def render(
         f"weights     {s(plan.weights)}, {sharing}",
         f"budget      {s(plan.budget)} ({plan.budget_source}) - reserve {s(plan.reserve)}"
         f" - shared weights {s(plan.shared_weights)} = {s(plan.left)} left",
-        f"layout      {layout(plan)} ({slots_setting(config, slots)})",
+        f"layout      {layout(plan)} ({slots_setting(config, slots, plan.workers)})",
         f"per worker  {breakdown(plan)} = {s(plan.per_worker)}",
         f"total       weights {s(plan.shared_weights)} + {plan.workers} x {s(plan.per_worker)}"
         f" = {s(plan.total)} for {layout(plan)}",
@@ -205,12 +206,15 @@ def render(
     return "\n".join(lines)
 
 
-def slots_setting(config: NodeConfig, slots: int | str | None = None) -> str:
-    """Where the slots come from: ``workers.slots = 4``, or for "auto" how it was sized."""
+def slots_setting(
+    config: NodeConfig, slots: int | str | None = None, workers: int | None = None
+) -> str:
+    """Where the slots come from: ``workers.slots = 4``, or for "auto" how it was sized
+    for ``workers`` workers (default ``workers.count``): per thread each really runs."""
     slots = config.workers.slots if slots is None else slots
     if not is_auto_slots(slots):
         return f"workers.slots = {slots}"
-    threads = config.workers.threads
+    threads = worker_threads(config.workers, workers)
     return (
         f'workers.slots = "auto": the most that fit, at most {AUTO_SLOTS_PER_THREAD} per thread'
         f" x {threads} thread(s)"

@@ -38,11 +38,13 @@ from node.pidfile import (
     ForeignHolderError,
     RunLock,
     in_use_message,
+    is_launcher,
     lock_holder,
     signal_holder,
     wait_for_starts,
 )
-from node.pool import WorkerStatus, plan_workers
+from node.pool import WorkerStatus
+from node.sandbox.cores import plan_workers
 
 #: ``edgenode status`` exit code when no node runs (LSB init-script convention).
 EXIT_NOT_RUNNING = 3
@@ -372,16 +374,9 @@ def stop(ctx: click.Context, timeout_s: float) -> None:
 
 def _what(proc: psutil.Process) -> str:
     """``pid N``, marked when it is a background start still launching its node."""
-    if "--foreground" in _cmdline(proc):
+    if not is_launcher(proc):
         return f"pid {proc.pid}"
     return f"pid {proc.pid}, a start still launching its node"
-
-
-def _cmdline(proc: psutil.Process) -> list[str]:
-    try:
-        return proc.cmdline()
-    except psutil.Error:
-        return []
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -38,9 +38,14 @@ import os
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from broker.errors import ConfigError, SandboxError
 from node.sandbox.niceness import check_nice, renice, set_autogroup_nice
+from node.units import parse_cores
+
+if TYPE_CHECKING:
+    from node.config import WorkersSection
 
 log = logging.getLogger("edgenode.affinity")
 
@@ -86,6 +91,43 @@ class CpuPlan:
         return any(len(p.cpus) < len(self.allowed) for p in self.workers)
 
 
+def allowed_cores() -> tuple[int, ...]:
+    """The cores this process may run on (``os.sched_getaffinity(0)``), sorted."""
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def plan_workers(
+    w: WorkersSection, node_cpus: Sequence[int] = (), *, count: int | None = None
+) -> CpuPlan:
+    """The core plan for ``[workers]`` and ``node.cpus`` on this host (``edgenode
+    start`` checks it first); ``count`` workers, default ``workers.count``.
+
+    Raises:
+        ConfigError: an impossible reservation (cores outside the allowed set, all of them).
+    """
+    return plan_cpus(
+        w.count if count is None else count,
+        w.cpus,
+        cpu_quota_cores=parse_cores(w.cpu_quota),
+        max_threads=w.threads,
+        nice=w.nice,
+        node=node_cpus,
+    )
+
+
+def worker_threads(w: WorkersSection, count: int | None = None) -> int:
+    """The threads each model worker really runs: its ``Placement.threads`` (llama.cpp
+    ``n_threads``, status's THR) in the plan for ``count`` workers (default
+    ``workers.count``, at least one), the fewest where slices differ by a core.
+    ``workers.slots = "auto"`` is sized on it (node.capacity.plan).
+
+    Raises:
+        ConfigError: an impossible reservation (``plan_cpus``).
+    """
+    placed = plan_workers(w, count=max(1, w.count if count is None else count)).workers
+    return min(p.threads for p in placed)
+
+
 def plan_cpus(
     count: int,
     reserved: Sequence[int] = (),
@@ -101,7 +143,7 @@ def plan_cpus(
     Args:
         count: number of workers.
         reserved: ``workers.cpus``; empty = share every allowed core.
-        allowed: the cores this process may use; default ``os.sched_getaffinity(0)``.
+        allowed: the cores this process may use; default ``allowed_cores()``.
         cpu_quota_cores: each worker's CPU quota in cores (None = no quota).
         max_threads: ``workers.threads``, an upper bound on ``n_threads`` (None = none).
         nice: the workers' nice level.
@@ -111,7 +153,7 @@ def plan_cpus(
         ConfigError: a core listed twice or outside the allowed set, a
             reservation of every allowed core, or a nice level outside 0..19.
     """
-    allowed_set = sorted(set(os.sched_getaffinity(0) if allowed is None else allowed))
+    allowed_set = sorted(set(allowed_cores() if allowed is None else allowed))
     check_nice(nice)
     pool = _check_reserved(reserved, allowed_set)
     chunks = split_cores(pool, count)

@@ -237,8 +237,10 @@ def test_a_stream_never_read_frees_its_id_when_dropped(fake: FakeNode) -> None:
         c.stream_generate("c", id="gone")  # no duplicate_id now
 
 
-@pytest.mark.parametrize("bad", [[1], True, 1.5, None])
-def test_an_id_that_is_not_str_or_int_is_refused_before_sending(fake: FakeNode, bad: Any) -> None:
+@pytest.mark.parametrize("bad", [[1], True, 1.5, None, -3, "", "x" * 129, 2**63])
+def test_an_id_the_node_would_refuse_is_refused_before_sending(fake: FakeNode, bad: Any) -> None:
+    # The node's 400 for such an id carries ``id: nil`` (it cannot echo an invalid
+    # id), which no inbox takes: the client must refuse it itself, at once.
     with Client(fake.endpoint, wait_ms=5000) as c:
         if bad is None:  # None means "make one up", as when absent
             stream = c.stream_generate("a", id=bad)

@@ -25,6 +25,14 @@ def _no_host_memory_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("node.capacity.budget.node_limit", lambda config, host=None: None)
 
 
+@pytest.fixture
+def many_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host of 64 cores: "auto" slots follow the threads each worker really runs
+    (``node.sandbox.cores.worker_threads``), which a small host would cut below the
+    ``workers.threads`` a test's arithmetic is written for."""
+    monkeypatch.setattr("node.sandbox.cores.allowed_cores", lambda: tuple(range(64)))
+
+
 @pytest.fixture(scope="session")
 def gemma() -> ModelMeta:
     """The default model's metadata (Gemma 3 270M Q4_K_M), read without its weights."""

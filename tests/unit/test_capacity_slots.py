@@ -25,9 +25,13 @@ from node.capacity.plan import (
     config_plan,
     resolve_slots,
 )
+from node.cli.capacity import slots_setting
 from node.config import MAX_SLOTS, from_dict
 from node.pool import RULES_WORKER, WorkerPool
 from node.sandbox.cgroups import limits_for
+
+#: Slots per thread x ``workers.threads``, whatever cores the test host has.
+pytestmark = pytest.mark.usefixtures("many_cores")
 
 #: The default model's worker, one slot: KV 36 MiB + runtime 120 MiB + grammar 176 MiB.
 KV, RUNTIME, GRAMMAR = 36 * MiB, 120 * MiB, 176 * MiB
@@ -111,6 +115,25 @@ def test_auto_without_kv_is_four_slots_per_thread_capped_at_64(threads: int, slo
     cfg = echo_engine(slots="auto", threads=threads)
     assert AUTO_SLOTS_PER_THREAD == 4
     assert resolve_slots(cfg) == slots == config_plan(cfg)[0].slots
+
+
+def test_auto_counts_the_threads_a_worker_really_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # workers.cpus = [1]: both workers share core 1 and run one thread each
+    # (status's THR 1), whatever workers.threads allows.
+    monkeypatch.setattr("node.sandbox.cores.allowed_cores", lambda: (0, 1, 2, 3))
+    cfg = echo_engine(count=2, slots="auto", threads=2, cpus=[1], sandbox="off")
+    assert resolve_slots(cfg) == 4 == config_plan(cfg)[0].slots
+    pool = WorkerPool(cfg, "test", None, tmp_path)
+    assert [(s.engine.threads, s.slots) for s in pool.specs] == [(1, 4), (1, 4)]
+    assert slots_setting(cfg, workers=2) == (
+        'workers.slots = "auto": the most that fit, at most 4 per thread x 1 thread(s)'
+    )
+    toml = '[workers]\nengine = "test"\nslots = "auto"\nthreads = 2\ncpus = [1]\n'
+    result = run_cli(tmp_path, "--memory", "8G", "--weights", "0", "--kv-per-seq", "1M", toml=toml)
+    assert result.exit_code == 0, result.output
+    assert "x 4 slots" in result.output and "at most 4 per thread x 1 thread(s)" in result.output
 
 
 def test_auto_is_the_most_slots_that_fit_the_budget(gemma: ModelMeta) -> None:

@@ -180,6 +180,7 @@ def test_status_shows_what_the_workers_got() -> None:
     assert 'workers get memory.max none (workers.memory_max = "max")' in line
 
 
+@pytest.mark.usefixtures("many_cores")  # 2 workers x 2 threads: 4 cores, not the host's
 def test_start_and_capacity_agree_on_auto_slots_and_their_limits(
     tmp_path: Path, gemma: ModelMeta
 ) -> None:
