@@ -32,6 +32,7 @@ from node.cli.rules import load_or_exit, rules
 from node.cli.status_view import render_status
 from node.config import NodeConfig
 from node.endpoints import connect_endpoint
+from node.interpreter import module_command
 from node.model import resolve_model, resolve_rules
 from node.pidfile import (
     LOCK_FD_ENV,
@@ -199,7 +200,7 @@ def _start_background(config: NodeConfig, wait_s: float) -> None:
             logfile.parent.mkdir(parents=True, exist_ok=True)
             with open(logfile, "ab") as out, interrupts.held():
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "node.cli", "start", "--foreground"],
+                    module_command("node.cli", "start", "--foreground"),
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=out,
