@@ -1,17 +1,22 @@
-"""The processes a node starts, started for real: what they import.
+"""The processes a node starts, started for real: what they import and the
+descriptors they may open.
 
-The node and its workers ran as ``python -m ...``, so Python put the directory
-the node was started in first on ``sys.path``: a ``broker.py`` there replaced the
-broker, a ``fallback/`` package there crash-looped the rule worker.
+Finding A: the node and its workers ran as ``python -m ...``, so Python put the
+directory the node was started in first on ``sys.path``: a ``broker.py`` there
+replaced the broker, a ``fallback/`` package there crash-looped the rule worker.
+Finding C: the node kept the soft open-files limit it was started with (often
+1024), and an ipc:// frontend aborts inside libzmq when the descriptors run out.
 """
 
 from __future__ import annotations
 
+import resource
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from node.testing import NodeProcess, ask_rules
+from node.testing import NodeProcess, ask_rules, node_processes
 
 NodeFactory = Callable[..., NodeProcess]
 
@@ -57,3 +62,31 @@ def test_a_node_started_in_a_directory_of_lookalike_modules_imports_its_own(
     logs = "".join(p.read_text(errors="replace") for p in node.run_dir.rglob("*.log"))
     assert "of the cwd imported" not in logs
 
+
+def limits_of(pid: int) -> tuple[int, int]:
+    """The soft and hard "Max open files" in /proc/PID/limits."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError(f"no open files limit in /proc/{pid}/limits")
+
+
+def test_a_node_raises_its_soft_open_files_limit_to_the_hard_one(make_node: NodeFactory) -> None:
+    node = make_node(start=False, workers=ONE_WORKER)
+    hard = min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    low = (
+        "import os, resource, sys; "
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, (256, {hard})); "
+        "os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    started = subprocess.run(
+        [sys.executable, "-c", low, *node._argv("start", "--wait-s", "60")],
+        capture_output=True,
+        text=True,
+    )
+    assert started.returncode == 0, started.stderr
+    [pid] = node_processes(node.run_dir)
+    assert limits_of(pid) == (hard, hard)
+    for worker in node.worker_pids():
+        assert limits_of(worker) == (hard, hard)
