@@ -13,6 +13,7 @@ import contextlib
 import errno
 import logging
 import os
+import resource
 import signal
 import socket
 import time
@@ -43,6 +44,28 @@ from node.sandbox.layout import Layout, read_layout
 from node.units import parse_size
 
 log = logging.getLogger("edgenode.node")
+
+
+def raise_open_files_limit() -> None:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit (the workers
+    inherit it) and log both. Each client connection costs the broker a
+    descriptor, and libzmq's ipc:// listener aborts the whole process when
+    ``accept`` gets EMFILE; the soft limit is often 1024 while the hard one is far
+    higher. A refusal (a hard limit above the kernel's nr_open) is logged and the
+    node keeps the soft limit it has."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        log.info("open files limit: %d (soft = hard)", soft)
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:
+        log.warning(
+            "open files limit: soft %d, hard %d; cannot raise the soft one: %s", soft, hard, exc
+        )
+        return
+    log.info("open files limit: soft %d raised to the hard limit %d", soft, hard)
+
 
 #: Loop turn cap while workers stop (s): how soon an exit is noticed if no
 #: SIGCHLD wakes the loop.
@@ -79,6 +102,7 @@ class Node:
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; returns the exit code (0 on a clean stop)."""
         c = self.config
+        raise_open_files_limit()
         model = str(resolve_model(c.model.path)) if c.workers.engine == "llama" else "test"
         rules = resolve_rules(c.fallback.rules) if c.fallback.rules else None
         self.plan = check_fits(c)  # refuse what cannot fit, before anything starts

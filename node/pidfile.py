@@ -44,6 +44,7 @@ from types import TracebackType
 import psutil
 
 from broker.errors import ConfigError
+from node.interpreter import module_of_command
 
 #: ``/proc/locks`` (proc(5)): one lock per line, e.g.
 #: ``1: FLOCK  ADVISORY  WRITE 30382 fe:00:2155783 0 EOF``; waiters are ``1: -> FLOCK ...``.
@@ -171,16 +172,18 @@ def _same_file(fd: int, path: Path) -> bool:
 
 def is_node_command(cmdline: list[str]) -> bool:
     """Whether ``cmdline`` is an edgenode start: ``python -m node.cli ... start``
+    (also as ``node.interpreter.module_command`` writes it)
     or the ``edgenode`` entry point (run directly or by an interpreter) with
     ``start``. A background start (which holds the lock while it launches its
     node) counts: stopping it stops that node."""
     if not cmdline:
         return False
     prog = Path(cmdline[0]).name
+    module = module_of_command(cmdline)
     if prog == "edgenode":
         rest = cmdline[1:]
-    elif prog.startswith("python") and cmdline[1:3] == ["-m", "node.cli"]:
-        rest = cmdline[3:]
+    elif module is not None and module[0] == "node.cli":
+        rest = module[1]
     elif prog.startswith("python") and len(cmdline) > 1 and Path(cmdline[1]).name == "edgenode":
         rest = cmdline[2:]
     else:

@@ -1,10 +1,10 @@
 """The worker supervisor: spawn, watch, restart with backoff, stop.
 
-Each worker is a fresh interpreter (``python -m node.worker``) in its own
-session/process group, never a fork of a process that already holds zmq or
-llama.cpp state. The supervisor is driven by the node's loop: ``tick(now)``
-reaps exits and starts due restarts; the broker's events say when a worker is
-ready or must be killed (dead, stalled, hung).
+Each worker is a fresh interpreter (``python -P -m node.worker``, see
+``node.interpreter``) in its own session/process group, never a fork of a
+process that already holds zmq or llama.cpp state. The supervisor is driven by
+the node's loop: ``tick(now)`` reaps exits and starts due restarts; the broker's
+events say when a worker is ready or must be killed (dead, stalled, hung).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -25,6 +24,7 @@ from typing import IO, Literal, TypedDict
 from broker.exits import ExitCause, Verdict
 from node.config import WorkersSection
 from node.engine import EngineName
+from node.interpreter import module_command
 from node.worker import DETERMINISTIC_EXITS, EXIT_MESSAGE_MAX_BYTES, WorkerSpec, exit_meaning
 
 log = logging.getLogger("edgenode.supervisor")
@@ -145,9 +145,7 @@ class Supervisor:
         spec = self.prepare(handle.spec) if self.prepare is not None else handle.spec
         exit_message = self._exit_message_path(handle)
         exit_message.unlink(missing_ok=True)  # a previous process's reason is not this one's
-        cmd = [
-            sys.executable,
-            "-m",
+        cmd = module_command(
             "node.worker",
             "--spec",
             spec.to_json(),
@@ -155,7 +153,7 @@ class Supervisor:
             self.log_level,
             "--exit-message-file",
             str(exit_message),
-        ]
+        )
         handle.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,

@@ -23,6 +23,7 @@ import zmq
 from broker.client import Client
 from broker.errors import EdgeNodeError
 from node.endpoints import connect_endpoint
+from node.interpreter import module_command
 from node.sandbox.cgroupfs import Host
 from node.sandbox.cgroups import cgroup_name
 from node.sandbox.layout import read_layout
@@ -35,8 +36,10 @@ REPO = Path(__file__).resolve().parent.parent
 #: the node. The node runs in its own session, so without this a test or benchmark
 #: killed with SIGKILL left it running; SIGTERM is its clean stop (workers ended,
 #: cgroups removed). A wrapper, not ``preexec_fn``: that is unsafe once threads exist.
+#: It drops ``sys.path[0]`` first: ``-c`` put the current directory there.
 DIE_WITH_HARNESS = """\
-import ctypes, os, signal, sys
+import sys; del sys.path[0]
+import ctypes, os, signal
 if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0) != 0:
     sys.exit("prctl(PR_SET_PDEATHSIG): " + os.strerror(ctypes.get_errno()))
 if os.getppid() != int(sys.argv[1]):  # the harness died before prctl took effect
@@ -85,16 +88,14 @@ class NodeProcess:
         )
 
     def _argv(self, *args: str) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
+        return module_command(
             "node.cli",
             "-c",
             str(self.config),
             "--run-dir",
             str(self.run_dir),
             *args,
-        ]
+        )
 
     def start(self, timeout: float = 60, ready: bool = True) -> NodeProcess:
         """Start in the foreground mode as a child and wait for every worker READY

@@ -26,12 +26,13 @@ from broker.errors import EdgeNodeError
 from node.app import Node, log_path
 from node.capacity.plan import check_fits
 from node.cli.capacity import capacity
-from node.cli.context import node_config
+from node.cli.context import node_config, unusable_dir_error
 from node.cli.report import report
 from node.cli.rules import load_or_exit, rules
 from node.cli.status_view import render_status
 from node.config import NodeConfig
 from node.endpoints import connect_endpoint
+from node.interpreter import module_command
 from node.model import resolve_model, resolve_rules
 from node.pidfile import (
     LOCK_FD_ENV,
@@ -57,7 +58,21 @@ STOP_MARGIN_S = 10.0
 START_LOCK_WAIT_S = 10.0
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """The ``edgenode`` group: an unusable run or cache directory is a one-line
+    error naming it (exit 1), wherever in a command it turns up."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except OSError as exc:
+            error = unusable_dir_error(exc, ctx.obj)
+            if error is None:
+                raise
+            raise error from exc
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "-c",
     "--config",
@@ -201,7 +216,7 @@ def _start_background(config: NodeConfig, wait_s: float) -> None:
             logfile.parent.mkdir(parents=True, exist_ok=True)
             with open(logfile, "ab") as out, interrupts.held():
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "node.cli", "start", "--foreground"],
+                    module_command("node.cli", "start", "--foreground"),
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=out,

@@ -15,6 +15,7 @@ import pytest
 
 from broker.errors import ConfigError
 from node.endpoints import check_free
+from node.interpreter import module_command
 from node.pidfile import (
     LOCK_FD_ENV,
     ForeignHolderError,
@@ -177,6 +178,9 @@ def test_a_descriptor_of_another_directory_is_not_adopted(tmp_path: Path) -> Non
     [
         (["/usr/bin/python3", "-m", "node.cli", "-c", "x.toml", "start"], True),
         (["python3", "-m", "node.cli", "start", "--foreground"], True),
+        (module_command("node.cli", "start", "--foreground", safe_path_flag=True), True),
+        (module_command("node.cli", "start", "--foreground", safe_path_flag=False), True),
+        (module_command("node.cli", "stop", safe_path_flag=False), False),
         (["/venv/bin/python", "/venv/bin/edgenode", "--run-dir", "/r", "start"], True),
         (["/usr/local/bin/edgenode", "start", "--wait-s", "5"], True),
         (["python3", "-m", "node.cli", "stop"], False),
