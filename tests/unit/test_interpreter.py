@@ -30,7 +30,9 @@ def test_the_module_comes_from_the_path_not_the_current_directory(
     (cwd / "probe.py").write_text('raise SystemExit("probe.py of the cwd imported")\n')
     (cwd / "json.py").write_text('raise SystemExit("json.py of the cwd imported")\n')
     cmd = module_command("probe", "a", "--b", safe_path_flag=safe_path_flag)
-    env = {**os.environ, "PYTHONPATH": f"{lib}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # An empty PYTHONPATH entry means the current directory: never add one.
+    paths = [str(lib), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
