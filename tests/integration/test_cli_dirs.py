@@ -25,7 +25,7 @@ def edgenode(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str
 
 
 @pytest.fixture
-def test_engine(tmp_path: Path) -> Path:
+def engine_config(tmp_path: Path) -> Path:
     config = tmp_path / "edgenode.toml"
     config.write_text('[workers]\nengine = "test"\ncount = 1\n\n[fallback]\nrules = ""\n')
     return config
@@ -34,7 +34,7 @@ def test_engine(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("foreground", [False, True], ids=["background", "foreground"])
 @pytest.mark.parametrize("where", ["a-file", "under-a-file", "in-proc"])
 def test_an_unusable_run_dir_is_an_error_naming_it(
-    tmp_path: Path, test_engine: Path, where: str, foreground: bool
+    tmp_path: Path, engine_config: Path, where: str, foreground: bool
 ) -> None:
     a_file = tmp_path / "a-file"
     a_file.write_text("")
@@ -44,7 +44,7 @@ def test_an_unusable_run_dir_is_an_error_naming_it(
         "in-proc": Path("/proc/edgenode-run"),
     }[where]
     args = ["start", "--foreground"] if foreground else ["start", "--wait-s", "10"]
-    done = edgenode("-c", str(test_engine), "--run-dir", str(run_dir), *args, env={})
+    done = edgenode("-c", str(engine_config), "--run-dir", str(run_dir), *args, env={})
     assert done.returncode == 1, done
     assert "Traceback" not in done.stderr, done.stderr
     # The error is the last line (a foreground node logs its start before it).
