@@ -199,12 +199,15 @@ class AdmissionGate:
         if self.queue.of_kind(route.kind) >= self._queue_bound(engine.slots):
             evict = self.queue.eviction_victim(req.priority, route.kind)
             if evict is None:
-                return self._shed_queue_full(engine.slots, now)
+                return self._shed_queue_full(engine.slots, route.kind, now)
         cap = self.settings.max_in_flight_per_client
         if self.clients.of(client) >= cap:
             message = f"{cap} requests of this client are already in flight"
             return Shed(
-                ErrorCode.OVERLOADED, "client_cap", message, self.retry_after(engine.slots, now)
+                ErrorCode.OVERLOADED,
+                "client_cap",
+                message,
+                self.retry_after(engine.slots, now, route.kind),
             )
         tokens = self.estimator.prompt_tokens(req, route.kind, counted.low, counted.high)
         budget_s = self._budget_s(req)
@@ -274,12 +277,12 @@ class AdmissionGate:
             )
         return None
 
-    def _shed_queue_full(self, slots: int, now: float) -> Shed:
+    def _shed_queue_full(self, slots: int, kind: EngineKind, now: float) -> Shed:
         return Shed(
             ErrorCode.UNAVAILABLE,
             "queue_full",
             f"queue is full ({self._queue_bound(slots)} waiting)",
-            self.retry_after(slots, now),
+            self.retry_after(slots, now, kind),
         )
 
     def _deadline(

@@ -257,12 +257,13 @@ class ServiceEstimator:
         order) is played forward on its idle slots; with ``fits``, until a slot
         is free on a worker at a batch level ``fits`` accepts (a request refused
         only for the load beside it retries once that eased). By the mean:
-        ``mean_retry_after_ms`` over the whole queue, by the model's mean.
+        ``mean_retry_after_ms`` over ``slots.kind``'s part of the queue, by that
+        kind's mean (a shed rule request retries in milliseconds, not after the
+        model's seconds).
         """
-        if not self.sized(slots.kind):
-            # The model's mean whatever the kind, as the gate has always advised.
-            return self.mean_retry_after_ms(len(queued), slots.slots)
         mine = [j for j in queued if j.kind == slots.kind]
+        if not self.sized(slots.kind):
+            return self.mean_retry_after_ms(len(mine), slots.slots, slots.kind)
         idle = max(0, slots.slots - len(slots.running))
         pool = self._play(mine, replace(slots, free=idle), now)
         estimate = _first_fit(pool, fits or (lambda _level: True)) * 1000

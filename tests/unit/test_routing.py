@@ -138,3 +138,24 @@ def test_service_times_are_kept_per_engine() -> None:
         == 50
         < estimator.mean_retry_after_ms(4, 1, "llm")
     )
+
+
+def test_rules_request_shed_at_client_cap_is_advised_by_the_rules_service_time() -> None:
+    """A rule request refused for its client's cap retries when the rules could take
+    it (milliseconds), not after the model's mean service time (seconds)."""
+    h = harness(mode="full", max_in_flight_per_client=1)
+    h.ready(W1, 0.0)
+    h.ready(RULES, 0.0, engine="rules")
+    h.send(generate("model"), 0.0)
+    (m,) = bodies(h.drain_workers(), W1, REQUEST)
+    h.final(W1, m["rid"], 4.0)  # the model: 4 s per request
+    h.send(generate("rule", route="rules"), 4.0)
+    (r,) = bodies(h.drain_workers(), RULES, REQUEST)
+    h.final(RULES, r["rid"], 4.002)  # the rules: 2 ms
+    h.replies()
+    h.send(generate("busy-rule", route="rules"), 5.0)  # in flight at the rule worker
+    h.send(generate("capped-rule", route="rules"), 5.0)
+    (reply,) = [r for r in h.replies() if r["id"] == "capped-rule"]
+    assert (reply["code"], reply["reason"]) == (429, "client_cap")
+    rules_advice = h.broker.estimator.mean_retry_after_ms(0, 1, "rules")
+    assert reply["retry_after_ms"] == rules_advice < h.broker.estimator.mean_s("llm") * 1000
