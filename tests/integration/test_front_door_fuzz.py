@@ -53,7 +53,7 @@ FINAL_WAIT_S = 6.0
 #: for the allocator's noise and the bounded caches (reply cache: < 1.5 MiB here).
 RSS_BOUND_BYTES = 8 * 2**20
 #: How many times the measured pass's messages are replayed in bulk.
-REPLAYS = 6
+REPLAYS = 8
 BATCH = 50
 
 # ---------------------------------------------------------------------------- strategies
@@ -348,9 +348,9 @@ def test_every_message_gets_one_typed_reply_and_the_broker_stays_up_and_flat(
     door: tuple[NodeProcess, FrontDoor],
 ) -> None:
     node, client = door
-    fuzz_pass(client, seed_value=1, examples=60)  # warm-up: allocator pools, caches, imports
+    fuzz_pass(client, seed_value=1, examples=40)  # warm-up: allocator pools, caches, imports
     before = rss(node)
-    sent = fuzz_pass(client, seed_value=2, examples=150)
+    sent = fuzz_pass(client, seed_value=2, examples=120)
     for _ in range(REPLAYS):
         replay(client, sent)
     grown = rss(node) - before
