@@ -96,7 +96,8 @@ class ReplyCache:
             _, old = self._kept.popitem(last=False)
             self.bytes -= old.size
             self.evicted += 1
-        self._kept[key] = Kept(body, fingerprint(req), size, now + self.ttl_s)
+        # A copy: the I/O loop may still mark the one it sends (``dropped_partials``).
+        self._kept[key] = Kept(dict(body), fingerprint(req), size, now + self.ttl_s)
         self.bytes += size
 
     def find(self, key: ReplyKey, now: float) -> Kept | None:

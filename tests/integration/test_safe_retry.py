@@ -14,8 +14,9 @@ from broker.errors import Unavailable
 from node.testing import Collector, NodeProcess, wait_for
 
 #: One test worker, one slot: every request it starts is counted in one place.
-ONE_WORKER = {"count": 1, "slots": 1, "test_token_ms": 100}
-#: Eight tokens ("echo:" and seven words) at 100 ms each: ~0.8 s of work.
+ONE_WORKER = {"count": 1, "slots": 1, "test_token_ms": 250}
+#: Eight tokens ("echo:" and seven words) at 250 ms each: 2 s of work, so that a
+#: resend 0.3 s in finds it running even on a loaded machine.
 PROMPT = "one two three four five six seven"
 
 

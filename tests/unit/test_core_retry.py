@@ -139,3 +139,11 @@ def test_a_client_cycling_through_ids_stays_within_the_cache_bounds() -> None:
         assert len(cache) <= 8 and cache.bytes <= 4096
     assert h.broker.status(2.0)["retry_cache"]["evicted"] >= 92
     h.assert_each_answered_once()
+
+
+def test_retry_must_be_a_msgpack_bool() -> None:
+    h = BrokerHarness()
+    h.send(generate("r", retry=1), 0.0)
+    (reply,) = h.replies()
+    assert (reply["code"], reply["id"]) == (400, "r") and "retry" in reply["message"]
+    h.assert_each_answered_once()
