@@ -34,7 +34,9 @@ class ClientRequest:
     """A validated client request (one body of the client conversation).
 
     ``max_tokens`` and ``timeout_ms`` are None when the client left them to the
-    node's defaults. ``target`` is the id a ``cancel`` op refers to.
+    node's defaults. ``target`` is the id a ``cancel`` op refers to. ``retry``:
+    this message resends an earlier ``generate``/``chat`` of the same id (safe
+    retry, ``broker.reply_cache``); it never changes what the request asks for.
     """
 
     id: str | int
@@ -52,6 +54,7 @@ class ClientRequest:
     route: RequestRoute = "auto"
     priority: Priority = "normal"
     target: str | int | None = None
+    retry: bool = False
 
     def engine_fields(self) -> dict[str, Any]:
         """The fields a worker needs to run this request, as a msgpack-ready map."""
@@ -107,6 +110,7 @@ def parse_client_request(msg: dict[str, Any]) -> ClientRequest:
     kwargs["json_schema"] = opt(msg, "json_schema", _check_schema)
     kwargs["stop"] = opt(msg, "stop", _check_stop) or ()
     kwargs["stream"] = opt(msg, "stream", _check_bool) or False
+    kwargs["retry"] = opt(msg, "retry", _check_bool) or False
     kwargs["route"] = opt(msg, "route", lambda n, v: _check_choice(n, v, ROUTES)) or "auto"
     kwargs["priority"] = (
         opt(msg, "priority", lambda n, v: _check_choice(n, v, PRIORITIES)) or "normal"
@@ -117,6 +121,7 @@ def parse_client_request(msg: dict[str, Any]) -> ClientRequest:
 _CLIENT_FIELDS = {
     "id", "op", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop",
     "json_schema", "timeout_ms", "stream", "route", "priority", "target",
+    "retry",
 }  # fmt: skip
 
 

@@ -55,6 +55,7 @@ from broker.protocol import WorkerCommand
 from broker.queue import ClientCounts, RequestQueue
 from broker.records import BrokerSettings, Job, JobState, WorkerEvent
 from broker.replies import final_reply
+from broker.reply_cache import ReplyCache, fingerprint
 from broker.routing import Route, Router, RoutingSettings
 from broker.service_time import ServiceEstimator
 from broker.snapshot import PoolSnapshot, PoolView
@@ -93,6 +94,9 @@ class Broker:
             settings.service_estimate == "size", settings.default_max_tokens
         )
         self.jobs = JobTable()
+        self.reply_cache = ReplyCache(
+            settings.retry_ttl_ms, settings.retry_cache_entries, settings.retry_cache_bytes
+        )
         self.queue = RequestQueue(self.estimator)
         self.clients = ClientCounts()
         #: The node's pressure levels: set here, read by the snapshot, the gate and dispatch.
@@ -130,6 +134,7 @@ class Broker:
             self.dispatcher,
             self.stats,
             self.outbox,
+            self.reply_cache,
         )
         self.handover = Handover(
             self.life, self.jobs, self.queue, self.router, self.stats, self.workers
@@ -161,8 +166,33 @@ class Broker:
             self.outbox.client(identity, p.ok_reply(req.id, node=self.status(now)))
         elif req.op == "cancel":
             self._cancel_by_client(identity, req, now)
-        else:
+        elif not (req.retry and self._answer_retry(identity, req, now)):
             self._accept(identity, req, now)
+
+    def _answer_retry(self, identity: bytes, req: ClientRequest, now: float) -> bool:
+        """Safe retry (PROTOCOL §3.5): a resend of a request still running is
+        attached to it (no reply of its own: the running request's one final
+        answers the id), one answered within the TTL gets that final again with
+        ``replayed: true``. False: nothing known of the id, or it was a different
+        request (the gate's ``duplicate_id`` if it runs): admit it as new."""
+        job = self.jobs.of_client(identity, req.id)
+        if job is not None and not job.settled:
+            if fingerprint(job.req) != fingerprint(req):
+                return False
+            self.stats.count("retry_attached")
+            return True
+        kept = self.reply_cache.find((identity, req.id), now)
+        if kept is None:
+            return False
+        if kept.fingerprint != fingerprint(req):
+            self.stats.count("rejected_bad_request")
+            message = f"id {req.id!r} answered a different request (safe retry)"
+            shed = Shed(ErrorCode.BAD_REQUEST, "duplicate_id", message)
+            self._refuse(identity, req.id, shed)
+            return True
+        self.stats.count("retry_replayed")
+        self.outbox.client(identity, {**kept.body, "replayed": True})
+        return True
 
     def _accept(self, identity: bytes, req: ClientRequest, now: float) -> None:
         """Route, admit, queue and dispatch a new ``generate`` request (each module
@@ -296,6 +326,7 @@ class Broker:
         hedge ends with the request it hedges. Returns how many requests ended.
         """
         self.delivery.forget(identity)
+        self.reply_cache.forget_client(identity)
         ended = 0
         for job in self.jobs:
             if job.client != identity or job.settled or job.hedge_of is not None:
@@ -342,6 +373,7 @@ class Broker:
         self.liveness.heard_from(worker, now)
         if command is WorkerCommand.HEARTBEAT:
             self.liveness.note_progress(worker, body.get("progress"), now)
+            worker.note_started(body.get("started"))
         elif command is WorkerCommand.PARTIAL:
             self._on_partial(worker, body, now)
         elif command is WorkerCommand.FINAL:
@@ -597,6 +629,7 @@ class Broker:
             "workers": workers,
             "counters": dict(self.stats.counters),
             "delivery": self.delivery.snapshot(),
+            "retry_cache": self.reply_cache.snapshot(),
             "service": self.estimator.snapshot(),
         }
         if self._status_hook is not None:

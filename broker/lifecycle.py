@@ -30,6 +30,7 @@ from broker.kinds import FinalOutcome
 from broker.outbox import Outbox
 from broker.queue import ClientCounts, RequestQueue
 from broker.records import Job, JobState
+from broker.reply_cache import ReplyCache
 from broker.routing import Router
 from broker.stats import Stats
 
@@ -44,6 +45,7 @@ class Lifecycle:
         dispatcher: cancels running jobs.
         stats: the outcome counters.
         outbox: where replies go.
+        reply_cache: where delivered finals are kept for safe retry.
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class Lifecycle:
         dispatcher: Dispatcher,
         stats: Stats,
         outbox: Outbox,
+        reply_cache: ReplyCache,
     ) -> None:
         self.jobs = jobs
         self.queue = queue
@@ -63,6 +66,7 @@ class Lifecycle:
         self.dispatcher = dispatcher
         self.stats = stats
         self.outbox = outbox
+        self.reply_cache = reply_cache
 
     def answer(
         self,
@@ -77,6 +81,7 @@ class Lifecycle:
         reuse its id at once.
 
         ``deliver=False``: end it the same way but send nothing (its client is gone).
+        A delivered final is also kept for a while, for a resend (safe retry).
         ``counted``: the outcome counter the reply was counted under, moved to
         ``client_gone`` if the reply never reaches its client (``Outgoing``).
         A model copy (shadow/dual) has no client: its result only goes to the
@@ -96,6 +101,7 @@ class Lifecycle:
         self.clients.closed(job.client)
         if deliver:
             self.outbox.client(job.client, body, ReplyKind.FINAL, counted)
+            self.reply_cache.keep((job.client, job.req.id), job.req, body, now)
 
     def finished(
         self,

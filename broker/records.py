@@ -39,6 +39,10 @@ class BrokerSettings:
     that is not reading (``broker.delivery``): one more and the client is
     treated as gone. 64: four times the default in-flight cap, so a client
     must keep sending while it does not read to reach it.
+    ``retry_ttl_ms``, ``retry_cache_entries`` and ``retry_cache_bytes`` bound the
+    final replies kept for safe retry (``broker.reply_cache``): 30 s covers a
+    client's own timeout plus a resend or two; 1024 replies and 8 MiB cap the
+    memory, about 32 replies at the 256 KiB body limit, far more at usual sizes.
     """
 
     max_body_bytes: int = p.DEFAULT_MAX_BODY_BYTES
@@ -53,6 +57,9 @@ class BrokerSettings:
     max_in_flight_per_client: int = 16
     service_estimate: str = "size"
     client_backlog: int = 64
+    retry_ttl_ms: int = 30_000
+    retry_cache_entries: int = 1024
+    retry_cache_bytes: int = 8 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.service_estimate not in SERVICE_ESTIMATES:

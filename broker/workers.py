@@ -29,6 +29,9 @@ class WorkerState:
         progress: the last progress counter it reported (tokens processed).
         progress_at: monotonic seconds when ``progress`` last changed or it went busy.
         info: READY fields shown in ``status`` (pid, model, n_ctx, cpus, cgroup).
+        started: requests this incarnation says it has started, from its last
+            HEARTBEAT (its own count, not the broker's: what it really ran); None
+            until a heartbeat carried one.
     """
 
     identity: bytes
@@ -41,6 +44,12 @@ class WorkerState:
     last_dispatch: float = 0.0
     active: set[int] = field(default_factory=set)
     info: dict[str, Any] = field(default_factory=dict)
+    started: int | None = None
+
+    def note_started(self, value: object) -> None:
+        """A HEARTBEAT's ``started`` count; anything but a non-negative int is ignored."""
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            self.started = value
 
     @property
     def credit(self) -> int:
@@ -61,6 +70,7 @@ class WorkerState:
             "credit": self.credit,
             "slots": self.slots,
             "active": len(self.active),
+            "started": self.started,
             "last_seen_ms": max(0, round((now - self.last_seen) * 1000)),
             **self.info,
         }

@@ -276,6 +276,9 @@ MAX_QUEUE = 65_536
 #: largest pool): ``broker.max_in_flight_per_client`` and ``breaker.half_open_probes``
 #: above it never bind.
 MAX_IN_FLIGHT = MAX_QUEUE + MAX_WORKERS * MAX_SLOTS
+#: ``broker.retry_cache_bytes`` ceiling: the kept replies are in the broker's
+#: memory; 16 GiB (as for ``MAX_QUEUE``) is more than an edge device has.
+MAX_MEMORY_BYTES = 16 * 2**30
 #: Ceiling of byte-size keys (log rotation sizes): the largest file size (``off_t``
 #: is signed 64-bit); a larger integer could not cross msgpack either.
 MAX_FILE_BYTES = 2**63 - 1
@@ -323,6 +326,9 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "broker.cancel_grace_ms": (1, MAX_DURATION_MS),
     "broker.max_in_flight_per_client": (1, MAX_IN_FLIGHT),
     "broker.client_backlog": (1, MAX_QUEUE),
+    "broker.retry_ttl_ms": (0, MAX_DURATION_MS),  # 0 = keep no replies
+    "broker.retry_cache_entries": (0, MAX_QUEUE),  # 0 = keep no replies
+    "broker.retry_cache_bytes": (0, MAX_MEMORY_BYTES),
     "routing.ttft_budget_ms": (0, MAX_DURATION_MS),  # 0 = no budget
     # [breaker]: the lower ends repeat BreakerSettings' own checks, which run first.
     "breaker.window_ms": (1, MAX_DURATION_MS),

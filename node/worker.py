@@ -133,6 +133,7 @@ class WorkerLoop:
         self._streamed: dict[int, int] = {}
         self._outgrew: set[int] = set()
         self.progress = 0  # tokens produced by this process; written by the engine threads
+        self.started = 0  # requests taken into a slot (HEARTBEAT "started"; safe retry's proof)
         self.running: dict[int, threading.Event] = {}  # rid -> its cancel flag
         self._abandoned: set[int] = set()  # rids started under a previous connection
         self.broker_seen = 0.0
@@ -257,7 +258,8 @@ class WorkerLoop:
 
     def _heartbeat(self) -> None:
         state = "busy" if self.running else "idle"
-        self._send(WorkerCommand.HEARTBEAT, {"state": state, "progress": self._progress()})
+        body = {"state": state, "progress": self._progress(), "started": self.started}
+        self._send(WorkerCommand.HEARTBEAT, body)
 
     def _progress(self) -> int:
         """Tokens emitted plus engine compute steps: it moves iff the model works."""
@@ -296,6 +298,7 @@ class WorkerLoop:
             return
         cancelled = threading.Event()
         self.running[rid] = cancelled
+        self.started += 1
         self._jobs.put((rid, body, cancelled))
 
     # ------------------------------------------------------------------ engine side
