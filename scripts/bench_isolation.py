@@ -44,7 +44,7 @@ against the measured memory: the worker's cgroup (usage and peak) and its
 private memory from ``/proc/<pid>/smaps`` (``scripts/bench_memory.py``'s
 reading: private bytes minus the model file's).
 
-This file runs the nodes and the load; the probe is ``scripts/isolation_probe.py``,
+This file runs the nodes and the load; the probe is ``node.bench.probe``,
 the printed report ``scripts/isolation_report.py``.
 
 The layout is the built-in default unless ``--workers``, ``--slots`` or
@@ -60,28 +60,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import threading
 import time
 from typing import Any
 
-import zmq
-
 from bench_memory import smaps
-from broker import protocol as p
 from broker.client import Client
-from isolation_probe import calibrate, probe, summarize
 from isolation_report import report
+from node.bench.host import Generator
+from node.bench.probe import calibrate, probe, summarize
 from node.config import WorkersSection
 from node.model import resolve_model
 from node.testing import NodeProcess
 
 N_CTX = 2048  # the default model.n_ctx
-
-#: A base model keeps going on a story; EOS ends one early now and then, and the
-#: generator sends the next at once.
-STORY = "Chapter one. The old lighthouse keeper climbed the stairs and"
 
 
 def pin_threads_off(core: int) -> list[int]:
@@ -98,88 +91,6 @@ def pin_threads_off(core: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------- load
-
-
-class Generator(threading.Thread):
-    """Streams long generations back to back while ``run_now`` is set; when it is
-    cleared the current one is cancelled, and ``idle`` is set once it has ended."""
-
-    def __init__(self, frontend: str, max_tokens: int, index: int) -> None:
-        super().__init__(daemon=True)
-        self.frontend, self.max_tokens, self.index = frontend, max_tokens, index
-        self.run_now = threading.Event()
-        self.idle = threading.Event()
-        self.idle.set()
-        self.halt = threading.Event()
-        self.spans: list[tuple[float, float]] = []  # (start, end) of each generation
-        self.current_start: float | None = None
-        self.token_times: list[float] = []
-        self.errors: list[str] = []
-        self.error_count = 0
-
-    def run(self) -> None:
-        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.frontend)
-        n = 0
-        try:
-            while not self.halt.is_set():
-                if not self.run_now.wait(0.05):
-                    continue
-                self.idle.clear()
-                n += 1
-                self._one(sock, f"g{self.index}-{n}")
-                self.idle.set()
-        finally:
-            sock.close(0)
-
-    def _one(self, sock: zmq.Socket[bytes], rid: str) -> None:
-        body = {
-            "id": rid,
-            "op": "generate",
-            "prompt": STORY,
-            "max_tokens": self.max_tokens,
-            "temperature": 0.8,
-            "route": "llm",
-            "stream": True,
-            # Long enough for max_tokens on a shared core: admission refuses, up
-            # front, what its size says cannot finish by the deadline.
-            "timeout_ms": 600_000,
-        }
-        sock.send_multipart([b"", p.CLIENT_TAG, p.pack(body)])
-        self.current_start = start = time.monotonic()
-        cancelled = False
-        while True:
-            if not cancelled and (not self.run_now.is_set() or self.halt.is_set()):
-                cancel = {"id": f"{rid}-cancel", "op": "cancel", "target": rid}
-                sock.send_multipart([b"", p.CLIENT_TAG, p.pack(cancel)])
-                cancelled = True
-            if not sock.poll(50):
-                continue
-            reply = p.unpack_map(sock.recv_multipart()[-1])
-            if reply.get("id") != rid:
-                continue  # the cancel's own answer
-            if reply["status"] == "partial":
-                self.token_times.append(time.monotonic())
-                continue
-            if reply["status"] == "error" and reply.get("code") != 499:
-                if len(self.errors) < 5:  # the first few say why; the rest would only repeat
-                    self.errors.append(f"{reply.get('code')} {reply.get('message')}")
-                self.error_count += 1
-                time.sleep(0.5)  # a refused request must not become a busy loop
-            break
-        self.spans.append((start, time.monotonic()))
-        self.current_start = None
-
-    def covered(self, start: float, end: float) -> float:
-        """Seconds of [start, end] during which a generation was in flight."""
-        spans = list(self.spans)
-        if self.current_start is not None:
-            spans.append((self.current_start, end))
-        return sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans)
-
-    def tokens_in(self, start: float, end: float) -> int:
-        return sum(1 for t in list(self.token_times) if start <= t <= end)
 
 
 def llm_active(node: NodeProcess) -> int:
@@ -273,7 +184,7 @@ class Config:
             g.run_now.set()
         wait_until(lambda: llm_active(self.node) == sequences(args), 60)
         time.sleep(1.0)  # past the prompt evaluation: decoding from here on
-        b = probe(args, pids)
+        b = probe(args.probe_core, args.iterations, args.work, pids)
         self.busy.append(b)
         window = b["end"] - b["start"]
         self.coverage.append(min(g.covered(b["start"], b["end"]) for g in self.gens) / window)
@@ -301,7 +212,7 @@ class Config:
             "placement": self.placement,
             "busy": summarize(self.busy),
             "busy_coverage": round(min(self.coverage), 4),
-            "tok_per_s": round(statistics.mean(self.rates), 1),
+            "tok_per_s": round(sum(self.rates) / len(self.rates), 1),
             "errors": [e for g in self.gens for e in g.errors],
             "error_count": sum(g.error_count for g in self.gens),
             "capacity": self.capacity,
@@ -324,7 +235,7 @@ def run(args: argparse.Namespace, reserved: list[int]) -> dict[str, Any]:
         for r in range(args.rounds):
             for case in cases[r % 3 :] + cases[: r % 3]:
                 if case is None:
-                    idle.append(probe(args, pids))
+                    idle.append(probe(args.probe_core, args.iterations, args.work, pids))
                 else:
                     case.busy_probe(args, pids, last=r == args.rounds - 1)
     finally:

@@ -15,7 +15,7 @@ explicitly to every backend) and at most 128 generated tokens per request, at 1,
   sending its requests one after another, divided by the batch's wall time (the
   first request sent to the last reply);
 * **TTFT p50 / p99**: from sending a request to its first streamed text, over every
-  request of the batch, by nearest rank (``node.migration.report.percentiles``). With 6-16
+  request of the batch, by nearest rank (``node.bench.stats.percentiles``). With 6-16
   requests per level p99 is the slowest request's TTFT.
 
 Prompt caching is left at each backend's default (the node and llama-server reuse
@@ -70,8 +70,9 @@ step, so a 2-thread process on 2 cores beside one busy core can slow down 10-50x
 
 Output: Markdown tables on stdout and in ``--out`` (default
 ``docs/bench/throughput.md``), and every raw number in the same path with
-``.json``. This file drives the runs and measures; the backends are in
-``scripts/throughput_backends.py``, the report in ``scripts/throughput_report.py``.
+``.json``. This file drives the rounds; the measuring and the backends are
+``node.bench.throughput`` and ``node.bench.backends`` (shared with ``edgenode bench``),
+the report is ``scripts/throughput_report.py``.
 
 Usage::
 
@@ -94,229 +95,37 @@ cores)::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hashlib
 import importlib.metadata
 import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import psutil
 import zmq
 
-from node.migration.report import percentiles
+from node.bench.backends import Backend, DirectBackend, NodeBackend, ServerBackend, cpu_list
+from node.bench.throughput import (
+    MAX_TOKENS,
+    PERCENTILE_METHOD,
+    PROMPTS,
+    QUICK_LEVELS,
+    REQUESTS_PER_CLIENT,
+    build_llama_server,
+    cpu_model,
+    measure,
+    prompt_tokens,
+)
 from node.model import resolve_model
 from node.sandbox.cores import parse_cpus
-from throughput_backends import (
-    Backend,
-    DirectBackend,
-    NodeBackend,
-    Outcome,
-    ServerBackend,
-    affinities,
-    cpu_list,
-)
 from throughput_report import markdown, summarize
 
 REPO = Path(__file__).resolve().parent.parent
-
-MAX_TOKENS = 128
-#: Six prompts of 26-39 tokens (with BOS), different from their first word on.
-PROMPTS = (
-    "Once upon a time, in a small village at the edge of a dark forest, there lived an "
-    "old clockmaker who kept a secret. Every night, when the village was asleep, he",
-    "Write a short story about a robot that learns to paint. The robot had lived in a "
-    "factory all its life and had never seen the sky until one morning",
-    "Here is a detailed guide to growing tomatoes in a small home garden, covering "
-    "watering, sunlight, soil and pests. First,",
-    "Explain to a ten-year-old how a steam engine works, step by step, with simple "
-    "words and an example from everyday life.",
-    "The spaceship's engines went quiet as Captain Mara looked down at the red planet. "
-    "She turned to her crew and said,",
-    "Describe a busy morning at a harbor market: the fishermen, the smell of the sea, "
-    "the gulls, and the traders calling out their prices.",
-)
-#: The warm-up's prompt: none of PROMPTS, so no measured request reuses its KV.
-WARMUP_PROMPT = "A list of ten things you can find in a kitchen drawer:"
-#: Requests per client at each level: each level takes ~15-40 s here.
-REQUESTS_PER_CLIENT = {1: 6, 2: 4, 4: 3, 8: 2}
-QUICK_LEVELS = (1, 4)
-PERCENTILE_METHOD = "nearest rank (node.migration.report.percentiles)"
-
-
-# ---------------------------------------------------------------------- measuring
-
-
-def busy_seconds(cpus: Sequence[int]) -> float:
-    """CPU seconds ``cpus`` have been busy since boot (/proc/stat: all but idle and iowait)."""
-    total = 0
-    names = {f"cpu{c}" for c in cpus}
-    for line in Path("/proc/stat").read_text().splitlines():
-        fields = line.split()
-        if fields and fields[0] in names:
-            values = [int(v) for v in fields[1:9]]
-            total += sum(values) - values[3] - values[4]
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def own_seconds(pids: Sequence[int]) -> float:
-    """CPU seconds used so far by this process and by ``pids`` and their descendants."""
-    total = sum(os.times()[:2])
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            proc = psutil.Process(pid)
-            for p in [proc, *proc.children(recursive=True)]:
-                with contextlib.suppress(psutil.Error):
-                    times = p.cpu_times()
-                    total += times.user + times.system
-    return total
-
-
-def outside_load(cpus: Sequence[int], pids: Sequence[int]) -> Callable[[float], float]:
-    """Start watching ``cpus``; the returned function takes the wall time (s) since
-    and gives the cores other processes kept busy there meanwhile (CPU time on
-    ``cpus`` not spent by this process or the backend's)."""
-    busy, own = busy_seconds(cpus), own_seconds(pids)
-
-    def stop(wall: float) -> float:
-        spent = busy_seconds(cpus) - busy - (own_seconds(pids) - own)
-        return max(0.0, spent / wall)
-
-    return stop
-
-
-def run_batch(
-    backend: Backend, level: int, per_client: int, max_tokens: int, prompts: Sequence[str]
-) -> tuple[float, list[Outcome]]:
-    """``level`` clients, each sending ``per_client`` requests back to back; returns the
-    wall time (s) from the first send to the last reply and every request's outcome.
-
-    Client c's j-th request takes prompt (j * level + c) mod len(prompts), the same on
-    every backend.
-    """
-    outcomes: list[Outcome] = []
-    errors: list[BaseException] = []
-    gate = threading.Barrier(level + 1)
-
-    def client(c: int) -> None:
-        try:
-            with backend.session() as ask:
-                gate.wait()
-                for j in range(per_client):
-                    outcomes.append(ask(prompts[(j * level + c) % len(prompts)], max_tokens))
-        except BaseException as exc:  # reported on the main thread
-            errors.append(exc)
-            with contextlib.suppress(threading.BrokenBarrierError):
-                gate.abort()
-
-    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(level)]
-    for t in threads:
-        t.start()
-    with contextlib.suppress(threading.BrokenBarrierError):
-        gate.wait()
-    start = time.monotonic()
-    for t in threads:
-        t.join()
-    wall = time.monotonic() - start
-    if errors:
-        raise RuntimeError(f"{backend.name} at {level} concurrent: {errors[0]!r}") from errors[0]
-    return wall, outcomes
-
-
-def measure(
-    backend: Backend, level: int, per_client: int, cpus: Sequence[int], round_: int
-) -> dict[str, Any]:
-    """Start ``backend``, warm it up, run one batch, stop it; the run's raw numbers."""
-    started, version = time.monotonic(), code_version()
-    pids = backend.start(level)
-    try:
-        pinning = affinities(pids)
-        # Warm-up, a short answer per client and per slot: a worker's first request
-        # pages the weights in, and a node with more slots than clients would
-        # otherwise serve some measured requests on a cold worker.
-        run_batch(backend, max(level, backend.sequences()), 1, 8, [WARMUP_PROMPT])
-        watch = outside_load(cpus, pids)
-        wall, outcomes = run_batch(backend, level, per_client, MAX_TOKENS, PROMPTS)
-        outside = watch(wall)
-        details = backend.details()
-    finally:
-        backend.stop()
-    tokens = sum(o.tokens for o in outcomes)
-    ttft = percentiles(o.ttft_s * 1000 for o in outcomes) or {}
-    allowed = cpu_list(cpus)
-    stray = {
-        mask: p
-        for mask, p in pinning.items()
-        if not set(mask.split(",")) <= set(allowed.split(","))
-    }
-    if stray:
-        print(f"  warning: {backend.name}: threads outside {allowed}: {stray}", file=sys.stderr)
-    row = {
-        "backend": backend.name,
-        "round": round_,
-        "level": level,
-        "requests": len(outcomes),
-        "tokens": tokens,
-        "wall_s": round(wall, 3),
-        "tokens_per_s": round(tokens / wall, 2),
-        "ttft_p50_ms": round(ttft.get("p50", 0.0), 1),
-        "ttft_p99_ms": round(ttft.get("p99", 0.0), 1),
-        "outside_cores": round(outside, 2),
-        # requests whose prompt KV the server reused beyond the BOS token
-        "reused_prompts": sum(1 for o in outcomes if (o.cached or 0) > 1),
-        "outcomes": [asdict(o) for o in outcomes],
-        "affinity": pinning,
-        "details": details,
-        "elapsed_s": round(time.monotonic() - started, 1),
-        "code": version,
-    }
-    print(
-        f"  round {round_} level {level} {backend.name:<18} {row['tokens_per_s']:7.2f} tok/s  "
-        f"TTFT p50 {row['ttft_p50_ms']:8.1f} ms p99 {row['ttft_p99_ms']:8.1f} ms  "
-        f"({len(outcomes)} requests, {tokens} tokens, {wall:.1f} s, outside load "
-        f"{outside:.2f} cores)",
-        file=sys.stderr,
-        flush=True,
-    )
-    return row
-
-
-# ---------------------------------------------------------------------- building llama-server
-
-
-def build_llama_server(directory: Path) -> Path:
-    """Download llama-cpp-python's sdist (the installed version), build llama-server
-    from its vendored llama.cpp, return the binary; steps already done are skipped."""
-    version = importlib.metadata.version("llama-cpp-python")
-    directory.mkdir(parents=True, exist_ok=True)
-    src = directory / f"llama_cpp_python-{version}"
-    binary = src / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
-    if binary.is_file():
-        return binary
-    sdist = directory / f"llama_cpp_python-{version}.tar.gz"
-    if not sdist.is_file():
-        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        subprocess.run([*pip, f"llama-cpp-python=={version}", "-d", str(directory)], check=True)
-    if not src.is_dir():
-        subprocess.run(["tar", "-xzf", str(sdist), "-C", str(directory)], check=True)
-    llama = src / "vendor" / "llama.cpp"
-    cmake = ["cmake", "-S", str(llama), "-B", str(llama / "build")]
-    subprocess.run([*cmake, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF"], check=True)
-    jobs = str(len(os.sched_getaffinity(0)))
-    build = ["cmake", "--build", str(llama / "build"), "--target", "llama-server", "-j", jobs]
-    subprocess.run(build, check=True)
-    return binary
-
 
 # ---------------------------------------------------------------------- main
 
@@ -333,36 +142,6 @@ def layout(text: str) -> tuple[int, int]:
 def cores(text: str) -> list[int]:
     """``0,1`` or ``0-3`` (the kernel's cpu-list format, ``parse_cpus``)."""
     return list(parse_cpus(text))
-
-
-def prompt_tokens(model: Path) -> list[int]:
-    """Each prompt's length in the model's tokens (with BOS), from its vocabulary alone."""
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(model), vocab_only=True, verbose=False)
-    return [len(llm.tokenize(p.encode())) for p in PROMPTS]
-
-
-def code_version() -> str:
-    """The checkout's commit, with ``+dirty.<hash of the changes>`` when broker/, node/ or
-    fallback/ differ from it (other people edit this tree while benchmarks run)."""
-    git = ["git", "-C", str(REPO)]
-    paths = ["--", "broker", "node", "fallback"]
-
-    def out(*args: str) -> str:
-        return subprocess.run([*git, *args], capture_output=True, text=True).stdout
-
-    head = out("rev-parse", "--short", "HEAD").strip()
-    changes = out("diff", "HEAD", *paths) + out("status", "--porcelain", *paths)
-    digest = hashlib.sha1(changes.encode()).hexdigest()[:8]
-    return head + (f"+dirty.{digest}" if changes else "")
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -1,4 +1,5 @@
-"""The ``edgenode`` command line: start, stop, status, ask.
+"""The ``edgenode`` command line: start, stop, status, ask (and rules, report, capacity,
+bench in modules of their own).
 
 Options given to the group apply to every command and are also read from the
 environment: ``--config``/``EDGENODE_CONFIG``, ``--run-dir``/``EDGENODE_RUN_DIR``.
@@ -25,6 +26,7 @@ from broker.client import Client
 from broker.errors import EdgeNodeError
 from node.app import Node, log_path
 from node.capacity.plan import check_fits
+from node.cli.bench import bench
 from node.cli.capacity import capacity
 from node.cli.context import node_config, unusable_dir_error
 from node.cli.report import report
@@ -512,6 +514,7 @@ def _degraded(raw: dict[str, Any]) -> str:
 cli.add_command(rules)
 cli.add_command(report)
 cli.add_command(capacity)
+cli.add_command(bench)
 
 
 def main() -> None:

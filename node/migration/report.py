@@ -8,8 +8,8 @@ the answers the rules gave);
 
 Conventions:
 
-* Latency percentiles use the nearest-rank method (the ``ceil(p/100 * n)``-th smallest
-  sample): every reported value is an observed latency, in ms.
+* Latency percentiles are ``node.bench.stats.percentiles`` (nearest rank: the
+  ``ceil(p/100 * n)``-th smallest sample): every reported value is an observed latency, in ms.
 * Engine latencies count successful answers only (errors are counted apart, since a crash
   is fast and a timeout is the budget, neither is the engine's speed). The rules' latency
   comes from ``pair`` records; the model's from ``pair`` and ``llm`` records.
@@ -24,12 +24,13 @@ import glob
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
 from broker.rounding import percent
+from node.bench.stats import percentiles
 
 #: The verdict's policy: samples needed before advancing, and the bars to clear.
 MIN_SAMPLES = 50
@@ -42,7 +43,6 @@ MAX_SKIPPED_PCT = 10.0
 #: degrade -> full: the rules may still answer this share of requests (%).
 MAX_FALLBACK_PCT = 1.0
 
-PERCENTILES = (50, 90, 99)
 TOP_FIELDS = 5
 MODE_ORDER = ("shadow", "dual", "degrade", "full")
 _NEXT = {"shadow": "dual", "dual": "degrade", "degrade": "full"}
@@ -60,33 +60,6 @@ def log_files(path: Path) -> list[Path]:
                 backups.append((int(match.group(1)), candidate))
     files = [p for _, p in sorted(backups, reverse=True)]
     return [*files, path] if path.is_file() else files
-
-
-def percentile(values: Iterable[float], p: float) -> float:
-    """The ``p``-th percentile (0..100) of ``values`` by nearest rank: the
-    ``ceil(p/100 x n)``-th smallest (at least the first). The one percentile of
-    the node's reports and of every benchmark in ``scripts/``.
-
-    Raises:
-        ValueError: ``values`` is empty, or ``p`` is outside 0..100.
-    """
-    ordered = sorted(values)
-    if not ordered or not 0 <= p <= 100:
-        raise ValueError(f"percentile {p} of {len(ordered)} values")
-    rank = -(-p * len(ordered) // 100)  # ceil(p x n / 100): exact for integer p
-    return ordered[max(int(rank), 1) - 1]
-
-
-def percentiles(values: Iterable[float]) -> dict[str, float] | None:
-    """``{"count", "p50", "p90", "p99", "max"}`` of ``values`` (``percentile``), None if empty."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    out: dict[str, float] = {"count": len(ordered)}
-    for p in PERCENTILES:
-        out[f"p{p}"] = percentile(ordered, p)
-    out["max"] = ordered[-1]
-    return out
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""node.migration.report (summarize, percentiles), its view (format_report) and
+"""node.migration.report (summarize), its view (format_report) and
 ``edgenode report`` via CliRunner."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from node.cli.report import report
 from node.migration.log import MigrationLog
-from node.migration.report import log_files, percentile, percentiles, summarize, verdict
+from node.migration.report import log_files, summarize, verdict
 from node.migration.report_view import format_report
 
 AGREE = '{"intent":"lights_on","room":"Kitchen"}'
@@ -70,39 +70,6 @@ def dual_50(path: Path) -> None:
     records = [pair(i, confidence=0.3 if i < 3 else 0.9, llm_ms=100 + i) for i in range(48)]
     records += [pair(48, OFF), pair(49, ELSEWHERE)]
     write_log(path, records, peak=250 * 2**20)
-
-
-# -- percentiles ------------------------------------------------------------------------------
-
-
-def test_percentiles_nearest_rank_on_1_to_100() -> None:
-    assert percentiles(range(100, 0, -1)) == {
-        "count": 100,
-        "p50": 50,
-        "p90": 90,
-        "p99": 99,
-        "max": 100,
-    }
-
-
-def test_percentiles_on_ten_and_one_and_none() -> None:
-    assert percentiles([10, 20, 30, 40, 50, 60, 70, 80, 90, 100]) == {
-        "count": 10,
-        "p50": 50,
-        "p90": 90,
-        "p99": 100,
-        "max": 100,
-    }
-    assert percentiles([7]) == {"count": 1, "p50": 7, "p90": 7, "p99": 7, "max": 7}
-    assert percentiles([]) is None
-
-
-def test_one_percentile_by_nearest_rank_at_any_p() -> None:
-    six = [6.0, 1.0, 5.0, 2.0, 4.0, 3.0]
-    assert [percentile(six, p) for p in (0, 16.6, 16.7, 50, 90, 99, 100)] == [1, 1, 2, 3, 6, 6, 6]
-    for bad in ([], [1.0]):
-        with pytest.raises(ValueError):
-            percentile(bad, 101 if bad else 50)
 
 
 # -- summarize --------------------------------------------------------------------------------

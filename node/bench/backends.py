@@ -1,10 +1,11 @@
-"""The servers ``scripts/bench_throughput.py`` measures, behind one ``Backend`` interface:
-the node (``NodeBackend``), llama-cpp-python alone in a subprocess (``DirectBackend``,
-whose subprocess is this file run as a script: ``serve_direct``) and llama.cpp's
-``llama-server`` (``ServerBackend``); and how their processes are pinned and started.
+"""The servers the throughput and startup scenarios measure, behind one ``Backend``
+interface: the node (``NodeBackend``), llama-cpp-python alone in a subprocess
+(``DirectBackend``, whose subprocess is this module run as ``python -m
+node.bench.backends``: ``serve_direct``) and llama.cpp's ``llama-server``
+(``ServerBackend``); and how their processes are pinned and started.
 
 Each backend owns the processes it starts and its clients' protocol; the benchmark's
-docstring says how each is run and why.
+docstring of ``node.bench.throughput`` says how each is run and why.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import IO, Any, cast
 
 import psutil
 
+from node.interpreter import module_command
 from node.testing import DIE_WITH_HARNESS, NodeProcess
 
 #: The context of every sequence, in every backend (the default ``model.n_ctx``).
@@ -236,6 +238,7 @@ def serve_direct(model: str, threads: int, repack: bool, flash_attn: bool | None
 
     from node.llama.engine import _model_params  # the node's own use_extra_bufts switch
 
+    extra: dict[str, Any] = {} if flash_attn is None else {"flash_attn": flash_attn}
     with _model_params(repack):
         llm = llama_cpp.Llama(
             model_path=model,
@@ -243,7 +246,7 @@ def serve_direct(model: str, threads: int, repack: bool, flash_attn: bool | None
             n_threads=threads,
             n_threads_batch=threads,
             verbose=False,
-            **({} if flash_attn is None else {"flash_attn": flash_attn}),
+            **extra,
         )
     out = sys.stdout
 
@@ -303,7 +306,7 @@ class DirectBackend(Backend):
         self.next_id = 0
 
     def start(self, level: int) -> list[int]:
-        argv = [sys.executable, str(Path(__file__).resolve()), str(self.model)]
+        argv = module_command("node.bench.backends", str(self.model))
         argv += ["--threads", str(self.threads), "--repack", "on" if self.repack else "off"]
         argv += ["--flash-attn", self.flash_attn]
         self.proc = spawn(

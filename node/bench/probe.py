@@ -1,23 +1,24 @@
-"""The host's stand-in of ``scripts/bench_isolation.py``: a periodic control loop pinned
-to one core, run as a fresh process per case, its calibration, the CPU accounting
-around it, and the summary of its rounds (wake-up lateness, response, missed deadlines).
+"""The host's stand-in of ``edgenode bench``'s ``host`` scenario and of
+``scripts/bench_isolation.py``: a periodic control loop pinned to one core, run as a
+fresh process per case, its calibration, the CPU accounting around it, and the summary
+of its rounds (wake-up lateness, response, missed deadlines).
 
 Owns the probe's subprocesses and /proc/stat readings; knows nothing of nodes or load.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import psutil
 
-from node.migration.report import percentile
+from node.bench.stats import percentile
 
 #: The probe, a periodic control loop: pin, then every 1 ms period wake at the
 #: period's release time and run ``work`` iterations of arithmetic (--duty of the
@@ -102,16 +103,23 @@ def tree_cpu(pid: int) -> float:
     return total
 
 
-def probe(args: argparse.Namespace, node_pids: list[int]) -> dict[str, Any]:
-    """Run the probe on ``args.probe_core`` (nice 0, a fresh process, ``args.work``
-    iterations per cycle); its output plus CPU accounting."""
+def probe(core: int, iterations: int, work: int, node_pids: list[int]) -> dict[str, Any]:
+    """Run the probe on ``core`` (nice 0, a fresh process) for ``iterations`` 1 ms cycles
+    of ``work`` iterations each (``calibrate``); its output (``late_ns``, ``resp_ns``:
+    per cycle, ns after the release time; ``start``, ``end``, ``cpu_s``) plus CPU
+    accounting (``core_busy``: share per core; ``other_cores``: cores' worth used by
+    neither the probe nor ``node_pids``' trees).
+
+    Raises:
+        subprocess.CalledProcessError: the probe failed (e.g. ``core`` not allowed).
+    """
     ticks, node_cpu = cpu_ticks(), sum(map(tree_cpu, node_pids))
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, str(args.probe_core), str(args.iterations), str(args.work)],
+        [sys.executable, "-c", PROBE, str(core), str(iterations), str(work)],
         capture_output=True,
         text=True,
         check=True,
-        timeout=args.iterations / 100 + 60,
+        timeout=iterations / 100 + 60,
     )
     after, node_after = cpu_ticks(), sum(map(tree_cpu, node_pids))
     result: dict[str, Any] = json.loads(out.stdout)
@@ -136,6 +144,11 @@ def calibrate(core: int, duty: float) -> int:
     return max(1, int(int(out.stdout) * duty))
 
 
+def _median(values: Iterable[float]) -> float:
+    """The 50th percentile (``node.bench.stats.percentile``: nearest rank)."""
+    return percentile(values, 50)
+
+
 def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Wake-up lateness and response (µs) over all rounds and per round, missed
     deadlines, CPU shares."""
@@ -147,15 +160,15 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     late, late_rounds = us("late_ns")
     resp, resp_rounds = us("resp_ns")
     return {
-        "p50_us": round(statistics.median(late), 1),
+        "p50_us": round(_median(late), 1),
         "p99_us": round(percentile(late, 99), 1),
         "max_us": round(max(late), 1),
         "p99_rounds_us": [round(percentile(r, 99), 1) for r in late_rounds],
-        "p99_median_us": round(statistics.median(percentile(r, 99) for r in late_rounds), 1),
-        "resp_p50_us": round(statistics.median(resp), 1),
+        "p99_median_us": round(_median(percentile(r, 99) for r in late_rounds), 1),
+        "resp_p50_us": round(_median(resp), 1),
         "resp_p99_us": round(percentile(resp, 99), 1),
         "resp_p99_rounds_us": [round(percentile(r, 99), 1) for r in resp_rounds],
-        "resp_p99_median_us": round(statistics.median(percentile(r, 99) for r in resp_rounds), 1),
+        "resp_p99_median_us": round(_median(percentile(r, 99) for r in resp_rounds), 1),
         "missed_pct": round(100 * sum(x > 1000 for x in resp) / len(resp), 2),
         "core_busy": [
             round(statistics.mean(c), 3)

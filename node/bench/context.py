@@ -1,0 +1,56 @@
+"""What every scenario is given: the run's options and its progress bar."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol, TypeVar
+
+#: The engine of the node in the model-dependent scenarios: ``llama`` (the default
+#: model) for real figures, ``test`` (deterministic, node.engine.TestEngine) to check the
+#: machinery quickly.
+BenchEngine = Literal["test", "llama"]
+T = TypeVar("T")
+
+
+class Progress(Protocol):
+    """The part of a tqdm bar the scenarios use."""
+
+    def update(self, n: float | None = 1) -> bool | None: ...
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None: ...
+
+
+class NoProgress:
+    """A progress bar that shows nothing (before the real one exists, or in tests)."""
+
+    def update(self, n: float | None = 1) -> bool | None:
+        """Nothing to count."""
+        return None
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        """Nothing to show."""
+
+
+@dataclass
+class BenchContext:
+    """The options of one ``edgenode bench`` run.
+
+    ``quick``: about a 2-minute run (fewer and shorter measurements); ``engine``: see
+    ``BenchEngine``; ``llama_server``: a llama-server binary for the baselines that need
+    one (None: those rows are left out); ``bar``: the run's progress bar, one unit per step.
+    """
+
+    quick: bool
+    engine: BenchEngine
+    llama_server: Path | None
+    bar: Progress
+
+    def step(self, label: str) -> None:
+        """Show ``label`` as the current step, then count the previous one as done."""
+        self.bar.set_postfix_str(label)
+        self.bar.update(1)
+
+    def pick(self, quick: T, full: T) -> T:
+        """``quick`` in a quick run, ``full`` otherwise."""
+        return quick if self.quick else full

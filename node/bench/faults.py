@@ -1,0 +1,260 @@
+"""Scenario ``faults``: deadlines and failure detection, with the broker's default
+heartbeats (1000 ms x 3) and every reply counted.
+
+On a node of 2 one-slot workers (``ctx.engine``), from the client's side:
+
+* deadline overshoot: reply time minus ``timeout_ms`` for requests still decoding, and
+  still evaluating their prompt, when their deadline falls; and how long after the
+  deadline the worker is free again (its credit back in ``status``, polled every 5 ms:
+  that is the resolution);
+* ``kill -9`` and ``SIGSTOP`` of a busy worker: detection (from the signal until the
+  broker no longer lists the worker), recovery (until a new worker has replaced it and
+  every worker is ready again), and replies lost: every request sent around the fault
+  (the victim's and a few others) must get exactly one final reply;
+* false deaths: worker restarts beyond one per signal sent, over the whole scenario.
+
+The baseline is the budget itself: the liveness settings say when a death must be seen
+(goals: kill -9 <= 100 ms, SIGSTOP <= 2000 ms, overshoot <= 5 ms, free <= 25 ms).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from typing import Any
+
+from broker.errors import DeadlineExceeded
+from node.bench.context import BenchContext
+from node.bench.report import Goal, Section, Table
+from node.bench.stats import percentile
+from node.testing import Collector, NodeProcess
+
+COUNT = 2  # workers, one slot each
+#: The request a fault hits, and its neighbours, per engine: a few seconds of decoding.
+VICTIM = {"test": ("!slow 20 " + "w " * 200, 100), "llama": ("Once upon a time", 200)}
+#: Deadline runs: (decoding prompt, prompt-evaluation prompt) per engine.
+DEADLINE = {
+    "test": ("!slow 20 " + "w " * 400, "!prefill 5 " + "w " * 600),
+    "llama": ("Once upon a time", "The robot moved across the warehouse floor carefully. " * 78),
+}
+GOALS_MS = {"kill9": 100.0, "sigstop": 2000.0, "overshoot": 5.0, "free": 25.0}
+#: Other requests sent beside each victim, to count replies lost around a fault.
+NEIGHBOURS = 2
+RECOVERY_TIMEOUT_S = 120.0
+
+
+def steps(ctx: BenchContext) -> int:
+    """Progress steps of ``run``."""
+    deadlines, faults = _counts(ctx)
+    return 1 + 2 * deadlines + 2 * faults
+
+
+def _counts(ctx: BenchContext) -> tuple[int, int]:
+    """(deadline runs per kind, faults per signal)."""
+    return ctx.pick(3, 20), ctx.pick(2, 5)
+
+
+def node_sections(ctx: BenchContext) -> dict[str, dict[str, Any]]:
+    """The node: 2 one-slot workers of ``ctx.engine``, default broker settings."""
+    workers: dict[str, Any] = {"engine": ctx.engine, "count": COUNT, "slots": 1, "threads": 1}
+    if ctx.engine == "test":
+        workers["test_token_ms"] = 10
+    # CPU pressure off: in degrade mode it sends requests to the rules, which answer
+    # before a poll sees a busy worker.
+    return {"workers": workers, "fallback": {"rules": ""}, "pressure": {"cpu_warn_pct": 0.0}}
+
+
+def overshoot(node: NodeProcess, prompt: str, budget_ms: int) -> tuple[float, float]:
+    """(reply overshoot ms, ms after the deadline until the worker is free again).
+
+    Raises:
+        RuntimeError: the request finished before its deadline.
+    """
+    with node.client() as c:
+        start = time.monotonic()
+        try:
+            c.generate(prompt, max_tokens=512, timeout_ms=budget_ms)
+            raise RuntimeError("the request finished before its deadline; raise max_tokens")
+        except DeadlineExceeded:
+            replied = time.monotonic()
+        deadline = start + budget_ms / 1000
+        while node.status()["credit"] < COUNT:
+            time.sleep(0.005)
+        freed = time.monotonic()
+    return (replied - deadline) * 1000, (freed - deadline) * 1000
+
+
+def healthy(node: NodeProcess, timeout_s: float) -> dict[str, Any]:
+    """Wait until every worker is ready, idle, with full credit; returns that status.
+
+    Raises:
+        TimeoutError: not within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = node.status()
+        ready = s["all_ready"] and s["credit"] == COUNT and len(s["workers"]) == COUNT
+        if ready and s["in_flight"] == 0 and s["queue_depth"] == 0:
+            return s
+        time.sleep(0.02)
+    raise TimeoutError(f"the node did not recover in {timeout_s} s")
+
+
+def replaced(node: NodeProcess, pid: int, timeout_s: float) -> None:
+    """Wait until ``COUNT`` workers are ready again, ``pid`` not among them.
+
+    Raises:
+        TimeoutError: not within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = node.status()
+        pids = [w["pid"] for w in s["workers"]]
+        if s["all_ready"] and len(pids) == COUNT and pid not in pids:
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"the killed worker was not replaced in {timeout_s} s")
+
+
+def fault(node: NodeProcess, sig: signal.Signals, prompt: str, tokens: int) -> dict[str, Any]:
+    """Send ``sig`` to a busy worker; detection and recovery (ms) and replies lost."""
+    col = Collector(node.frontend)
+    try:
+        tag = f"{sig.name}-{time.monotonic_ns()}"
+        for i in range(1 + NEIGHBOURS):
+            col.send(id=f"{tag}-{i}", op="generate", prompt=prompt, max_tokens=tokens)
+        busy: list[dict[str, Any]] = []
+        while not busy:
+            busy = [w for w in node.status()["workers"] if w["active"]]
+            time.sleep(0.005)
+        pid = busy[0]["pid"]
+        os.kill(pid, sig)
+        sent = time.monotonic()
+        while any(w["pid"] == pid for w in node.status()["workers"]):
+            time.sleep(0.005)
+        detected = (time.monotonic() - sent) * 1000
+        replaced(node, pid, RECOVERY_TIMEOUT_S)
+        recovered = (time.monotonic() - sent) * 1000
+        col.collect(timeout=RECOVERY_TIMEOUT_S)
+        healthy(node, RECOVERY_TIMEOUT_S)  # idle before the next measurement
+        finals = col.finals()
+        lost = sum(1 for rid in col.sent if len(finals.get(rid, [])) != 1)
+        return {"detected_ms": detected, "recovered_ms": recovered, "lost": lost}
+    finally:
+        col.close()
+
+
+def restarts(node: NodeProcess) -> int:
+    """Worker restarts so far, over every worker."""
+    return sum(int(p["restarts"]) for p in node.status()["processes"])
+
+
+def run(ctx: BenchContext) -> Section:
+    """Deadlines, then kill -9 and SIGSTOP faults; see the module."""
+    deadlines, faults = _counts(ctx)
+    rng = random.Random(1)
+    decode_prompt, prefill_prompt = DEADLINE[ctx.engine]
+    victim, tokens = VICTIM[ctx.engine]
+    ctx.step("faults: starting the node")
+    node = NodeProcess(node_sections(ctx))
+    try:
+        node.start(timeout=180)
+        decode, prefill = [], []
+        for i in range(deadlines):
+            ctx.step(f"faults: deadline while decoding {i + 1}/{deadlines}")
+            decode.append(overshoot(node, decode_prompt, rng.randint(300, 1500)))
+        for i in range(deadlines):
+            ctx.step(f"faults: deadline in prompt evaluation {i + 1}/{deadlines}")
+            prefill.append(overshoot(node, prefill_prompt, rng.randint(200, 1500)))
+        before = restarts(node)
+        kills, stops = [], []
+        for i in range(faults):
+            ctx.step(f"faults: kill -9 {i + 1}/{faults}")
+            kills.append(fault(node, signal.SIGKILL, victim, tokens))
+        for i in range(faults):
+            ctx.step(f"faults: SIGSTOP {i + 1}/{faults}")
+            stops.append(fault(node, signal.SIGSTOP, victim, tokens))
+        false_deaths = restarts(node) - before - len(kills) - len(stops)
+    finally:
+        node.cleanup()
+    return section(ctx, decode, prefill, kills, stops, false_deaths)
+
+
+def _row(name: str, values: list[float], goal: float | None) -> tuple[Any, ...]:
+    return (
+        name,
+        len(values),
+        percentile(values, 50),
+        percentile(values, 99),
+        max(values),
+        "-" if goal is None else f"<= {goal:.0f}",
+    )
+
+
+def section(
+    ctx: BenchContext,
+    decode: list[tuple[float, float]],
+    prefill: list[tuple[float, float]],
+    kills: list[dict[str, Any]],
+    stops: list[dict[str, Any]],
+    false_deaths: int,
+) -> Section:
+    """The report of ``run``'s measurements."""
+    g = GOALS_MS
+    measures: dict[str, tuple[list[float], float | None]] = {
+        "deadline overshoot, decoding (reply)": ([d[0] for d in decode], g["overshoot"]),
+        "deadline overshoot, prompt eval (reply)": ([p[0] for p in prefill], g["overshoot"]),
+        "worker free after deadline, decoding": ([d[1] for d in decode], g["free"]),
+        "worker free after deadline, prompt eval": ([p[1] for p in prefill], g["free"]),
+        "detection, kill -9": ([k["detected_ms"] for k in kills], g["kill9"]),
+        "recovery, kill -9 (all ready again)": ([k["recovered_ms"] for k in kills], None),
+        "detection, SIGSTOP": ([s["detected_ms"] for s in stops], g["sigstop"]),
+        "recovery, SIGSTOP (all ready again)": ([s["recovered_ms"] for s in stops], None),
+    }
+    table = Table(
+        ("measure", "n", "p50 ms", "p99 ms", "max ms", "budget ms"),
+        [_row(name, values, goal) for name, (values, goal) in measures.items()],
+    )
+    lost = sum(f["lost"] for f in kills + stops)
+
+    def worst(*names: str) -> float:
+        return max(max(measures[n][0]) for n in names)
+
+    goals = [
+        Goal("kill -9 detected (max)", worst("detection, kill -9"), g["kill9"], "<=", " ms"),
+        Goal("SIGSTOP detected (max)", worst("detection, SIGSTOP"), g["sigstop"], "<=", " ms"),
+        Goal("replies lost around faults", float(lost), 0, "=="),
+        Goal("false deaths", float(false_deaths), 0, "=="),
+        Goal(
+            "deadline overshoot (max)",
+            worst(
+                "deadline overshoot, decoding (reply)", "deadline overshoot, prompt eval (reply)"
+            ),
+            g["overshoot"],
+            "<=",
+            " ms",
+        ),
+        Goal(
+            "worker free after deadline (max)",
+            worst(
+                "worker free after deadline, decoding", "worker free after deadline, prompt eval"
+            ),
+            g["free"],
+            "<=",
+            " ms",
+        ),
+    ]
+    text = (
+        f"Engine `{ctx.engine}`, {COUNT} one-slot workers, default heartbeats (1000 ms x 3). "
+        f"Around each fault {1 + NEIGHBOURS} requests were in flight or queued; "
+        f"replies lost: {lost}; false deaths (restarts beyond one per signal): {false_deaths}."
+    )
+    data = {
+        "engine": ctx.engine,
+        "measures": {k: v for k, (v, _goal) in measures.items()},
+        "lost": lost,
+        "false_deaths": false_deaths,
+    }
+    return Section("faults", "Faults and deadlines", text, [table], goals, [], data)
