@@ -1,16 +1,9 @@
 #!/usr/bin/env python3
-"""Goodput under overload, and a burst of long prompts, with the real model
-(a benchmark, not a test).
+"""A burst of long prompts with the real model (a benchmark, not a test). The overload
+curve this script measured too is ``edgenode bench --only overload`` now
+(``node.bench.overload``).
 
-``overload``: starts a node (2 llama workers, the model only: mode ``full``, no
-rule worker, so every answer is the model's) and measures its service rate
-first (the 1x baseline of this run), then offers 1x, 3x and 10x that rate,
-open-loop, for a fixed time each. Prints per level: offered and served
-requests/s (goodput), shed rate, shed-reply latency p99 and admitted
-queue-time p99; writes a PNG of offered load vs goodput and shed rate (needs
-``pip install -e '.[bench]'``).
-
-``burst``: for each admission estimate (``broker.service_estimate``: ``mean``,
+For each admission estimate (``broker.service_estimate``: ``mean``,
 the one mean service time per engine, vs ``size``, per request from its prompt
 tokens and ``max_tokens``), starts a node, warms it up on long and short
 prompts with both workers busy, then sends 4 short and 12 long prompts at once, all with the same
@@ -23,8 +16,7 @@ in 504 (admitted but doomed: model time nobody could use), refused at once
 (503 ``deadline_unmeetable``) and served, the long prompts' service time in
 the burst, and the first refusal's message (the estimate's numbers).
 
-Usage: ``python scripts/bench_load.py [--seconds 20] [--png docs/bench/load.png]
-[--parts overload,burst] [--estimates mean,size]`` (``default`` as an estimate
+Usage: ``python scripts/bench_load.py [--estimates mean,size]`` (``default`` as an estimate
 leaves the setting unset: the broker's own default, for runs of older code).
 """
 
@@ -32,15 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import msgpack
 import zmq
 
-from node.migration.report import percentile
+from node.bench.stats import percentile
 from node.testing import NodeProcess
 
 PROMPT = "Q: Which room has the lights on?\nA:"
@@ -72,85 +63,9 @@ def request(rid: str, prompt: str, timeout_ms: int = 60_000) -> list[bytes]:
     return [b"", b"EDGE/C1", msgpack.packb(body)]
 
 
-def offer(endpoint: str, rate: float, seconds: float) -> list[dict[str, Any]]:
-    """Open-loop load: send at ``rate``/s for ``seconds``, then wait for all replies."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    sent: dict[str, float] = {}
-    results: list[dict[str, Any]] = []
-
-    def read(timeout_ms: int) -> None:
-        if sock.poll(timeout_ms):
-            body = msgpack.unpackb(sock.recv_multipart()[-1])
-            if body["status"] != "partial":
-                body["latency_ms"] = (time.monotonic() - sent[body["id"]]) * 1000
-                results.append(body)
-
-    start = time.monotonic()
-    n = 0
-    while time.monotonic() - start < seconds:
-        while time.monotonic() < start + n / rate:
-            read(1)
-        rid = f"r{n}"
-        sent[rid] = time.monotonic()
-        sock.send_multipart(request(rid, PROMPT))
-        n += 1
-    elapsed = time.monotonic() - start
-    deadline = time.monotonic() + 120
-    while len(results) < n and time.monotonic() < deadline:
-        read(50)
-    sock.close(0)
-    for r in results:
-        r["window_s"] = elapsed
-    return results
-
-
-def p99(values: list[float]) -> float | None:
-    """The 99th percentile (``node.migration.report.percentile``), to 0.1; None if empty."""
-    return round(percentile(values, 99), 1) if values else None
-
-
-def summarize(level: str, rate: float, results: list[dict[str, Any]]) -> dict[str, Any]:
-    ok = [r for r in results if r["status"] == "ok"]
-    shed = [r for r in results if r["status"] == "error"]
-    window = results[0]["window_s"] if results else 1.0
-    last_ok = max((r["latency_ms"] for r in ok), default=0.0) / 1000
-    return {
-        "level": level,
-        "offered_rps": round(rate, 2),
-        "goodput_rps": round(len(ok) / max(window, last_ok), 2),
-        "shed_rate": round(len(shed) / max(1, len(results)), 3),
-        "shed_p99_ms": p99([r["latency_ms"] for r in shed]),
-        "queue_p99_ms": p99([float(r["queue_ms"]) for r in ok]),
-        "sent": len(results),
-        "shed_reasons": sorted({r.get("reason", "") for r in shed}),
-    }
-
-
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    offered = [r["offered_rps"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(offered, [r["goodput_rps"] for r in rows], "o-", label="goodput (req/s)")
-    ax.plot(offered, offered, ":", color="grey", label="offered = served")
-    ax.set_xlabel("offered load (req/s)")
-    ax.set_ylabel("requests/s")
-    ax2 = ax.twinx()
-    ax2.plot(
-        offered, [100 * r["shed_rate"] for r in rows], "s--", color="tab:red", label="shed (%)"
-    )
-    ax2.set_ylabel("shed (%)")
-    ax2.set_ylim(0, 100)
-    fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.88))
-    ax.set_title("edgenode, Gemma 3 270M, 2 workers: offered load vs goodput")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+def median(values: Iterable[float]) -> float:
+    """The 50th percentile (``node.bench.stats.percentile``: nearest rank)."""
+    return percentile(values, 50)
 
 
 def at_once(endpoint: str, batch: list[tuple[str, str]], timeout_ms: int) -> list[dict[str, Any]]:
@@ -208,7 +123,7 @@ def burst(estimate: str, budget_ms: int | None) -> dict[str, Any]:
         short_ms = [service_ms(r) for r in at_once(node.frontend, shorts, 60_000)]
         if budget_ms is None:
             # 4 short ones on 2 workers, then 2.5 rounds of 2 long ones: ~4 long fit.
-            budget_ms = int(2 * statistics.median(short_ms) + 2.5 * statistics.median(long_ms))
+            budget_ms = int(2 * median(short_ms) + 2.5 * median(long_ms))
         batch = [unique(f"short-{i}", PROMPT) for i in range(4)]
         batch += [unique(f"long-{i}", LONG_PROMPT) for i in range(12)]
         finals = at_once(node.frontend, batch, budget_ms)
@@ -223,9 +138,9 @@ def burst(estimate: str, budget_ms: int | None) -> dict[str, Any]:
     return {
         "estimate": estimate,
         "budget_ms": budget_ms,
-        "short_ms": int(statistics.median(short_ms)),
-        "long_ms": int(statistics.median(long_ms)),
-        "burst_long_ms": int(statistics.median(map(service_ms, ok_long))) if ok_long else None,
+        "short_ms": int(median(short_ms)),
+        "long_ms": int(median(long_ms)),
+        "burst_long_ms": int(median(map(service_ms, ok_long))) if ok_long else None,
         "refusal": refused[0]["message"] if refused else "",
         "sent": len(batch),
         "answered": len(finals),
@@ -264,54 +179,14 @@ def print_burst(rows: list[dict[str, Any]]) -> None:
     print(json.dumps(rows))
 
 
-def overload(seconds: float, png: Path) -> None:
-    """Goodput, shed rate and latencies at 1x, 3x and 10x the measured service rate."""
-    node = NodeProcess({**MODEL_ONLY, "broker": {"max_queue": 8}})
-    node.start(timeout=120)
-    try:
-        # Baseline of this run: closed-loop service rate with both workers busy.
-        warm = offer(node.frontend, 2.0, 5.0)
-        service_s = statistics.median(service_ms(r) for r in warm if r["status"] == "ok") / 1000
-        capacity = 2 / service_s
-        rows = []
-        for level, factor in (("1x", 1.0), ("3x", 3.0), ("10x", 10.0)):
-            rate = capacity * factor
-            rows.append(summarize(level, rate, offer(node.frontend, rate, seconds)))
-    finally:
-        node.cleanup()
-    print(f"service time {service_s * 1000:.0f} ms per request -> capacity {capacity:.2f} req/s")
-    print(
-        f"{'load':<5} {'offered':>8} {'goodput':>8} {'shed':>6} {'shed p99 ms':>12} "
-        f"{'queue p99 ms':>13}"
-    )
-    for r in rows:
-        print(
-            f"{r['level']:<5} {r['offered_rps']:>8} {r['goodput_rps']:>8} "
-            f"{r['shed_rate']:>6} {r['shed_p99_ms'] or '-':>12} {r['queue_p99_ms'] or '-':>13}"
-        )
-    print(json.dumps(rows))
-    try:
-        plot(rows, png)
-        print(f"plot: {png}")
-    except ImportError:
-        print("matplotlib not installed: pip install -e '.[bench]' for the plot")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--png", type=Path, default=Path("docs/bench/load.png"))
-    parser.add_argument("--parts", default="overload,burst")
     parser.add_argument("--estimates", default="mean,size")
     args = parser.parse_args()
-    parts = args.parts.split(",")
-    if "burst" in parts:
-        rows: list[dict[str, Any]] = []
-        for estimate in args.estimates.split(","):
-            rows.append(burst(estimate, rows[0]["budget_ms"] if rows else None))
-        print_burst(rows)
-    if "overload" in parts:
-        overload(args.seconds, args.png)
+    rows: list[dict[str, Any]] = []
+    for estimate in args.estimates.split(","):
+        rows.append(burst(estimate, rows[0]["budget_ms"] if rows else None))
+    print_burst(rows)
 
 
 if __name__ == "__main__":

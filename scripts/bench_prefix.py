@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from typing import Any
 
-from node.migration.report import percentile
+from node.bench.stats import percentile
 from node.testing import NodeProcess
 
 SYSTEM = (
@@ -72,7 +71,7 @@ def run(node: NodeProcess, requests: int) -> dict[str, Any]:
 def summary(samples: list[tuple[int, int]]) -> dict[str, float]:
     """First TTFT, the later ones' median and p90 (nearest rank), and their ratios."""
     first, later = samples[0][0], sorted(t for t, _ in samples[1:])
-    median = statistics.median(later)
+    median = percentile(later, 50)
     p90 = percentile(later, 90)
     return {
         "first_ms": first,
@@ -80,7 +79,7 @@ def summary(samples: list[tuple[int, int]]) -> dict[str, float]:
         "later_p90_ms": p90,
         "median_ratio": median / first,
         "p90_ratio": p90 / first,
-        "later_cached_tokens_median": statistics.median(c for _, c in samples[1:]),
+        "later_cached_tokens_median": percentile((c for _, c in samples[1:]), 50),
     }
 
 

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from typing import Any
 
 from broker.client import Client
 from fallback.intents import EVAL_COMMANDS, INTENT_PROMPT, INTENT_SCHEMA
-from node.migration.report import percentile, summarize
+from node.bench.stats import percentile
+from node.migration.report import summarize
 from node.migration.report_view import format_report
 from node.testing import NodeProcess
 
@@ -182,7 +182,7 @@ def main() -> None:
         values = lat[mode]
         rows[mode] = {
             "n": len(values),
-            "p50_ms": round(statistics.median(values), 2),
+            "p50_ms": round(percentile(values, 50), 2),
             "p99_ms": round(percentile(values, 99), 2),
             "max_ms": round(max(values), 2),
         }

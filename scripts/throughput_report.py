@@ -8,15 +8,16 @@ Pure functions of the rows ``bench_throughput`` measured and the ``meta`` it rec
 from __future__ import annotations
 
 import json
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from node.bench.stats import percentile
+
 
 def median_of(rows: list[dict[str, Any]], key: str) -> float | None:
     values = [r[key] for r in rows]
-    return statistics.median(values) if values else None
+    return percentile(values, 50) if values else None
 
 
 def summarize(runs: list[dict[str, Any]], levels: Sequence[int]) -> dict[str, Any]:
@@ -48,9 +49,9 @@ def summarize(runs: list[dict[str, Any]], levels: Sequence[int]) -> dict[str, An
                     ]
                     if other and other[0]["tokens_per_s"]:
                         per_round.append(r["tokens_per_s"] / other[0]["tokens_per_s"])
-                ratios[n][base][level] = statistics.median(per_round) if per_round else None
+                ratios[n][base][level] = percentile(per_round, 50) if per_round else None
     loads = {b: [r["outside_cores"] for r in runs if r["backend"] == b] for b in backends}
-    outside = {b: {"median": statistics.median(v), "max": max(v)} for b, v in loads.items() if v}
+    outside = {b: {"median": percentile(v, 50), "max": max(v)} for b, v in loads.items() if v}
     return {"backends": backends, "cells": cells, "ratios": ratios, "outside_cores": outside}
 
 

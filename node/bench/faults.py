@@ -33,7 +33,7 @@ from node.testing import Collector, NodeProcess
 
 COUNT = 2  # workers, one slot each
 #: The request a fault hits, and its neighbours, per engine: a few seconds of decoding.
-VICTIM = {"test": ("!slow 20 " + "w " * 200, 100), "llama": ("Once upon a time", 200)}
+VICTIM = {"test": ("!slow 20 " + "w " * 100, 60), "llama": ("Once upon a time", 200)}
 #: Deadline runs: (decoding prompt, prompt-evaluation prompt) per engine.
 DEADLINE = {
     "test": ("!slow 20 " + "w " * 400, "!prefill 5 " + "w " * 600),
@@ -53,7 +53,7 @@ def steps(ctx: BenchContext) -> int:
 
 def _counts(ctx: BenchContext) -> tuple[int, int]:
     """(deadline runs per kind, faults per signal)."""
-    return ctx.pick(3, 20), ctx.pick(2, 5)
+    return ctx.pick(2, 20), ctx.pick(1, 5)
 
 
 def node_sections(ctx: BenchContext) -> dict[str, dict[str, Any]]:

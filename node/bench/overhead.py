@@ -95,7 +95,7 @@ def summary(run: Run) -> dict[str, Any]:
 
 def run(ctx: BenchContext) -> Section:
     """Measure the node and the relay at each level of ``LEVELS``; see the module."""
-    seconds = ctx.pick(3.0, 10.0)
+    seconds = ctx.pick(2.0, 10.0)
     warm = ctx.pick(0.5, 2.0)
     results: dict[str, dict[int, dict[str, Any]]] = {"node": {}, "relay": {}}
     ctx.step("broker: starting the node")

@@ -1,0 +1,85 @@
+"""``edgenode bench --quick`` end to end on the cheap scenarios, with the test engine:
+real nodes, the real raw relay, real signals; the report, its PNGs and its JSON, with
+every figure beside its baseline.
+
+Nothing here asserts a speed (the machine is shared): only that each figure and its
+baseline were measured, that no reply was lost and that the report says so.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from node.interpreter import module_command
+from node.testing import REPO
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def bench(out: Path, only: str) -> tuple[str, dict[str, Any]]:
+    """Run ``edgenode bench --quick --only ONLY --engine test --json``; the report's
+    Markdown and the JSON printed on stdout."""
+    argv = module_command("node.cli", "bench", "--quick", "--only", only, "--engine", "test")
+    argv += ["--out", str(out), "--json", "--no-progress"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=55, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data: dict[str, Any] = json.loads(done.stdout)
+    assert data == json.loads((out / "report.json").read_text())
+    return (out / "report.md").read_text(), data
+
+
+def table_header(report: str, first: str) -> list[str]:
+    """The cells of the header row of the table whose first column is ``first``."""
+    line = next(x for x in report.splitlines() if x.startswith(f"| {first} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_broker_overhead_beside_the_raw_relay(tmp_path: Path) -> None:
+    report, data = bench(tmp_path, "broker")
+    assert table_header(report, "in flight")[:4] == [
+        "in flight",
+        "node req/s",
+        "raw relay req/s",
+        "node / relay",
+    ]
+    assert (tmp_path / "broker.png").read_bytes()[:8] == PNG_MAGIC
+    assert "![broker overhead: node vs raw relay](broker.png)" in report
+    broker = data["scenarios"]["broker"]
+    for side in ("node", "relay"):
+        for level in ("1", "8"):
+            figures = broker[side][level]
+            assert figures["req_per_s"] > 0, (side, level, figures)
+            assert figures["rtt_p50_ms"] <= figures["rtt_p99_ms"]
+            assert figures["lost"] == 0 and figures["not_ok"] == 0, figures
+    share = broker["share"]["8"]
+    assert share == broker["node"]["8"]["req_per_s"] / broker["relay"]["8"]["req_per_s"]
+    [goal] = data["goals"]
+    assert goal["measured"] == 100 * share and goal["target"] == 70
+    assert f"| {goal['name']} | >= 70 % |" in report
+
+
+def test_faults_detected_and_no_reply_lost(tmp_path: Path) -> None:
+    report, data = bench(tmp_path, "faults")
+    assert table_header(report, "measure") == [
+        "measure",
+        "n",
+        "p50 ms",
+        "p99 ms",
+        "max ms",
+        "budget ms",
+    ]
+    faults = data["scenarios"]["faults"]
+    measures = faults["measures"]
+    for name in ("detection, kill -9", "detection, SIGSTOP", "recovery, SIGSTOP (all ready again)"):
+        assert len(measures[name]) == 1 and measures[name][0] > 0, (name, measures)
+    # SIGSTOP is found by missed heartbeats (1000 ms x 3 by default): never before 2 of them.
+    assert measures["detection, SIGSTOP"][0] > 2000
+    assert faults["lost"] == 0
+    assert faults["false_deaths"] == 0
+    goals = {g["name"]: g for g in data["goals"]}
+    assert goals["replies lost around faults"]["met"] is True
+    assert goals["kill -9 detected (max)"]["measured"] == max(measures["detection, kill -9"])
+    assert "| detection, SIGSTOP | 1 |" in report
