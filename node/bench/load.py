@@ -18,10 +18,12 @@ DRAIN_S = 120.0
 
 @dataclass(frozen=True)
 class Reply:
-    """A final reply and its round-trip time (ms, from the request's send)."""
+    """A final reply, its round-trip time (ms, from the request's send) and when it came
+    (s since the run's first send)."""
 
     body: dict[str, Any]
     rtt_ms: float
+    at_s: float
 
     @property
     def ok(self) -> bool:
@@ -44,6 +46,13 @@ class Run:
         """Requests sent that got no final reply."""
         return self.sent - len(self.replies)
 
+    def served_per_s(self) -> float:
+        """Goodput: ``ok`` replies per second, over the sending window or until the last
+        ``ok`` reply if that came later (the backlog served after the window counts, and
+        so does the time it took)."""
+        ok = [r.at_s for r in self.replies if r.ok]
+        return len(ok) / max([self.window_s, *ok])
+
 
 class Dealer:
     """One DEALER to ``endpoint``; ``tagged``: the node's client frames (``EDGE/C1``), else
@@ -56,6 +65,7 @@ class Dealer:
         self.sock.connect(endpoint)
         self.head = [b"", p.CLIENT_TAG] if tagged else [b""]
         self.sent: dict[str, float] = {}
+        self.start = time.monotonic()  # the run's start; reset by the loops
 
     def send(self, body: dict[str, Any]) -> None:
         """Send ``body`` (must carry a unique ``id``) and note when."""
@@ -74,7 +84,8 @@ class Dealer:
         start = self.sent.pop(rid, None) if isinstance(rid, str) else None
         if start is None:
             return None  # not ours (a late duplicate would show up here)
-        return Reply(body, (time.monotonic() - start) * 1000)
+        now = time.monotonic()
+        return Reply(body, (now - start) * 1000, now - self.start)
 
     def close(self) -> None:
         """Close the socket at once."""
@@ -92,7 +103,7 @@ def closed_loop(
     replies: list[Reply] = []
     n = 0
     try:
-        start = time.monotonic()
+        start = dealer.start = time.monotonic()
         for _ in range(in_flight):
             dealer.send({**body, "id": f"c{n}"})
             n += 1
@@ -116,7 +127,7 @@ def open_loop(endpoint: str, body: dict[str, Any], rate: float, seconds: float) 
     replies: list[Reply] = []
     n = 0
     try:
-        start = time.monotonic()
+        start = dealer.start = time.monotonic()
         while (now := time.monotonic()) - start < seconds:
             due = start + n / rate
             if now < due:

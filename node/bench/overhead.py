@@ -80,11 +80,11 @@ class Relay:
 
 
 def summary(run: Run) -> dict[str, Any]:
-    """req/s (served replies over the window), RTT p50/p99 (ms), and replies not ``ok``."""
+    """req/s (``Run.served_per_s``), RTT p50/p99 (ms), replies not ``ok`` and lost."""
     rtts = [r.rtt_ms for r in run.replies]
     served = sum(1 for r in run.replies if r.ok)
     return {
-        "req_per_s": served / run.window_s,
+        "req_per_s": run.served_per_s(),
         "rtt_p50_ms": percentile(rtts, 50) if rtts else None,
         "rtt_p99_ms": percentile(rtts, 99) if rtts else None,
         "requests": run.sent,

@@ -5,9 +5,9 @@ no rules, so every answer is the engine's; ``broker.max_queue = 8``). First its
 saturation, the baseline of the run: the served req/s of a closed loop keeping twice the
 slots in flight (``load.closed_loop``), where adding load no longer adds goodput. Then,
 open loop (``load.open_loop``), each factor of ``FACTORS`` x saturation for a fixed
-time: offered and served req/s (goodput: ``ok`` replies over the sending window, or
-until the last ``ok`` reply if later), shed share (replies refused, any error), p99 of
-the shed replies' latency and of the served requests' queue time and end-to-end time.
+time: offered and served req/s (goodput: ``load.Run.served_per_s``), shed share
+(replies refused, any error), p99 of the shed replies' latency and of the served
+requests' queue time and end-to-end time.
 
 Goal (issue 13): goodput at 3x and 10x >= 95 % of the measured saturation.
 """
@@ -66,11 +66,10 @@ def summary(factor: float, rate: float, run: Run) -> dict[str, Any]:
     """One level's figures (module docstring)."""
     ok = [r for r in run.replies if r.ok]
     shed = [r for r in run.replies if not r.ok]
-    last_ok_s = max((r.rtt_ms for r in ok), default=0.0) / 1000
     return {
         "factor": factor,
         "offered_rps": rate,
-        "goodput_rps": len(ok) / max(run.window_s, last_ok_s),
+        "goodput_rps": run.served_per_s(),
         "shed_share": len(shed) / max(1, len(run.replies)),
         "shed_p99_ms": p99(r.rtt_ms for r in shed),
         "queue_p99_ms": p99(float(r.body.get("queue_ms", 0)) for r in ok),
@@ -93,7 +92,7 @@ def run(ctx: BenchContext) -> Section:
         ctx.step("overload: saturation")
         closed_loop(node.frontend, True, body, 2 * WORKERS, ctx.pick(1.0, 3.0))  # warm-up
         sat_run = closed_loop(node.frontend, True, body, 2 * WORKERS, seconds)
-        saturation = sum(1 for r in sat_run.replies if r.ok) / sat_run.window_s
+        saturation = sat_run.served_per_s()
         rows = []
         for f in factors:
             ctx.step(f"overload: {f:g}x saturation")
