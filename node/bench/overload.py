@@ -2,8 +2,9 @@
 
 A node of 2 one-slot workers (``ctx.engine``; model only: ``routing.mode = "full"`` and
 no rules, so every answer is the engine's; ``broker.max_queue = 8``). First its
-saturation, the baseline of the run: the served req/s of a closed loop keeping twice the
-slots in flight (``load.closed_loop``), where adding load no longer adds goodput. Then,
+saturation, the baseline of the run: the served req/s of a closed loop keeping every slot
+busy and the queue full (``load.closed_loop``), where adding load no longer adds goodput
+(only shed replies). Then,
 open loop (``load.open_loop``), each factor of ``FACTORS`` x saturation for a fixed
 time: offered and served req/s (goodput: ``load.Run.served_per_s``), shed share
 (replies refused, any error), p99 of the shed replies' latency and of the served
@@ -26,6 +27,9 @@ FACTORS = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0)
 QUICK_FACTORS = (0.5, 1.0, 3.0, 10.0)
 GOAL_SHARE = 0.95
 WORKERS = 2
+MAX_QUEUE = 8
+#: Saturation's closed loop: every slot busy and the queue full, none shed.
+SATURATION_IN_FLIGHT = WORKERS + MAX_QUEUE
 PROMPT = {
     "test": "Q: Which room has the lights on? A:",
     "llama": "Q: Which room has the lights on?\nA:",
@@ -46,7 +50,7 @@ def node_sections(ctx: BenchContext) -> dict[str, dict[str, Any]]:
         "workers": workers,
         "routing": {"mode": "full"},
         "fallback": {"rules": ""},
-        "broker": {"max_queue": 8, "max_in_flight_per_client": 10_000},
+        "broker": {"max_queue": MAX_QUEUE, "max_in_flight_per_client": 10_000},
         "pressure": {"cpu_warn_pct": 0.0},
     }
 
@@ -90,8 +94,8 @@ def run(ctx: BenchContext) -> Section:
     try:
         node.start(timeout=180)
         ctx.step("overload: saturation")
-        closed_loop(node.frontend, True, body, 2 * WORKERS, ctx.pick(1.0, 3.0))  # warm-up
-        sat_run = closed_loop(node.frontend, True, body, 2 * WORKERS, seconds)
+        closed_loop(node.frontend, True, body, SATURATION_IN_FLIGHT, ctx.pick(1.0, 3.0))  # warm
+        sat_run = closed_loop(node.frontend, True, body, SATURATION_IN_FLIGHT, seconds)
         saturation = sat_run.served_per_s()
         rows = []
         for f in factors:
@@ -163,9 +167,10 @@ def section(
         log_x=True,
     )
     text = (
-        f"Engine `{ctx.engine}`, {WORKERS} one-slot workers, `max_queue` 8. Saturation "
-        f"(closed loop, {2 * WORKERS} in flight): **{saturation:.2f} req/s**, the baseline of "
-        f"the goodput shares; each level offered open loop for {seconds:.0f} s."
+        f"Engine `{ctx.engine}`, {WORKERS} one-slot workers, `max_queue` {MAX_QUEUE}. "
+        f"Saturation (closed loop, {SATURATION_IN_FLIGHT} in flight: every slot and the "
+        f"queue): **{saturation:.2f} req/s**, the baseline of the goodput shares; each level "
+        f"offered open loop for {seconds:.0f} s."
     )
     data = {"engine": ctx.engine, "saturation_rps": saturation, "seconds": seconds, "levels": rows}
     return Section("overload", "Overload curve", text, [table], goals, [plot], data)
