@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import msgpack
 import zmq
 
-from node.bench.stats import percentile
+from node.bench.stats import median
 from node.testing import NodeProcess
 
 PROMPT = "Q: Which room has the lights on?\nA:"
@@ -61,11 +60,6 @@ def request(rid: str, prompt: str, timeout_ms: int = 60_000) -> list[bytes]:
         "timeout_ms": timeout_ms,
     }
     return [b"", b"EDGE/C1", msgpack.packb(body)]
-
-
-def median(values: Iterable[float]) -> float:
-    """The 50th percentile (``node.bench.stats.percentile``: nearest rank)."""
-    return percentile(values, 50)
 
 
 def at_once(endpoint: str, batch: list[tuple[str, str]], timeout_ms: int) -> list[dict[str, Any]]:

@@ -13,12 +13,11 @@ import os
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterable
 from typing import Any
 
 import psutil
 
-from node.bench.stats import percentile
+from node.bench.stats import median, percentile
 
 #: The probe, a periodic control loop: pin, then every 1 ms period wake at the
 #: period's release time and run ``work`` iterations of arithmetic (--duty of the
@@ -144,11 +143,6 @@ def calibrate(core: int, duty: float) -> int:
     return max(1, int(int(out.stdout) * duty))
 
 
-def _median(values: Iterable[float]) -> float:
-    """The 50th percentile (``node.bench.stats.percentile``: nearest rank)."""
-    return percentile(values, 50)
-
-
 def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Wake-up lateness and response (µs) over all rounds and per round, missed
     deadlines, CPU shares."""
@@ -160,15 +154,15 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     late, late_rounds = us("late_ns")
     resp, resp_rounds = us("resp_ns")
     return {
-        "p50_us": round(_median(late), 1),
+        "p50_us": round(median(late), 1),
         "p99_us": round(percentile(late, 99), 1),
         "max_us": round(max(late), 1),
         "p99_rounds_us": [round(percentile(r, 99), 1) for r in late_rounds],
-        "p99_median_us": round(_median(percentile(r, 99) for r in late_rounds), 1),
-        "resp_p50_us": round(_median(resp), 1),
+        "p99_median_us": round(median(percentile(r, 99) for r in late_rounds), 1),
+        "resp_p50_us": round(median(resp), 1),
         "resp_p99_us": round(percentile(resp, 99), 1),
         "resp_p99_rounds_us": [round(percentile(r, 99), 1) for r in resp_rounds],
-        "resp_p99_median_us": round(_median(percentile(r, 99) for r in resp_rounds), 1),
+        "resp_p99_median_us": round(median(percentile(r, 99) for r in resp_rounds), 1),
         "missed_pct": round(100 * sum(x > 1000 for x in resp) / len(resp), 2),
         "core_busy": [
             round(statistics.mean(c), 3)

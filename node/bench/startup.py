@@ -89,10 +89,11 @@ def section(ctx: BenchContext, times: dict[str, list[float]]) -> Section:
         median = percentile(values, 50)
         rows.append((name, len(values), median, max(values), ratio(node_median, median)))
     server = times.get("llama-server -nr")
+    to_server = ratio(node_median, percentile(server, 50)) if server else None
     goals = [
         Goal(
             "node start to ready, share of llama-server's load time",
-            100 * (ratio(node_median, percentile(server, 50)) or 0) if server else None,
+            None if to_server is None else 100 * to_server,
             100.0,
             "<=",
             " %",

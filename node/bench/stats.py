@@ -28,6 +28,15 @@ def percentile(values: Iterable[float], p: float) -> float:
     return ordered[max(int(rank), 1) - 1]
 
 
+def median(values: Iterable[float]) -> float:
+    """The 50th ``percentile`` (nearest rank: of an even count, the lower middle sample).
+
+    Raises:
+        ValueError: ``values`` is empty.
+    """
+    return percentile(values, 50)
+
+
 def percentiles(values: Iterable[float]) -> dict[str, float] | None:
     """``{"count", "p50", "p90", "p99", "max"}`` of ``values`` (``percentile``), None if empty."""
     ordered = sorted(values)

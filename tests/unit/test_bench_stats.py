@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from node.bench.stats import p99, percentile, percentiles, ratio
+from node.bench.stats import median, p99, percentile, percentiles, ratio
 
 
 def test_percentiles_nearest_rank_on_1_to_100() -> None:
@@ -56,3 +56,10 @@ def test_ratio_of_measured_to_baseline() -> None:
     assert ratio(3.0, 0.0) is None
     assert ratio(None, 2.0) is None
     assert ratio(2.0, None) is None
+
+
+def test_median_is_the_50th_percentile() -> None:
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([4, 1, 3, 2]) == 2  # the lower middle: an observed value
+    with pytest.raises(ValueError):
+        median([])
