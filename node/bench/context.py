@@ -47,7 +47,8 @@ class BenchContext:
     bar: Progress
 
     def step(self, label: str) -> None:
-        """Show ``label`` as the current step, then count the previous one as done."""
+        """Count one more step and show ``label``, what runs now (the bar reaches its total
+        as the last step starts; the report is written after it)."""
         self.bar.set_postfix_str(label)
         self.bar.update(1)
 
