@@ -193,7 +193,8 @@ def draw(plot: Plot, path: Path) -> None:
         xs = [x for x, y in zip(s.x, s.y, strict=True) if y is not None]
         ys = [y for y in s.y if y is not None]
         style = "--" if s.right else "-"
-        axis.plot(xs, ys, style, marker=markers[i % len(markers)], label=s.label)
+        # Colours by series, not by axis: a second axis would restart the cycle.
+        axis.plot(xs, ys, style, marker=markers[i % len(markers)], color=f"C{i}", label=s.label)
     if plot.log_x:
         ax.set_xscale("log")
     ax.set_xlabel(plot.xlabel)
