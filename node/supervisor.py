@@ -260,7 +260,7 @@ class Supervisor:
         handle.last_exit = cause.describe()
         fields = {
             "worker": handle.spec.worker_id,
-            "pid": pid,
+            "worker_pid": pid,
             "signal": cause.signal,
             "code": cause.code,
             "verdict": cause.verdict,
@@ -354,7 +354,7 @@ def verdict_event(worker_id: str, pid: int, cause: ExitCause) -> dict[str, objec
     """``extra=`` of the line saying the node kills a worker on ``cause``'s verdict."""
     fields = {
         "worker": worker_id,
-        "pid": pid,
+        "worker_pid": pid,
         "verdict": cause.verdict,
         "at_limit": cause.at_limit,
         "reason": cause.describe(),

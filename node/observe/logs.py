@@ -34,9 +34,10 @@ LOG_FORMATS: tuple[LogFormat, ...] = get_args(LogFormat)
 
 #: The events logged with a stable ``event`` field (README, "Logs"):
 #: ``breaker_transition`` (the circuit breaker's state changed: from, to, reason),
-#: ``worker_verdict`` (the node gave up on a worker and kills it: worker, pid,
-#: verdict, reason; ``broker.exits.Verdict``), ``worker_exit`` (a worker's process
-#: ended: worker, pid, signal or code, verdict, oom_killed, reason) and
+#: ``worker_verdict`` (the node gave up on a worker and kills it: worker,
+#: worker_pid, verdict, at_limit, reason; ``broker.exits.Verdict``),
+#: ``worker_exit`` (a worker's process ended: worker, worker_pid, signal, code,
+#: verdict, oom_killed, reason) and
 #: ``pressure_change`` (the memory or CPU pressure level changed: resource, from, to).
 LogEvent = Literal["breaker_transition", "worker_verdict", "worker_exit", "pressure_change"]
 LOG_EVENTS: tuple[LogEvent, ...] = get_args(LogEvent)
@@ -48,7 +49,8 @@ BROKER_ROLE = "broker"
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 WORKER_TEXT_FORMAT = "%(asctime)s %(levelname)s worker[%(process)d] %(message)s"
 
-#: The keys every JSON line has; a line's own fields never replace them.
+#: The keys every JSON line has; a line's own fields never replace them (so an
+#: event names a worker's pid ``worker_pid``: ``pid`` is the process that logs).
 BASE_KEYS = frozenset({"ts", "level", "logger", "msg", "pid", "role", "exc"})
 
 
@@ -60,12 +62,13 @@ def about_request(request_id: object, client: bytes | None = None, **fields: Any
             the prompt or any other text of the request.
         client: the client's ZeroMQ routing id, logged as hex; None where unknown
             (a worker never knows it).
-        fields: more fields of the line (worker, attempt, status, code, reason).
+        fields: more fields of the line (worker, step, status, code, reason); those
+            that are None are left out.
     """
     own: dict[str, Any] = {"request_id": request_id}
     if client is not None:
         own["client"] = client.hex()
-    own.update(fields)
+    own.update((k, v) for k, v in fields.items() if v is not None)
     return {"fields": own}
 
 
@@ -96,18 +99,17 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         """The record as one line of JSON (no newline; the handler adds it).
         Values JSON cannot hold are written as their ``str``."""
-        line: dict[str, Any] = {}
+        line: dict[str, Any] = {
+            "ts": rfc3339(record.created),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+            "pid": record.process if record.process is not None else os.getpid(),
+            "role": self.role,
+        }
         own = getattr(record, "fields", None)
         if isinstance(own, Mapping):
             line.update((k, v) for k, v in own.items() if k not in BASE_KEYS)
-        line.update(
-            ts=rfc3339(record.created),
-            level=record.levelname.lower(),
-            logger=record.name,
-            msg=record.getMessage(),
-            pid=record.process if record.process is not None else os.getpid(),
-            role=self.role,
-        )
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
         elif record.exc_text:
