@@ -17,7 +17,7 @@ import pytest
 
 from broker.errors import ProtocolError
 from node.observe.logs import LogEvent
-from node.testing import NodeProcess, wait_for
+from node.testing import NodeProcess, grep_json, wait_for
 
 NodeFactory = Callable[..., NodeProcess]
 
@@ -41,13 +41,6 @@ def json_lines(path: Path) -> list[dict[str, Any]]:
     parsed = [json.loads(line) for line in lines]
     assert all(isinstance(obj, dict) for obj in parsed)
     return parsed
-
-
-def grep(path: Path, needle: str) -> list[dict[str, Any]]:
-    """``grep needle path``, each matching line parsed as JSON."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if needle in line]
 
 
 def events(path: Path, name: str) -> list[dict[str, Any]]:
@@ -77,14 +70,14 @@ def test_one_request_is_followed_by_its_id_across_the_broker_and_worker_logs(
     workers = {p["worker_id"]: p["pid"] for p in node.status()["processes"]}
 
     def broker_steps() -> list[dict[str, Any]] | None:
-        lines = grep(broker_log(node), request_id)
+        lines = grep_json(broker_log(node), request_id)
         return lines if "replied" in {line.get("step") for line in lines} else None
 
     in_broker: list[dict[str, Any]] = wait_for(broker_steps, timeout=10)
     dispatched = [line for line in in_broker if line.get("step") == "dispatched"]
     assert len(dispatched) == 1, in_broker
     worker_id = dispatched[0]["worker"]
-    in_worker = grep(worker_log(node, worker_id), request_id)
+    in_worker = grep_json(worker_log(node, worker_id), request_id)
 
     for line in in_broker:
         assert_base_fields(line, "broker", broker_pid)
@@ -118,7 +111,7 @@ def test_a_refused_request_is_logged_with_its_id_and_reason(make_node: NodeFacto
     request_id = f"too-big-{uuid.uuid4().hex}"
     with node.client(wait_ms=10_000) as c, pytest.raises(ProtocolError):
         c.generate("x", id=request_id, max_tokens=10**9)
-    lines = wait_for(lambda: grep(broker_log(node), request_id), timeout=10)
+    lines = wait_for(lambda: grep_json(broker_log(node), request_id), timeout=10)
     assert [line["step"] for line in lines] == ["replied"]
     assert (lines[0]["request_id"], lines[0]["status"], lines[0]["code"]) == (
         request_id,

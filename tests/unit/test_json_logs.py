@@ -9,8 +9,11 @@ import logging
 import sys
 from datetime import datetime, timezone
 
+import pytest
+
 from broker.exits import ExitCause
 from brokerkit import CLIENT, W1, W2, BrokerHarness, generate
+from node.app import log_pressure_change
 from node.observe.logs import (
     TEXT_FORMAT,
     JsonFormatter,
@@ -126,3 +129,20 @@ def test_configure_switches_the_format_without_doubling_lines() -> None:
         for handler in saved[0]:
             root.addHandler(handler)
         root.setLevel(saved[1])
+
+
+def test_a_memory_pressure_change_is_a_pressure_change_event(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO, logger="edgenode.node"):
+        log_pressure_change("memory", "ok", "high", {"level": "high", "used_pct": 87.5})
+        log_pressure_change("memory", "high", "ok", {"level": "ok", "used_pct": 60.0})
+    rising, clear = (json.loads(JsonFormatter("broker").format(r)) for r in caplog.records)
+    assert (rising["event"], rising["resource"], rising["from"], rising["to"]) == (
+        "pressure_change",
+        "memory",
+        "ok",
+        "high",
+    )
+    assert (rising["level"], rising["used_pct"]) == ("warning", 87.5)
+    assert (clear["level"], clear["to"]) == ("info", "ok")
