@@ -215,15 +215,17 @@ class Supervisor:
                 and proc is not None
                 and now - handle.started_at > self.ready_timeout_s
             ):
-                handle.kill_cause = ExitCause("not_ready", detail=f"{self.ready_timeout_s:.0f}s")
-                handle.last_exit = handle.kill_cause.describe()
-                log.warning(
-                    "killing %s pid %d: %s",
-                    handle.spec.worker_id,
-                    proc.pid,
-                    handle.last_exit,
-                    extra=verdict_event(handle.spec.worker_id, proc.pid, handle.kill_cause),
-                )
+                if handle.kill_cause is None:  # killed again each tick until reaped: logged once
+                    cause = ExitCause("not_ready", detail=f"{self.ready_timeout_s:.0f}s")
+                    handle.kill_cause = cause
+                    handle.last_exit = cause.describe()
+                    log.warning(
+                        "killing %s pid %d: %s",
+                        handle.spec.worker_id,
+                        proc.pid,
+                        handle.last_exit,
+                        extra=verdict_event(handle.spec.worker_id, proc.pid, cause),
+                    )
                 _killpg(proc.pid, signal.SIGKILL)
             if (
                 handle.state == "restarting"

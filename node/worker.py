@@ -350,13 +350,13 @@ class WorkerLoop:
         status = payload.get("status")
         request_id = self.request_ids.get(rid)
         extra = self._about(rid, step="final", status=status, code=payload.get("code"))
+        said = f"request {request_id!r} (rid {rid}) ended {status}"
         if abandoned:
-            log.debug("request %r ended %s, abandoned", request_id, status, extra=extra)
+            log.debug("%s, abandoned", said, extra=extra)
         elif status == "ok":
-            log.debug("request %r ended ok (rid %d)", request_id, rid, extra=extra)
+            log.debug("%s", said, extra=extra)
         else:
-            message = payload.get("message")
-            log.info("request %r ended %s: %s", request_id, status, message, extra=extra)
+            log.info("%s: %s", said, payload.get("message"), extra=extra)
 
     def _relay_partial(self, rid: int, payload: dict[str, Any]) -> None:
         """Send a PARTIAL while the request's text fits a reply; at the first piece

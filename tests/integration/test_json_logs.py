@@ -162,3 +162,24 @@ def test_breaker_transitions_worker_verdicts_and_exits_are_typed_events(
     assert opened["reason"]
     (cpu,) = events(broker_log(node), "pressure_change")
     assert (cpu["resource"], cpu["from"], cpu["to"]) == ("cpu", "ok", "high")
+
+
+def test_a_worker_not_ready_in_time_is_a_verdict_event_logged_once_per_process(
+    make_node: NodeFactory,
+) -> None:
+    node = make_node(
+        start=False,
+        logging={"format": "json"},
+        workers={"count": 1, "test_load_ms": 60_000, "ready_timeout_ms": 1000},
+    )
+    node.start(ready=False)
+    wait_for(lambda: events(broker_log(node), "worker_exit"), timeout=15)
+    verdicts = events(broker_log(node), "worker_verdict")
+    exits = events(broker_log(node), "worker_exit")
+    assert verdicts and {v["verdict"] for v in verdicts} == {"not_ready"}
+    # One line per process killed, though it is signalled at every tick until reaped.
+    killed = [v["worker_pid"] for v in verdicts]
+    assert len(killed) == len(set(killed))
+    first = exits[0]
+    assert (first["worker"], first["verdict"], first["signal"]) == ("llm-0", "not_ready", "SIGKILL")
+    assert first["worker_pid"] == killed[0]
