@@ -12,7 +12,6 @@ import pytest
 
 from node.testing import NodeProcess, grep_json, wait_for
 
-#: Loading the model on a loaded 2-core machine takes most of a minute.
 pytestmark = [pytest.mark.system, pytest.mark.timeout(300)]
 
 NodeFactory = Callable[..., NodeProcess]
@@ -21,11 +20,12 @@ NodeFactory = Callable[..., NodeProcess]
 def test_a_streamed_model_request_is_followed_by_its_id(make_node: NodeFactory) -> None:
     node = make_node(
         start=False,
-        workers={"engine": "llama", "count": 1, "slots": 2},
+        # A loaded 2-core machine can take over a minute to load the model.
+        workers={"engine": "llama", "count": 1, "slots": 2, "ready_timeout_ms": 200_000},
         broker={"heartbeat_interval_ms": 1000, "stall_timeout_ms": 15000},
         node={"log_level": "debug"},
         logging={"format": "json"},
-    ).start(timeout=180)
+    ).start(timeout=220)
     request_id = f"model-{uuid.uuid4().hex}"
     with node.client(wait_ms=60_000) as c:
         stream = c.stream_generate("The capital of France is", id=request_id, max_tokens=6)
