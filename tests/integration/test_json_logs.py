@@ -11,12 +11,12 @@ import uuid
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import pytest
 
 from broker.errors import ProtocolError
-from node.observe.logs import LogEvent
+from node.observe.logs import LOG_EVENTS
 from node.testing import NodeProcess, grep_json, wait_for
 
 NodeFactory = Callable[..., NodeProcess]
@@ -145,7 +145,7 @@ def test_breaker_transitions_worker_verdicts_and_exits_are_typed_events(
 
     lines = json_lines(broker_log(node))
     named = {line["event"] for line in lines if "event" in line}
-    assert named <= set(get_args(LogEvent)), named
+    assert named <= set(LOG_EVENTS), named
     (verdict,) = events(broker_log(node), "worker_verdict")
     assert (verdict["worker"], verdict["worker_pid"], verdict["verdict"]) == (
         "llm-0",
