@@ -222,6 +222,7 @@ class Broker:
         elif route.copy_skipped:
             self.router.copy_skipped(job, route.copy_skipped)
         self.stats.count("admitted")
+        self.outbox.trace("admitted", job, detail=f"{job.kind} {req.priority}")
         self.dispatcher.dispatch(now)
 
     def _admit(
@@ -249,6 +250,7 @@ class Broker:
         copy = self.jobs.new(b"", req, now, primary.deadline, "llm")
         copy.permit, copy.copy_of = permit, primary.rid
         self.queue.push(copy)
+        self.outbox.trace("admitted", copy, detail=f"llm {mode} copy")
         self.router.open_pair(primary, mode)
 
     def _refuse(self, identity: bytes, rid: str | int, shed: Shed) -> None:
@@ -436,6 +438,7 @@ class Broker:
             worker.active.discard(rid)  # the credit returns with the ack, never earlier
         measured = None
         if job is not None:
+            self.outbox.trace("worker_final", job, worker.worker_id, str(body.get("status")))
             reply: dict[str, Any] | None = None
             outcome: FinalOutcome | None = None
             if not job.settled:

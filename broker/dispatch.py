@@ -72,10 +72,12 @@ class Dispatcher:
                 worker.progress_at = now  # the stall clock starts when work starts
             worker.last_dispatch = now
             self.jobs.start(job, worker.identity, now)
-            body = {"rid": job.rid, **job.req.engine_fields()}
+            # request_id: only for the worker's log lines (docs/PROTOCOL.md §13.3).
+            body = {"rid": job.rid, "request_id": job.req.id, **job.req.engine_fields()}
             body.setdefault("max_tokens", self.settings.default_max_tokens)
             body["timeout_ms"] = max(1, int((job.deadline - now) * 1000))
             self.outbox.worker(worker.identity, WorkerCommand.REQUEST, body)
+            self.outbox.trace("dispatched", job, worker.worker_id, f"attempt {job.attempts + 1}")
 
     def cancel(self, job: Job, now: float) -> None:
         """Tell settled ``job``'s worker to stop it (``CANCELLING``); the credit
@@ -84,4 +86,6 @@ class Dispatcher:
         self.jobs.cancelling(job)
         assert job.worker is not None
         self.outbox.worker(job.worker, WorkerCommand.CANCEL, {"rid": job.rid})
+        worker = self.workers.get(job.worker)
+        self.outbox.trace("cancelling", job, "" if worker is None else worker.worker_id)
         self.jobs.arm("ack", job.rid, now + self.settings.cancel_grace_ms / 1000)

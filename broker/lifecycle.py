@@ -156,6 +156,7 @@ class Lifecycle:
         """Run ``job`` again (its worker was lost), ahead of the queue: it waited longest."""
         self.jobs.requeue(job)
         self.queue.push(job, front=True)
+        self.outbox.trace("requeued", job, detail="its worker was lost")
 
     def forget(self, job: Job) -> None:
         """Drop ``job`` from the ledger and the queue (it ended, or its worker acked)."""

@@ -2,7 +2,8 @@
 
 Every effect of the broker core is appended to one ``Outbox``: replies for
 clients, frames for workers, events for the supervisor, migration records for
-the node's log and the circuit breaker's state transitions. The I/O loop
+the node's log, the circuit breaker's state transitions and the steps of each
+request's path (``RequestTrace``, for the node's log). The I/O loop
 (``broker.loop.BrokerLoop.flush``) takes them all at once with ``take`` and
 hands what is not a frame to the node.
 
@@ -22,7 +23,7 @@ from broker.breaker import Transition
 from broker.delivery import Outgoing, ReplyKind
 from broker.kinds import FinalOutcome
 from broker.protocol import WorkerCommand
-from broker.records import WorkerEvent
+from broker.records import Job, RequestTrace, TraceStep, WorkerEvent
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Effects:
         events: worker ``ready``/``lost`` events for the supervisor.
         records: migration records (plain dicts) for the node's migration log.
         transitions: the circuit breaker's state changes.
+        traces: the steps of requests' paths, for the node's log.
     """
 
     clients: list[Outgoing] = field(default_factory=list)
@@ -42,9 +44,17 @@ class Effects:
     events: list[WorkerEvent] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
     transitions: list[Transition] = field(default_factory=list)
+    traces: list[RequestTrace] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.clients or self.workers or self.events or self.records or self.transitions)
+        return bool(
+            self.clients
+            or self.workers
+            or self.events
+            or self.records
+            or self.transitions
+            or self.traces
+        )
 
 
 class Outbox(Effects):
@@ -66,6 +76,10 @@ class Outbox(Effects):
         """Queue ``command`` with ``body`` for the worker ``identity``."""
         self.workers.append(p.to_worker_frames(identity, command, body))
 
+    def trace(self, step: TraceStep, job: Job, worker: str = "", detail: str = "") -> None:
+        """Note that ``job`` took ``step`` (on ``worker``, the worker's id)."""
+        self.traces.append(RequestTrace(step, job.rid, job.req.id, job.client, worker, detail))
+
     def take(self) -> Effects:
         """Everything queued so far; the outbox is empty afterwards (same lists)."""
         taken = Effects(
@@ -74,10 +88,12 @@ class Outbox(Effects):
             list(self.events),
             list(self.records),
             list(self.transitions),
+            list(self.traces),
         )
         self.clients.clear()
         self.workers.clear()
         self.events.clear()
         self.records.clear()
         self.transitions.clear()
+        self.traces.clear()
         return taken

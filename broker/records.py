@@ -152,3 +152,35 @@ class WorkerEvent:
     worker_id: str
     pid: int | None
     cause: ExitCause | None = None
+
+
+#: A step of one request's path through the broker, as the node logs it
+#: (``RequestTrace``): ``admitted`` (queued), ``dispatched`` (a REQUEST sent to
+#: a worker), ``cancelling`` (a CANCEL sent: deadline, client, shed),
+#: ``requeued`` (its worker was lost; it runs again) and ``worker_final`` (its
+#: worker's FINAL came). Its reply is logged by the node from the outbox.
+TraceStep = Literal["admitted", "dispatched", "cancelling", "requeued", "worker_final"]
+
+
+@dataclass(frozen=True)
+class RequestTrace:
+    """One step of a request's path (``TraceStep``), for the node's log only:
+    nothing in the broker reads it back.
+
+    Attributes:
+        step: the step.
+        rid: the broker's request number.
+        request_id: the client's ``id``.
+        client: the client's routing id (b"" for a shadow/dual model copy).
+        worker: the worker's id (``llm-0``) for the steps on a worker, else "".
+        detail: the step's particulars in a word or two: the engine kind and
+            priority (``admitted``), the attempt (``dispatched``), the worker's
+            status (``worker_final``), the cause (``requeued``).
+    """
+
+    step: TraceStep
+    rid: int
+    request_id: str | int
+    client: bytes
+    worker: str = ""
+    detail: str = ""

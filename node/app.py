@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from broker.core import Broker
+from broker.delivery import ReplyKind
 from broker.errors import ConfigError
 from broker.loop import BrokerLoop
 from broker.outbox import Effects
@@ -36,6 +37,7 @@ from node.endpoints import check_free
 from node.engine import EngineSpec, make_token_counter
 from node.migration.log import MigrationLog, migration_log_path
 from node.model import RULES_SNAPSHOT, resolve_model, resolve_rules, snapshot_rules
+from node.observe.logs import about_request, event_extra
 from node.pidfile import RunLock, inherited_lock_fd, remove_pidfile, write_pidfile
 from node.pool import WorkerPool
 from node.pressure import CpuPressureMonitor, PressureMonitor, cpu_psi_file
@@ -173,6 +175,7 @@ class Node:
                 log.exception("memory pressure reading failed")
                 level = None
             if level is not None:
+                log_pressure_change("memory", broker.pressure.level, level, pressure.snapshot())
                 broker.set_pressure(level, now)
             try:
                 cpu_level = cpu.poll(now)
@@ -386,7 +389,62 @@ def _on_effects(pool: WorkerPool, migration: MigrationLog, effects: Effects) -> 
     for record in effects.records:
         migration.write(record)
     for t in effects.transitions:
-        log.info("circuit breaker %s -> %s: %s", t.old.value, t.new.value, t.reason)
+        fields = {"from": t.old.value, "to": t.new.value, "reason": t.reason}
+        log.info(
+            "circuit breaker %s -> %s: %s",
+            t.old.value,
+            t.new.value,
+            t.reason,
+            extra=event_extra("breaker_transition", fields),
+        )
+    if log.isEnabledFor(logging.DEBUG):  # one line per step: formatted only when wanted
+        _log_paths(effects)
+
+
+def _log_paths(effects: Effects) -> None:
+    """Log the steps of requests' paths (``broker.records.RequestTrace``) and
+    their final replies, each with its ``request_id`` (``node.observe.logs``)."""
+    for t in effects.traces:
+        on = f" on {t.worker}" if t.worker else ""
+        detail = f" ({t.detail})" if t.detail else ""
+        log.debug(
+            "request %r %s%s%s",
+            t.request_id,
+            t.step,
+            on,
+            detail,
+            extra=about_request(
+                t.request_id, t.client or None, step=t.step, rid=t.rid, worker=t.worker or None
+            ),
+        )
+    for out in effects.clients:
+        body = out.body
+        if out.kind is not ReplyKind.FINAL or "pong" in body or "node" in body:
+            continue  # a partial, or a ping's or status's answer: not a request's path
+        status = body.get("status")
+        code, reason = body.get("code"), body.get("reason")
+        said = status if code is None else f"{status} {code} {reason or ''}".rstrip()
+        log.debug(
+            "request %r replied %s",
+            body.get("id"),
+            said,
+            extra=about_request(
+                body.get("id"), out.client, step="replied", status=status, code=code, reason=reason
+            ),
+        )
+
+
+def log_pressure_change(resource: str, old: str, new: str, reading: dict[str, Any]) -> None:
+    """Log a change of the memory pressure level as a ``pressure_change`` event."""
+    fields = {"resource": resource, "from": old, "to": new, "used_pct": reading.get("used_pct")}
+    log.log(
+        logging.INFO if new == "ok" else logging.WARNING,
+        "memory pressure %s -> %s (%s%% of the budget)",
+        old,
+        new,
+        reading.get("used_pct"),
+        extra=event_extra("pressure_change", fields),
+    )
 
 
 def _token_counter(engine: EngineSpec) -> TokenCounter | None:

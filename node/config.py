@@ -24,6 +24,7 @@ from broker.routing import MODES, RoutingSettings
 from node.capacity.worker_limits import validate_memory
 from node.endpoints import parse_endpoint
 from node.engine import ModelEngineName
+from node.observe.logs import LOG_FORMATS, LogFormat
 from node.units import parse_cores, parse_size
 
 if sys.version_info >= (3, 11):
@@ -149,6 +150,14 @@ class PressureSection:
 
 
 @dataclass(frozen=True)
+class LoggingSection:
+    """``[logging]``: how the node and its workers write their logs
+    (``node.observe.logs``); the level is ``node.log_level``."""
+
+    format: LogFormat = "text"
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     """The whole configuration. Picklable and JSON-able, so workers get a copy."""
 
@@ -161,6 +170,7 @@ class NodeConfig:
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     fallback: FallbackSection = field(default_factory=FallbackSection)
     pressure: PressureSection = field(default_factory=PressureSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
     source: str = "built-in defaults"
 
     @property
@@ -350,6 +360,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "workers.engine": ENGINES,
     "workers.sandbox": SANDBOX_MODES,
     "routing.mode": MODES,
+    "logging.format": LOG_FORMATS,
 }
 #: Keys with a check of their own in ``validate`` (or, for ``[breaker]`` and
 #: ``broker.service_estimate``, in the section's ``__post_init__``).
@@ -470,6 +481,7 @@ _SECTIONS: dict[str, type] = {
     "breaker": BreakerSettings,
     "fallback": FallbackSection,
     "pressure": PressureSection,
+    "logging": LoggingSection,
 }
 
 

@@ -98,6 +98,7 @@ class WorkerPool:
             backoff_s=w.restart_backoff_ms / 1000,
             backoff_max_s=w.restart_backoff_max_ms / 1000,
             log_level=config.node.log_level,
+            log_format=config.logging.format,
             prepare=self._prepare,
             explain=self._explain,
             log_max_bytes=w.log_max_bytes,

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from broker.kinds import CpuLevel
 from node.capacity.budget import CgroupLimit, cut_to_limit
 from node.config import PressureSection
+from node.observe.logs import event_extra
 from node.units import parse_size
 
 if TYPE_CHECKING:
@@ -253,8 +254,14 @@ class CpuPressureMonitor:
     def _set(self, level: CpuLevel) -> CpuLevel | None:
         if level == self.level:
             return None
+        fields = {"resource": "cpu", "from": self.level, "to": level, "some_avg10": self.some_avg10}
         self.level = level
-        log.info("CPU pressure %s (some avg10 %s%%)", level, self.some_avg10)
+        log.info(
+            "CPU pressure %s (some avg10 %s%%)",
+            level,
+            self.some_avg10,
+            extra=event_extra("pressure_change", fields),
+        )
         return level
 
     def snapshot(self) -> dict[str, Any]:

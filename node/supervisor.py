@@ -25,6 +25,7 @@ from broker.exits import ExitCause, Verdict
 from node.config import WorkersSection
 from node.engine import EngineName
 from node.interpreter import module_command
+from node.observe.logs import LogFormat, event_extra
 from node.worker import DETERMINISTIC_EXITS, EXIT_MESSAGE_MAX_BYTES, WorkerSpec, exit_meaning
 
 log = logging.getLogger("edgenode.supervisor")
@@ -98,6 +99,7 @@ class Supervisor:
         explain: ``(worker_id, cause) -> cause``: a fuller cause than the exit
             alone (e.g. the cgroup saw an OOM kill).
         clock: monotonic seconds.
+        log_level, log_format: the workers' (``node.log_level``, ``logging.format``).
         log_max_bytes: a worker's log over this many bytes is rotated when the
             worker (re)spawns (``open_worker_log``; 0 = never).
     """
@@ -112,6 +114,7 @@ class Supervisor:
         on_exit: Callable[[str, ExitCause], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         log_level: str = "info",
+        log_format: LogFormat = "text",
         prepare: Callable[[WorkerSpec], WorkerSpec] | None = None,
         explain: Callable[[str, ExitCause], ExitCause] | None = None,
         log_max_bytes: int = WorkersSection.log_max_bytes,
@@ -124,6 +127,7 @@ class Supervisor:
         self.on_exit = on_exit
         self.clock = clock
         self.log_level = log_level
+        self.log_format = log_format
         self.prepare = prepare
         self.explain = explain
         self.log_max_bytes = log_max_bytes
@@ -151,6 +155,8 @@ class Supervisor:
             spec.to_json(),
             "--log-level",
             self.log_level,
+            "--log-format",
+            self.log_format,
             "--exit-message-file",
             str(exit_message),
         )
@@ -185,7 +191,13 @@ class Supervisor:
         if handle is None or handle.pid is None or (pid is not None and pid != handle.pid):
             return
         handle.last_exit = cause.describe()
-        log.warning("killing %s pid %d: %s", worker_id, handle.pid, handle.last_exit)
+        log.warning(
+            "killing %s pid %d: %s",
+            worker_id,
+            handle.pid,
+            handle.last_exit,
+            extra=verdict_event(worker_id, handle.pid, cause),
+        )
         handle.kill_cause = cause
         handle.state = killed_state(cause.verdict)
         _killpg(handle.pid, signal.SIGKILL)
@@ -203,8 +215,17 @@ class Supervisor:
                 and proc is not None
                 and now - handle.started_at > self.ready_timeout_s
             ):
-                handle.kill_cause = ExitCause("not_ready", detail=f"{self.ready_timeout_s:.0f}s")
-                handle.last_exit = handle.kill_cause.describe()
+                if handle.kill_cause is None:  # killed again each tick until reaped: logged once
+                    cause = ExitCause("not_ready", detail=f"{self.ready_timeout_s:.0f}s")
+                    handle.kill_cause = cause
+                    handle.last_exit = cause.describe()
+                    log.warning(
+                        "killing %s pid %d: %s",
+                        handle.spec.worker_id,
+                        proc.pid,
+                        handle.last_exit,
+                        extra=verdict_event(handle.spec.worker_id, proc.pid, cause),
+                    )
                 _killpg(proc.pid, signal.SIGKILL)
             if (
                 handle.state == "restarting"
@@ -229,6 +250,7 @@ class Supervisor:
         return lines[0].strip() if lines else ""
 
     def _reaped(self, handle: WorkerHandle, code: int, now: float) -> None:
+        pid = handle.proc.pid if handle.proc is not None else None
         handle.proc = None
         message = self._exit_message(handle) if code in DETERMINISTIC_EXITS else ""
         cause = exit_cause(code, handle.spec.engine.kind, message)
@@ -238,7 +260,21 @@ class Supervisor:
         if kill is not None and cause.signal is not None:  # killed for it, not on its own
             cause = replace(cause, verdict=kill.verdict, detail=kill.detail, at_limit=kill.at_limit)
         handle.last_exit = cause.describe()
-        log.warning("%s exited: %s", handle.spec.worker_id, handle.last_exit)
+        fields = {
+            "worker": handle.spec.worker_id,
+            "worker_pid": pid,
+            "signal": cause.signal,
+            "code": cause.code,
+            "verdict": cause.verdict,
+            "oom_killed": cause.oom_killed,
+            "reason": handle.last_exit,
+        }
+        log.warning(
+            "%s exited: %s",
+            handle.spec.worker_id,
+            handle.last_exit,
+            extra=event_extra("worker_exit", fields),
+        )
         if self.on_exit is not None:
             self.on_exit(handle.spec.worker_id, cause)
         if self.stopping:
@@ -314,6 +350,18 @@ class Supervisor:
         its grace, and any straggler left in the group of one that exited."""
         for pgid in groups:
             _killpg(pgid, signal.SIGKILL)
+
+
+def verdict_event(worker_id: str, pid: int, cause: ExitCause) -> dict[str, object]:
+    """``extra=`` of the line saying the node kills a worker on ``cause``'s verdict."""
+    fields = {
+        "worker": worker_id,
+        "worker_pid": pid,
+        "verdict": cause.verdict,
+        "at_limit": cause.at_limit,
+        "reason": cause.describe(),
+    }
+    return event_extra("worker_verdict", fields)
 
 
 #: Rotated worker logs kept: ``<worker_id>.log.1`` (newest) and ``.log.2``.

@@ -4,6 +4,7 @@ benchmarks in scripts/ (a module of the package, so that nothing edits ``sys.pat
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -310,3 +311,15 @@ def ask_rules(node: NodeProcess, rid: str, prompt: str, timeout_ms: int = 20_000
         return col.final(rid)
     finally:
         col.close()
+
+
+def grep_json(path: Path, needle: str) -> list[dict[str, Any]]:
+    """The lines of the log ``path`` that contain ``needle`` (``grep needle path``),
+    each parsed as JSON (``[logging] format = "json"``); [] if there is no file yet.
+
+    Raises:
+        json.JSONDecodeError: a matching line is not JSON.
+    """
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if needle in line]

@@ -48,6 +48,8 @@ from node.engine import (
     TestEngine,
     load_error_line,
 )
+from node.observe.logs import LOG_FORMATS, WORKER_TEXT_FORMAT, about_request
+from node.observe.logs import configure as configure_logs
 from node.sandbox.cgroups import join_cgroup
 from node.sandbox.cores import apply_placement
 
@@ -135,6 +137,9 @@ class WorkerLoop:
         self.progress = 0  # tokens produced by this process; written by the engine threads
         self.started = 0  # requests taken into a slot (HEARTBEAT "started"; safe retry's proof)
         self.running: dict[int, threading.Event] = {}  # rid -> its cancel flag
+        #: rid -> the client's id (REQUEST ``request_id``), for log lines only; written
+        #: by the I/O thread before the job is queued, read by the engine threads.
+        self.request_ids: dict[int, str | int | None] = {}
         self._abandoned: set[int] = set()  # rids started under a previous connection
         self.broker_seen = 0.0
         self._jobs: queue.Queue[tuple[int, dict[str, Any], threading.Event] | None] = queue.Queue()
@@ -277,6 +282,11 @@ class WorkerLoop:
         elif command is WorkerCommand.CANCEL:
             rid = body.get("rid")
             if isinstance(rid, int) and rid in self.running:
+                log.debug(
+                    "request %r cancelled by the broker",
+                    self.request_ids.get(rid),
+                    extra=self._about(rid, step="cancel"),
+                )
                 self.running[rid].set()
         elif command is WorkerCommand.DISCONNECT:
             log.info("broker said DISCONNECT (%s): re-registering", body.get("reason"))
@@ -299,6 +309,11 @@ class WorkerLoop:
         cancelled = threading.Event()
         self.running[rid] = cancelled
         self.started += 1
+        request_id = body.pop("request_id", None)
+        self.request_ids[rid] = request_id
+        log.debug(
+            "request %r started (rid %d)", request_id, rid, extra=self._about(rid, step="started")
+        )
         self._jobs.put((rid, body, cancelled))
 
     # ------------------------------------------------------------------ engine side
@@ -312,6 +327,7 @@ class WorkerLoop:
                 self._relay_partial(rid, payload)
             return
         self._streamed.pop(rid, None)
+        self._log_final(rid, payload, rid in self._abandoned)
         outgrew = rid in self._outgrew
         self._outgrew.discard(rid)
         if abandoned:
@@ -321,7 +337,26 @@ class WorkerLoop:
             # every request on it: a reply too long is this request's 413.
             self._send(WorkerCommand.FINAL, p.fit_final(payload, self.limits, outgrew))
         self.running.pop(rid, None)
+        self.request_ids.pop(rid, None)
         self._send_ready_if_idle()
+
+    def _about(self, rid: int, **fields: Any) -> dict[str, Any]:
+        """``extra=`` of a line about request ``rid`` (``node.observe.logs``)."""
+        return about_request(self.request_ids.get(rid), rid=rid, **fields)
+
+    def _log_final(self, rid: int, payload: dict[str, Any], abandoned: bool) -> None:
+        """One line for request ``rid``'s end: ``debug`` when it succeeded, ``info``
+        with its message when it failed or was cancelled (clipped: ``final_body``)."""
+        status = payload.get("status")
+        request_id = self.request_ids.get(rid)
+        extra = self._about(rid, step="final", status=status, code=payload.get("code"))
+        said = f"request {request_id!r} (rid {rid}) ended {status}"
+        if abandoned:
+            log.debug("%s, abandoned", said, extra=extra)
+        elif status == "ok":
+            log.debug("%s", said, extra=extra)
+        else:
+            log.info("%s: %s", said, payload.get("message"), extra=extra)
 
     def _relay_partial(self, rid: int, payload: dict[str, Any]) -> None:
         """Send a PARTIAL while the request's text fits a reply; at the first piece
@@ -357,7 +392,7 @@ class WorkerLoop:
         except EdgeNodeError as exc:
             outcome = exc
         except Exception as exc:  # an engine bug must cost one request, not the worker
-            outcome = _engine_bug(rid, exc)
+            outcome = _engine_bug(rid, exc, self.request_ids.get(rid))
         return final_body(rid, outcome)
 
     def _batch_thread(self) -> None:
@@ -381,7 +416,8 @@ class WorkerLoop:
                 except EdgeNodeError as exc:
                     out.send_multipart([b"final", p.pack(final_body(rid, exc))])
                 except Exception as exc:  # an engine bug must cost one request, not the worker
-                    out.send_multipart([b"final", p.pack(final_body(rid, _engine_bug(rid, exc)))])
+                    bug = _engine_bug(rid, exc, self.request_ids.get(rid))
+                    out.send_multipart([b"final", p.pack(final_body(rid, bug))])
             if not engine.busy:
                 continue
             try:
@@ -433,7 +469,6 @@ def final_body(rid: int, outcome: Outcome) -> dict[str, Any]:
         return {"rid": rid, "status": "ok", **outcome}
     status = "cancelled" if outcome.code == ErrorCode.CANCELLED else "error"
     message = clip(outcome.message)
-    log.info("request %s ended %s: %s", rid, status, message)
     return {
         "rid": rid,
         "status": status,
@@ -443,11 +478,14 @@ def final_body(rid: int, outcome: Outcome) -> dict[str, Any]:
     }
 
 
-def _engine_bug(rid: int, exc: Exception) -> InternalError:
-    """An unexpected engine exception as this request's 500."""
+def _engine_bug(rid: int, exc: Exception, request_id: str | int | None = None) -> InternalError:
+    """An unexpected engine exception as this request's 500; ``request_id``: the
+    client's id, for the log line."""
     message = clip(f"engine error: {type(exc).__name__}: {exc}")
-    log.error("engine failed on request %s: %s", rid, message)
-    log.debug("engine failure on request %s", rid, exc_info=(type(exc), exc, exc.__traceback__))
+    extra = about_request(request_id, rid=rid)
+    log.error("engine failed on request %r (rid %d): %s", request_id, rid, message, extra=extra)
+    exc_info = (type(exc), exc, exc.__traceback__)
+    log.debug("engine failure on request %r", request_id, exc_info=exc_info, extra=extra)
     return InternalError(message)
 
 
@@ -506,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m node.worker")
     parser.add_argument("--spec", required=True, help="WorkerSpec as JSON")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS)
     parser.add_argument(
         "--keep-without-parent",
         action="store_true",
@@ -518,17 +557,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.keep_without_parent:
         die_with_parent()
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s worker[{os.getpid()}] %(message)s",
-        stream=sys.stderr,
-    )
     try:
         spec = WorkerSpec.from_json(args.spec)
     except (ValueError, TypeError, KeyError) as exc:
+        configure_logs(args.log_level, args.log_format, "worker", WORKER_TEXT_FORMAT)
         log.error("bad worker spec: %s", exc)
         write_exit_message(args.exit_message_file, f"bad worker spec: {exc}")
         return EXIT_CONFIG
+    configure_logs(args.log_level, args.log_format, spec.worker_id, WORKER_TEXT_FORMAT)
     try:
         # Before the model loads: its page cache is charged to whoever touches
         # it first, and llama.cpp's threads inherit the affinity and nice level.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -36,6 +35,8 @@ from node.config import NodeConfig
 from node.endpoints import connect_endpoint
 from node.interpreter import module_command
 from node.model import resolve_model, resolve_rules
+from node.observe.logs import BROKER_ROLE
+from node.observe.logs import configure as configure_logs
 from node.pidfile import (
     LOCK_FD_ENV,
     ForeignHolderError,
@@ -127,10 +128,7 @@ def start(ctx: click.Context, foreground: bool, wait_s: float) -> None:
         raise click.ClickException(in_use_message(config.run_dir))
     if foreground:
         _check_startable(config)
-        logging.basicConfig(
-            level=config.node.log_level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        )
+        configure_logs(config.node.log_level, config.logging.format, BROKER_ROLE)
         try:
             sys.exit(Node(config).run())
         except EdgeNodeError as exc:

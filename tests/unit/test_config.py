@@ -54,6 +54,7 @@ def test_shipped_file_documents_every_key() -> None:
         "breaker",
         "fallback",
         "pressure",
+        "logging",
     }
     for section, values in to_dict(DEFAULTS).items():
         assert set(data[section]) == set(values), section

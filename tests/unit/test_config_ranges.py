@@ -93,6 +93,7 @@ BAD: list[tuple[str, Any]] = [
     ("capacity.safety_margin", math.nan),
     ("capacity.runtime_overhead", "88 apples"),
     ("routing.mode", "yolo"),
+    ("logging.format", "logfmt"),
     ("routing.ttft_budget_ms", -1),
     ("breaker.window_ms", 0),
     ("breaker.minimum_calls", 0),

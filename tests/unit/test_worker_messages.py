@@ -70,6 +70,7 @@ def test_an_error_quoting_client_input_is_clipped_in_the_reply_and_the_log(
     loop = make_loop(exc)
     with caplog.at_level(logging.INFO, logger="edgenode.worker"):
         reply = loop._run_one(NoSocket(), 7, {"prompt": "x"}, threading.Event())  # type: ignore[arg-type]
+        loop._log_final(7, reply, abandoned=False)  # the I/O thread logs the FINAL it relays
     assert reply["status"] == "error" and reply["code"] in (400, 500)
     assert len(reply["message"]) < MAX_MESSAGE_CHARS + 40
     assert caplog.records  # it was logged, clipped:

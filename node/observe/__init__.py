@@ -1,0 +1,1 @@
+"""What the node tells its operators besides ``status``: its logs (``logs``)."""

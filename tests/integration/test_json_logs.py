@@ -1,0 +1,185 @@
+"""``[logging] format = "json"`` with real processes (test engine): one request is
+followed by its id through the broker's and the worker's logs, and breaker
+transitions, worker verdicts and exits, and pressure changes are event lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import uuid
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.errors import ProtocolError
+from node.observe.logs import LOG_EVENTS
+from node.testing import NodeProcess, grep_json, wait_for
+
+NodeFactory = Callable[..., NodeProcess]
+
+JSON_DEBUG = {"logging": {"format": "json"}, "node": {"log_level": "debug"}}
+
+
+def broker_log(node: NodeProcess) -> Path:
+    """The foreground node's stderr (``NodeProcess.log``): the broker's log."""
+    return node.log
+
+
+def worker_log(node: NodeProcess, worker_id: str) -> Path:
+    return node.run_dir / "logs" / f"{worker_id}.log"
+
+
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """Every line of ``path`` as JSON; fails on a line that is not a JSON object."""
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    parsed = [json.loads(line) for line in lines]
+    assert all(isinstance(obj, dict) for obj in parsed)
+    return parsed
+
+
+def events(path: Path, name: str) -> list[dict[str, Any]]:
+    return [line for line in json_lines(path) if line.get("event") == name]
+
+
+def assert_base_fields(line: dict[str, Any], role: str, pid: int) -> None:
+    assert {"ts", "level", "logger", "msg", "pid", "role"} <= set(line), line
+    assert line["ts"].endswith("Z")
+    ts = datetime.fromisoformat(line["ts"].replace("Z", "+00:00"))
+    assert ts.tzinfo == timezone.utc
+    assert (line["role"], line["pid"]) == (role, pid), line
+    assert line["level"] in ("debug", "info", "warning", "error", "critical")
+
+
+def test_one_request_is_followed_by_its_id_across_the_broker_and_worker_logs(
+    make_node: NodeFactory,
+) -> None:
+    node = make_node(**JSON_DEBUG)
+    request_id = f"follow-{uuid.uuid4().hex}"
+    prompt = f"secret-prompt-{uuid.uuid4().hex}"
+    with node.client(wait_ms=10_000) as c:
+        reply = c.generate(prompt, id=request_id, max_tokens=4)
+    assert reply.id == request_id
+    assert node.proc is not None
+    broker_pid = node.proc.pid
+    workers = {p["worker_id"]: p["pid"] for p in node.status()["processes"]}
+
+    def broker_steps() -> list[dict[str, Any]] | None:
+        lines = grep_json(broker_log(node), request_id)
+        return lines if "replied" in {line.get("step") for line in lines} else None
+
+    in_broker: list[dict[str, Any]] = wait_for(broker_steps, timeout=10)
+    dispatched = [line for line in in_broker if line.get("step") == "dispatched"]
+    assert len(dispatched) == 1, in_broker
+    worker_id = dispatched[0]["worker"]
+    in_worker = grep_json(worker_log(node, worker_id), request_id)
+
+    for line in in_broker:
+        assert_base_fields(line, "broker", broker_pid)
+        assert line["request_id"] == request_id
+        assert line["logger"] == "edgenode.node"
+        assert isinstance(line["client"], str) and int(line["client"], 16) >= 0
+    for line in in_worker:
+        assert_base_fields(line, worker_id, workers[worker_id])
+        assert line["request_id"] == request_id
+        assert line["logger"] == "edgenode.worker"
+    # Its path, in order: received and admitted, dispatched, started and ended on
+    # its worker, the worker's final back at the broker, the reply sent.
+    assert [line["step"] for line in in_broker] == [
+        "admitted",
+        "dispatched",
+        "worker_final",
+        "replied",
+    ]
+    assert [line["step"] for line in in_worker] == ["started", "final"]
+    assert in_worker[-1]["status"] == "ok"
+    assert in_broker[-1]["status"] == "ok"
+    # Only one client sent it; the prompt is in no log line.
+    assert len({line["client"] for line in in_broker}) == 1
+    for path in (broker_log(node), worker_log(node, worker_id)):
+        assert prompt not in path.read_text()
+        json_lines(path)  # every line of both logs is JSON, not only the request's
+
+
+def test_a_refused_request_is_logged_with_its_id_and_reason(make_node: NodeFactory) -> None:
+    node = make_node(**JSON_DEBUG)
+    request_id = f"too-big-{uuid.uuid4().hex}"
+    with node.client(wait_ms=10_000) as c, pytest.raises(ProtocolError):
+        c.generate("x", id=request_id, max_tokens=10**9)
+    lines = wait_for(lambda: grep_json(broker_log(node), request_id), timeout=10)
+    assert [line["step"] for line in lines] == ["replied"]
+    assert (lines[0]["request_id"], lines[0]["status"], lines[0]["code"]) == (
+        request_id,
+        "error",
+        400,
+    )
+
+
+def test_breaker_transitions_worker_verdicts_and_exits_are_typed_events(
+    make_node: NodeFactory, tmp_path: Path
+) -> None:
+    psi = tmp_path / "cpu.pressure"
+    psi.write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    node = make_node(
+        logging={"format": "json"},
+        breaker={"minimum_calls": 2, "open_wait_ms": 60_000},
+        pressure={"cpu_warn_pct": 50.0, "cpu_clear_pct": 25.0, "cpu_psi": str(psi)},
+    )
+    with node.client(wait_ms=10_000) as c:
+        c.generate("one success", max_tokens=2)
+    pids = {p["worker_id"]: p["pid"] for p in node.status()["processes"]}
+    # llm-0 stops answering: the broker's liveness verdict, then the node kills it;
+    # llm-1 is killed from outside. Two failures after one success open the breaker.
+    os.kill(pids["llm-0"], signal.SIGSTOP)
+    wait_for(lambda: events(broker_log(node), "worker_verdict"), timeout=10)
+    os.kill(pids["llm-1"], signal.SIGKILL)
+    wait_for(lambda: len(events(broker_log(node), "worker_exit")) >= 2, timeout=10)
+    wait_for(lambda: events(broker_log(node), "breaker_transition"), timeout=10)
+    psi.write_text("some avg10=90.00 avg60=10.00 avg300=5.00 total=1\n")
+    wait_for(lambda: events(broker_log(node), "pressure_change"), timeout=10)
+
+    lines = json_lines(broker_log(node))
+    named = {line["event"] for line in lines if "event" in line}
+    assert named <= set(LOG_EVENTS), named
+    (verdict,) = events(broker_log(node), "worker_verdict")
+    assert (verdict["worker"], verdict["worker_pid"], verdict["verdict"]) == (
+        "llm-0",
+        pids["llm-0"],
+        "dead",
+    )
+    assert verdict["level"] == "warning" and verdict["role"] == "broker"
+    exits = {e["worker"]: e for e in events(broker_log(node), "worker_exit")}
+    assert (exits["llm-0"]["signal"], exits["llm-0"]["verdict"]) == ("SIGKILL", "dead")
+    assert (exits["llm-1"]["signal"], exits["llm-1"]["verdict"]) == ("SIGKILL", None)
+    assert exits["llm-1"]["worker_pid"] == pids["llm-1"]
+    opened = events(broker_log(node), "breaker_transition")[0]
+    assert (opened["from"], opened["to"]) == ("closed", "open")
+    assert opened["reason"]
+    (cpu,) = events(broker_log(node), "pressure_change")
+    assert (cpu["resource"], cpu["from"], cpu["to"]) == ("cpu", "ok", "high")
+
+
+def test_a_worker_not_ready_in_time_is_a_verdict_event_logged_once_per_process(
+    make_node: NodeFactory,
+) -> None:
+    node = make_node(
+        start=False,
+        logging={"format": "json"},
+        workers={"count": 1, "test_load_ms": 60_000, "ready_timeout_ms": 1000},
+    )
+    node.start(ready=False)
+    wait_for(lambda: events(broker_log(node), "worker_exit"), timeout=15)
+    verdicts = events(broker_log(node), "worker_verdict")
+    exits = events(broker_log(node), "worker_exit")
+    assert verdicts and {v["verdict"] for v in verdicts} == {"not_ready"}
+    # One line per process killed, though it is signalled at every tick until reaped.
+    killed = [v["worker_pid"] for v in verdicts]
+    assert len(killed) == len(set(killed))
+    first = exits[0]
+    assert (first["worker"], first["verdict"], first["signal"]) == ("llm-0", "not_ready", "SIGKILL")
+    assert first["worker_pid"] == killed[0]
