@@ -1,5 +1,5 @@
 """JSON logs with the real model: a streamed request is followed by its id from the
-broker's log into its llama.cpp worker's log (tests/integration/test_json_logs.py
+broker's log into its llama.cpp worker's log (tests/integration/test_json_logs_node.py
 does the same, and the events, with the test engine)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Structured logs: the broker core's path records (``RequestTrace``) and the JSON
-lines of ``node.observe.logs`` (the real node's logs: tests/integration/test_json_logs.py)."""
+lines of ``node.observe.logs`` (the real node's logs: tests/integration/test_json_logs_node.py)."""
 
 from __future__ import annotations
 
