@@ -14,6 +14,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, Literal, TypeVar
 
 from broker.client import AsyncClient, AsyncStream, Client, Reply
+from broker.client_guard import NodeGuard
 
 T = TypeVar("T")
 ClientKind = Literal["sync", "async"]
@@ -55,6 +56,10 @@ class BlockingAsyncClient:
     def __init__(self, endpoint: str, **kwargs: Any) -> None:
         self.loop = asyncio.new_event_loop()
         self.client = AsyncClient(endpoint, **kwargs)
+
+    @property
+    def guard(self) -> NodeGuard | None:
+        return self.client.guard
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self.loop.run_until_complete(coro)
