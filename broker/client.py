@@ -690,7 +690,8 @@ class AsyncClient(_Base):
     async def _stream(self, body: dict[str, Any]) -> AsyncStream:
         call = self._begin(body, guarded=True)
         stream = AsyncStream(await self._bodies(call), call.sent.id)
-        weakref.finalize(stream, call.abandon)
+        # Never iterated, its generator has no ``finally`` to run: the stream's end does it.
+        weakref.finalize(stream, self._forget, call, self._arrived[call.sent.id])
         return stream
 
     async def _bodies(self, call: Call) -> AsyncGenerator[dict[str, Any], None]:

@@ -69,6 +69,34 @@ def assert_local(reply: Reply) -> None:
     assert reply.text == RULE_ANSWER and reply.raw["rule"] == "lights_on"
 
 
+def until_served_by_node(client: AnyClient, timeout: float = 20) -> list[Reply]:
+    """Call until the node answers (each call within the contract); the replies, the
+    node's last. A loaded machine may make the node miss a 200 ms budget now and then."""
+    replies: list[Reply] = []
+
+    def served_by_node() -> bool:
+        replies.append(timed_call(client))
+        return replies[-1].served_by == "llm"
+
+    wait_for(served_by_node, timeout=timeout, every=0.05)
+    last = replies[-1]
+    assert (last.degraded, last.text) == (False, f"echo: {COMMAND}")
+    for reply in replies[:-1]:
+        assert_local(reply)
+    return replies
+
+
+def failures_then_open(reasons: list[str | None]) -> int:
+    """How many calls failed on the node before the breaker opened (at most
+    ``minimum_calls``: the window may hold a warm-up's outcomes too); asserts that
+    every call after the first ``breaker_open`` was one, but probes."""
+    assert "breaker_open" in reasons, reasons
+    opened = reasons.index("breaker_open")
+    assert 1 <= opened <= BREAKER.minimum_calls, reasons
+    assert all(r in NODE_FAILED for r in reasons[:opened]), reasons
+    return opened
+
+
 def requests_received(node: NodeProcess) -> int:
     """Client requests the node took in: admitted, or refused at admission (``shed_*``)."""
     counters = node.status()["counters"]
@@ -80,17 +108,16 @@ def test_a_stopped_node_is_answered_for_locally_and_then_not_waited_on(
 ) -> None:
     node = make_node()
     with defensive(connect_client, node) as c:
-        first = timed_call(c)
-        assert (first.served_by, first.degraded, first.text) == ("llm", False, f"echo: {COMMAND}")
+        until_served_by_node(c)
         node.stop()
         reasons = []
         for _ in range(8):
             reply = timed_call(c)
             assert_local(reply)
             reasons.append(reply.degrade_reason)
-        # 1 ok + 2 failures is 67 % of 3 calls: the breaker opens, and stays open (< 1 s).
-        assert all(r in NODE_FAILED for r in reasons[:2]), reasons
-        assert reasons[2:] == ["breaker_open"] * 6, reasons
+        opened = failures_then_open(reasons)
+        # Open for 1 s: no probe yet, every later call answered at once.
+        assert reasons[opened:] == ["breaker_open"] * (8 - opened), reasons
         assert c.guard is not None
         assert c.guard.breaker.state(time.monotonic()) is BreakerState.OPEN
 
@@ -101,7 +128,7 @@ def test_a_frozen_node_costs_no_more_than_the_budget_and_is_used_again_after_a_p
     node = make_node()
     assert node.proc is not None
     with defensive(connect_client, node) as c:
-        assert timed_call(c).served_by == "llm"
+        until_served_by_node(c)
         before = requests_received(node)
         os.kill(node.proc.pid, signal.SIGSTOP)
         try:
@@ -114,22 +141,14 @@ def test_a_frozen_node_costs_no_more_than_the_budget_and_is_used_again_after_a_p
                 time.sleep(0.02)  # a 50 Hz control loop
         finally:
             os.kill(node.proc.pid, signal.SIGCONT)
-        assert reasons[:2] == ["node_timeout"] * 2, reasons  # the 3rd call found it open
+        opened = failures_then_open(reasons)
+        assert set(reasons[:opened]) == {"node_timeout"}, reasons  # frozen: no reply
         contacted = sum(r != "breaker_open" for r in reasons)
         # Open, the node is not contacted: only the probes (one per open_wait) went out.
-        assert 3 <= contacted <= 2 + 3, reasons
+        assert opened + 1 <= contacted <= opened + 3, reasons
         assert len(reasons) - contacted > 20  # answered "breaker_open", at once
         node.wait_ready(timeout=30)
-        back: list[Reply] = []
-
-        def served_by_node() -> bool:
-            back.append(timed_call(c))
-            return back[-1].served_by == "llm"
-
-        wait_for(served_by_node, timeout=20, every=0.05)
-        assert not back[-1].degraded and back[-1].text == f"echo: {COMMAND}"
-        for reply in back[:-1]:
-            assert_local(reply)
+        back = until_served_by_node(c)
         assert c.guard is not None
         moves = [(t.old, t.new) for t in c.guard.breaker.transitions]
         assert moves[-1] == (BreakerState.HALF_OPEN, BreakerState.CLOSED), moves
