@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from broker.breaker import BreakerSettings, CircuitBreaker, Permit
-from broker.errors import Cancelled, EdgeNodeError, ErrorCode, NoReply
+from broker.errors import Cancelled, ConfigError, EdgeNodeError, ErrorCode, NoReply
 from broker.kinds import LocalDegradeReason
 
 #: The breaker a defensive client keeps by default. Sized for a control loop that calls
@@ -162,3 +162,21 @@ class NodeGuard:
         if node_error is not None:
             body["node_error"] = {"code": int(node_error.code), "reason": node_error.reason}
         return body
+
+
+def make_guard(
+    fallback: LocalFallback | None, breaker: BreakerSettings | None, timeout_ms: int | None
+) -> NodeGuard | None:
+    """The defensive client's guard, or None without a fallback.
+
+    Raises:
+        ConfigError: a fallback without a default ``timeout_ms`` (the budget it answers
+            within), or ``breaker`` settings without a fallback.
+    """
+    if fallback is None:
+        if breaker is not None:
+            raise ConfigError("breaker settings need a fallback to answer while it is open")
+        return None
+    if timeout_ms is None:
+        raise ConfigError("a client with a fallback needs timeout_ms (ms), e.g. 200")
+    return NodeGuard(fallback, breaker)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from broker.breaker import BreakerSettings, BreakerState
-from broker.client import Call, make_guard
+from broker.client_call import Call
 from broker.client_conversation import Conversation
-from broker.client_guard import NodeGuard
+from broker.client_guard import NodeGuard, make_guard
 from broker.errors import (
     Cancelled,
     ConfigError,
