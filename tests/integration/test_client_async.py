@@ -63,6 +63,21 @@ def test_cancelling_the_task_awaiting_generate_cancels_it_on_the_node(
     asyncio.run(main())
 
 
+def test_a_wait_for_timeout_cancels_the_request_on_the_node(make_node: NodeFactory) -> None:
+    node = make_node(workers={"count": 1})
+
+    async def main() -> None:
+        async with AsyncClient(node.frontend, wait_ms=WAIT_MS) as c:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(c.generate(SLOW, max_tokens=100, id="late"), 0.5)
+            status = await until_in_flight(c, 0)
+            assert status["counters"].get("cancelled_by_client") == 1
+            with pytest.raises(NotFound):
+                await c.cancel("late")
+
+    asyncio.run(main())
+
+
 def test_cancelling_the_task_reading_a_stream_cancels_it_on_the_node(
     make_node: NodeFactory,
 ) -> None:
@@ -79,7 +94,7 @@ def test_cancelling_the_task_reading_a_stream_cancels_it_on_the_node(
                     pieces.append(piece)
 
             task = asyncio.create_task(read())
-            while not pieces:  # cancel it while it streams
+            while not pieces and not task.done():  # cancel it while it streams
                 await asyncio.sleep(0.01)
             await cancel_and_check(c, task, "story")
 
