@@ -1,4 +1,4 @@
-"""The client library apps import: a synchronous DEALER client of the node.
+"""The client library apps import: DEALER clients of the node, synchronous and asyncio.
 
     from broker.client import Client
     with Client("ipc:///tmp/edgenode-0/frontend.sock") as node:
@@ -9,12 +9,20 @@
             print(piece, end="")
         print(stream.result.finish_reason)
 
+    from broker.client import AsyncClient
+    async with AsyncClient(endpoint) as node:
+        reply = await node.generate("Turn on the lights", timeout_ms=200)
+        async for piece in node.stream_generate("Once upon a time"):
+            ...
+
 Every request has an ``id`` (PROTOCOL §3.3): pass ``id=`` to choose it, else
 the client makes one up (``"<pid in hex>-<n>"``); ``Stream.id`` and ``Reply.id``
-tell it, and ``Client.cancel(id)`` takes it. One client can have several
-requests in flight on its one socket (streams, plus a cancel, ping, status or
-generate meanwhile): replies are filed by ``id``, each kept until the call
-waiting for that id reads it.
+tell it, and ``cancel(id)`` takes it. One client can have several requests in
+flight on its one socket (streams, plus a cancel, ping, status or generate
+meanwhile): replies are filed by ``id``, each kept until the call waiting for
+that id reads it (``broker.client_conversation``, shared by both clients).
+``AsyncClient``: cancelling the task that awaits a request (or iterates a
+stream) sends the node a ``cancel`` for it.
 
 Error replies raise the typed exceptions of ``broker.errors`` (``Overloaded``,
 ``Unavailable``, ``DeadlineExceeded``, ``Cancelled`` ...). Each carries the
@@ -22,61 +30,35 @@ error reply's fields: ``code`` (the HTTP-aligned ``ErrorCode``), ``reason``
 (PROTOCOL §5.2, e.g. ``"queue_full"``; None when the reply has none),
 ``retry_after_ms`` (None when retrying later cannot help) and ``partial_text``
 (text generated before the failure). Branch on ``reason``, not on the message.
-Not thread-safe: use one ``Client`` per thread.
+No reply in time raises ``NoReply`` (an ``Unavailable``).
+
+The defensive client: ``fallback=`` (e.g. ``fallback.engine.RuleEngine``) makes
+``generate``/``chat`` and their streams answer locally, with ``degraded: true``
+and ``served_by: "local"``, when the node does not answer within the request's
+``timeout_ms`` or the client's circuit breaker over the node is open
+(``broker.client_guard``). Not thread-safe: use one client per thread (one
+``AsyncClient`` per event loop).
 """
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import math
-import os
 import time
 import weakref
-from collections import deque
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+import zmq.asyncio
 
 from broker import protocol as p
-from broker.client_request import check_request_id
-from broker.errors import EdgeNodeError, ProtocolError, Unavailable, error_from_wire
-
-#: Extra wait beyond the request's own ``timeout_ms`` before the client gives
-#: up on the node itself (the node answers 504 at the deadline on its own).
-REPLY_SLACK_MS = 2000
-
-RequestId = str | int
-#: Replies received for one request id and not read yet, oldest first.
-Inbox = deque[dict[str, Any]]
-#: A request in flight: its id, how long to wait for each of its replies (ms), its inbox.
-Sent = tuple[RequestId, int, Inbox]
-
-
-def forget(inboxes: dict[RequestId, Inbox], rid: RequestId, box: Inbox) -> None:
-    """Stop keeping replies for ``rid``, if ``box`` is still its inbox (the id may
-    be in flight again by now, for a newer request)."""
-    if inboxes.get(rid) is box:
-        del inboxes[rid]
-
-
-def reply_error(reply: dict[str, Any]) -> EdgeNodeError:
-    """The typed exception for an error reply body, with all its fields.
-
-    ``code`` picks the class (unknown or missing: ``InternalError``); ``message``,
-    ``reason``, ``retry_after_ms`` and ``text`` (as ``partial_text``) are copied
-    when they have their documented types (PROTOCOL §4.4).
-    """
-    code, retry, reason = reply.get("code"), reply.get("retry_after_ms"), reply.get("reason")
-    text = reply.get("text")
-    return error_from_wire(
-        code if isinstance(code, int) else 500,
-        str(reply.get("message", "")),
-        retry if isinstance(retry, int) and not isinstance(retry, bool) else None,
-        text if isinstance(text, str) else "",
-        reason if isinstance(reason, str) else None,
-    )
+from broker.breaker import BreakerSettings
+from broker.client_call import Call
+from broker.client_conversation import REPLY_SLACK_MS, Conversation, RequestId, dropped_partials
+from broker.client_guard import LocalFallback, make_guard
+from broker.errors import ConfigError, EdgeNodeError
 
 
 @dataclass(frozen=True)
@@ -84,10 +66,13 @@ class Reply:
     """A final ``ok`` reply. Times in ms; ``usage`` counts tokens.
 
     ``id`` is the request's id; ``raw`` the whole reply body (PROTOCOL §4.2),
-    including the fields without an attribute (``worker``, ``degrade_reason``,
-    the rule engine's ``confidence`` and ``rule``). ``dropped_partials``: how
-    many of a stream's partials the node dropped because this client was not
-    reading them fast enough (PROTOCOL §10); ``text`` is whole regardless.
+    including the fields without an attribute (``worker``, the rule engine's
+    ``confidence`` and ``rule``, a local answer's ``node_error``).
+    ``dropped_partials``: how many of a stream's partials the node dropped
+    because this client was not reading them fast enough (PROTOCOL §10); ``text``
+    is whole regardless. ``degrade_reason``: why the model did not answer when
+    ``degraded`` (the node's reasons, PROTOCOL §7.3, or with ``served_by:
+    "local"`` the defensive client's, ``broker.kinds.LocalDegradeReason``).
     """
 
     id: RequestId
@@ -101,10 +86,12 @@ class Reply:
     total_ms: int
     raw: dict[str, Any] = field(repr=False)
     dropped_partials: int = 0
+    degrade_reason: str | None = None
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> Reply:
         """Build from a reply body with ``status: ok``."""
+        reason = body.get("degrade_reason")
         return cls(
             id=body["id"],
             text=body.get("text", ""),
@@ -117,13 +104,8 @@ class Reply:
             total_ms=body.get("total_ms", 0),
             raw=body,
             dropped_partials=dropped_partials(body),
+            degrade_reason=reason if isinstance(reason, str) else None,
         )
-
-
-def dropped_partials(body: dict[str, Any]) -> int:
-    """A reply's ``dropped_partials`` (PROTOCOL §10): 0 when absent or not a count."""
-    count = body.get("dropped_partials", 0)
-    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 0
 
 
 class Stream:
@@ -137,7 +119,8 @@ class Stream:
     A client that does not read a stream as fast as it comes loses pieces: the
     node drops partials it cannot queue for it (never the final reply). Then
     ``dropped_partials`` counts them, and the pieces yielded do not add up to
-    the text: ``result.text`` is always the whole output.
+    the text: ``result.text`` is always the whole output. A defensive client's
+    local answer comes as one piece if the node sent none, else only as ``result``.
 
     Attributes:
         id: the request's id: the ``id=`` given, else the one the client made up.
@@ -145,36 +128,149 @@ class Stream:
         dropped_partials: partials of this stream the node dropped so far (0 if none).
     """
 
-    def __init__(self, pieces: Iterator[tuple[str, int] | Reply], rid: RequestId) -> None:
-        self._pieces = pieces
+    def __init__(self, bodies: Iterator[dict[str, Any]], rid: RequestId) -> None:
+        self._bodies = bodies
         self.id = rid
         self.result: Reply | None = None
         self.dropped_partials = 0
 
     def __iter__(self) -> Iterator[str]:
-        for item in self._pieces:
-            if isinstance(item, Reply):
-                self.result = item
-                self.dropped_partials = max(self.dropped_partials, item.dropped_partials)
+        for body in self._bodies:
+            if (text := self._take(body)) is None:
                 return
-            text, dropped = item
-            self.dropped_partials = max(self.dropped_partials, dropped)
+            yield text
+
+    def _take(self, body: dict[str, Any]) -> str | None:
+        """A partial's text, or None after filing the final as ``result``."""
+        self.dropped_partials = max(self.dropped_partials, dropped_partials(body))
+        if body.get("status") == "partial":
+            text = body.get("text", "")
+            return text if isinstance(text, str) else ""
+        self.result = Reply.from_body(body)
+        return None
+
+
+class AsyncStream(Stream):
+    """``Stream`` for ``AsyncClient``: iterate with ``async for``.
+
+    Cancelling the task iterating it cancels the request on the node. The same
+    attributes as ``Stream``.
+    """
+
+    def __init__(self, bodies: AsyncIterator[dict[str, Any]], rid: RequestId) -> None:
+        super().__init__(iter(()), rid)
+        self._abodies = bodies
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._pieces()
+
+    async def _pieces(self) -> AsyncIterator[str]:
+        async for body in self._abodies:
+            if (text := self._take(body)) is None:
+                return
             yield text
 
 
-class Client:
+def end_now(call: Call) -> None:
+    """``call.end`` at the current time (a dropped stream's finalizer)."""
+    call.end(time.monotonic())
+
+
+def client_socket(
+    ctx: zmq.Context[Any],
+    endpoint: str,
+    server_public_key: bytes | None,
+    client_keypair: tuple[bytes, bytes] | None,
+    immediate: bool,
+) -> Any:
+    """A DEALER of ``ctx`` connected to ``endpoint``, with CURVE if ``server_public_key``.
+
+    Keys are z85 (40 bytes), as ``zmq.auth.load_certificate`` returns them; without
+    ``client_keypair`` the client makes an ephemeral pair (a server with an allowlist
+    refuses it). ``immediate``: queue messages only on a completed connection
+    (ZMQ_IMMEDIATE), so a defensive client sees at once that the node is not there
+    instead of queueing requests the node would run on its return.
+
+    Raises:
+        ConfigError: ``client_keypair`` without ``server_public_key``.
+    """
+    if client_keypair is not None and server_public_key is None:
+        raise ConfigError("client_keypair needs server_public_key (the node's CURVE public key)")
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT and names that resolve to IPv6
+    if immediate:
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+    if server_public_key is not None:
+        public, secret = client_keypair if client_keypair is not None else zmq.curve_keypair()
+        sock.curve_serverkey = server_public_key
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+    sock.connect(endpoint)
+    return sock
+
+
+class _Base:
+    """What both clients hold: the endpoint, the conversation and the guard."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_ms: int | None,
+        wait_ms: int,
+        max_body_bytes: int,
+        fallback: LocalFallback | None,
+        breaker: BreakerSettings | None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.guard = make_guard(fallback, breaker, timeout_ms)
+        guarded = self.guard is not None
+        self._conv = Conversation(
+            timeout_ms=timeout_ms,
+            wait_ms=timeout_ms if guarded and timeout_ms is not None else wait_ms,
+            max_body_bytes=max_body_bytes,
+            slack_ms=0 if guarded else REPLY_SLACK_MS,
+        )
+
+    def _begin(self, body: dict[str, Any], guarded: bool) -> Call:
+        """A ``Call`` for ``body``, not sent yet. ``guarded``: a ``generate``/``chat``
+        that a guard may answer locally (it takes the breaker's permit now; None: open)."""
+        now = time.monotonic()
+        if self.guard is None or not guarded:
+            sent = self._conv.prepare(body)
+            self._conv.open(sent)
+            return Call(self._conv, sent, now)
+        sent = self._conv.prepare(body)
+        permit = self.guard.admit(now)
+        call = Call(self._conv, sent, now, self.guard, permit)
+        if permit is not None:
+            self._conv.open(sent)
+        return call
+
+
+class Client(_Base):
     """Talks to a node's frontend endpoint over one DEALER socket.
 
     Args:
         endpoint: e.g. ``ipc:///tmp/edgenode-0/frontend.sock`` or ``tcp://127.0.0.1:5555``.
         timeout_ms: default request budget sent as ``timeout_ms`` (None: the node's default).
         wait_ms: how long to wait for each reply of a request that has no budget; with
-            a budget, ``timeout_ms + REPLY_SLACK_MS``. Past it, the call raises
-            ``Unavailable`` ("no reply ... is the node running?").
+            a budget, ``timeout_ms + REPLY_SLACK_MS`` (with a fallback: ``timeout_ms``).
+            Past it, the call raises ``NoReply`` ("no reply ... is the node running?").
         max_body_bytes: the node's ``broker.max_body_bytes`` (bytes). A larger body
             raises ``TooLarge`` here, before anything is sent, in the node's own words
             (``body is N bytes, the limit is M``): above the node's socket cap
             libzmq drops the connection without a reply (PROTOCOL §2.3).
+        server_public_key: the node's CURVE public key (z85, 40 bytes), for a node that
+            requires CURVE (``[security]``); None: plain connection.
+        client_keypair: this client's CURVE ``(public, secret)`` (z85, as
+            ``zmq.auth.load_certificate`` returns); its public key must be in the node's
+            allowed keys. None with a server key: an ephemeral pair.
+        fallback: answers ``generate``/``chat`` locally when the node does not within
+            the request's ``timeout_ms`` or the breaker is open (``broker.client_guard``;
+            e.g. ``fallback.engine.RuleEngine.from_file(rules)``). Needs ``timeout_ms``.
+        breaker: the client's breaker over the node (default
+            ``broker.client_guard.CLIENT_BREAKER``); only with ``fallback``.
 
     The request methods take the protocol's fields as keywords (PROTOCOL §3.1):
     ``id`` (str of 1-128 characters or int in [0, 2**63); default ``"<pid in hex>-<n>"``;
@@ -183,6 +279,10 @@ class Client:
     ``json_schema``, ``timeout_ms`` (ms), ``route``, ``priority``. An ``id`` that
     is still in flight on this client raises ``ProtocolError`` with ``reason``
     ``"duplicate_id"`` before anything is sent.
+
+    Raises:
+        ConfigError: keys or fallback settings that do not go together (``client_socket``,
+            ``make_guard``).
     """
 
     def __init__(
@@ -192,22 +292,16 @@ class Client:
         timeout_ms: int | None = None,
         wait_ms: int = 120_000,
         max_body_bytes: int = p.DEFAULT_MAX_BODY_BYTES,
+        server_public_key: bytes | None = None,
+        client_keypair: tuple[bytes, bytes] | None = None,
+        fallback: LocalFallback | None = None,
+        breaker: BreakerSettings | None = None,
     ) -> None:
-        self.endpoint = endpoint
-        self.max_body_bytes = max_body_bytes
-        self.timeout_ms = timeout_ms
-        self.wait_ms = wait_ms
+        super().__init__(endpoint, timeout_ms, wait_ms, max_body_bytes, fallback, breaker)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT and names that resolve to IPv6
-        self._sock.connect(endpoint)
-        self._ids = itertools.count(1)
-        self._prefix = f"{os.getpid():x}-"
-        # One inbox per request in flight. A reply for another id than the one a
-        # call waits for goes to that id's inbox: a cancel's wait must not eat
-        # the target stream's 499, nor a ping a stream's partials.
-        self._inboxes: dict[RequestId, Inbox] = {}
+        self._sock: zmq.Socket[bytes] = client_socket(
+            self._ctx, endpoint, server_public_key, client_keypair, self.guard is not None
+        )
 
     def __enter__(self) -> Client:
         return self
@@ -218,7 +312,7 @@ class Client:
     def close(self) -> None:
         """Close the socket (pending replies are dropped; requests still run on the node)."""
         self._sock.close(0)
-        self._inboxes.clear()
+        self._conv.clear()
 
     # ------------------------------------------------------------------ ops
 
@@ -226,16 +320,17 @@ class Client:
         """Complete ``prompt`` and return the final reply (``Reply.id`` is the request's id).
 
         ``fields`` are protocol fields (see the class docstring). Raises the typed
-        exception of an error reply, ``Unavailable`` when no reply comes in time.
+        exception of an error reply, ``NoReply`` when no reply comes in time (with a
+        fallback: answers locally instead, see the class docstring).
         """
-        return self._final(self._start({"op": "generate", "prompt": prompt, **fields}))
+        return self._final({"op": "generate", "prompt": prompt, **fields})
 
     def chat(self, messages: list[dict[str, str]], **fields: Any) -> Reply:
         """Answer a chat (``[{"role": "user", "content": ...}]``) with the model's template.
 
         As ``generate`` otherwise.
         """
-        return self._final(self._start({"op": "chat", "messages": messages, **fields}))
+        return self._final({"op": "chat", "messages": messages, **fields})
 
     def stream_generate(self, prompt: str, **fields: Any) -> Stream:
         """Like ``generate`` but returns a ``Stream`` that yields text as it is produced.
@@ -281,108 +376,296 @@ class Client:
         Raises:
             TooLarge: the packed body is over ``max_body_bytes`` (nothing is sent).
         """
-        body = dict(body)
-        if body.get("id") is None:
-            body["id"] = self._prefix + str(next(self._ids))
-        if self.timeout_ms is not None:
-            body.setdefault("timeout_ms", self.timeout_ms)
-        wait = body["timeout_ms"] + REPLY_SLACK_MS if "timeout_ms" in body else self.wait_ms
-        data = p.pack(body)
-        p.check_body_size(data, self.max_body_bytes)
-        self._sock.send_multipart([b"", p.CLIENT_TAG, data])
-        rid: RequestId = body["id"]
-        return rid, wait
+        sent = self._conv.prepare(body, keep=False)
+        self._sock.send_multipart(sent.frames())
+        return sent.id, sent.wait_ms
 
     def request(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Send ``body`` and return its final reply body; raises on error replies."""
-        for reply in self._raw_replies(self._start(body)):
-            if reply["status"] != "partial":
-                return reply
-        raise AssertionError("unreachable")  # pragma: no cover
+        """Send ``body`` and return its final reply body; raises on error replies.
 
-    def _start(self, body: dict[str, Any]) -> Sent:
-        """Send ``body`` with an inbox kept for its id until its final reply is read."""
-        body = dict(body)
-        if body.get("id") is None:
-            body["id"] = self._prefix + str(next(self._ids))
-        # The broker's own rule: its 400 for a bad id carries ``id: nil``, which no
-        # inbox would take, so the call would wait out its whole wait for nothing.
-        rid = check_request_id("id", body["id"])
-        if rid in self._inboxes:
-            # The node would refuse it too, but its 400 would carry this same id
-            # and end the request in flight instead (PROTOCOL §3.3).
-            raise ProtocolError(
-                f"id {rid!r} is already in flight on this client", reason="duplicate_id"
-            )
-        rid, wait = self.send(body)
-        box: Inbox = deque()
-        self._inboxes[rid] = box
-        return rid, wait, box
+        Never answered locally, even with a fallback (its wait is ``timeout_ms`` then).
+        """
+        bodies = self._bodies(self._begin(body, guarded=False))
+        return [b for b in bodies if b.get("status") != "partial"][-1]
+
+    def _final(self, body: dict[str, Any]) -> Reply:
+        for item in self._bodies(self._begin(body, guarded=True)):
+            if item.get("status") != "partial":
+                return Reply.from_body(item)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _stream(self, body: dict[str, Any]) -> Stream:
-        sent = self._start(body)
-        stream = Stream(self._replies(sent), sent[0])
+        call = self._begin(body, guarded=True)
+        bodies = self._bodies(call)
+        stream = Stream(bodies, call.sent.id)
         # A stream dropped before it was ever iterated has no generator to close:
-        # its inbox goes with the stream object.
-        weakref.finalize(stream, forget, self._inboxes, sent[0], sent[2])
+        # its inbox and permit go with the stream object.
+        weakref.finalize(stream, end_now, call)
         return stream
 
-    def _final(self, sent: Sent) -> Reply:
-        for item in self._replies(sent):
-            if isinstance(item, Reply):
-                return item
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _replies(self, sent: Sent) -> Iterator[tuple[str, int] | Reply]:
-        """Each partial's (text, ``dropped_partials``), then the final ``Reply``."""
-        for reply in self._raw_replies(sent):
-            if reply["status"] == "partial":
-                yield reply.get("text", ""), dropped_partials(reply)
-            else:
-                yield Reply.from_body(reply)
-
-    def _raw_replies(self, sent: Sent) -> Iterator[dict[str, Any]]:
-        """The replies to ``sent``, its final one last; an error reply is raised."""
-        rid, wait_ms, box = sent
+    def _bodies(self, call: Call) -> Iterator[dict[str, Any]]:
+        """Send ``call``'s request (at once: before the first ``next``, for streams) and
+        return the iterator of its reply bodies, the final last (the node's or a local
+        answer)."""
         try:
-            while True:
-                reply = self._next_reply(box, wait_ms)
-                if reply.get("status") == "error":
-                    raise reply_error(reply)
-                if reply.get("status") != "partial":
-                    # Free the id before handing the final over: a finished stream
-                    # kept alive by its caller must not keep the id in flight.
-                    forget(self._inboxes, rid, box)
-                    yield reply
-                    return
-                yield reply
+            first = self._send(call)
+        except BaseException:
+            call.end(time.monotonic())
+            raise
+        return self._course(call, first)
+
+    def _send(self, call: Call) -> list[dict[str, Any]]:
+        """Send the request; the bodies to hand out at once (a local answer) if not."""
+        if call.guard is None:
+            self._sock.send_multipart(call.sent.frames())
+            return []
+        if call.permit is None:
+            return call.local("breaker_open", time.monotonic())
+        # Wait for a connection only as long as the budget lasts (ZMQ_IMMEDIATE).
+        left_ms = max(0, math.ceil((call.deadline(0) - time.monotonic()) * 1000))
+        try:
+            if self._sock.poll(left_ms, zmq.POLLOUT):
+                self._sock.send_multipart(call.sent.frames(), zmq.NOBLOCK)
+                return []
+        except zmq.Again:
+            pass
+        return call.unreachable(time.monotonic())
+
+    def _course(self, call: Call, first: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        try:
+            yield from first
+            while not call.done:
+                try:
+                    reply = self._next(call)
+                except EdgeNodeError as exc:
+                    yield from call.failed(exc, time.monotonic())
+                    continue
+                now = time.monotonic()
+                if reply is None:
+                    yield from call.timed_out(now, self.endpoint)
+                else:
+                    yield from call.replied(reply, now)
         finally:
-            # Answered, failed, timed out or abandoned (the generator closed):
-            # later replies for this id, e.g. after a local timeout, are dropped.
-            forget(self._inboxes, rid, box)
+            call.end(time.monotonic())
 
-    def _next_reply(self, box: Inbox, wait_ms: int) -> dict[str, Any]:
-        """The oldest reply in ``box``, reading the socket until one arrives.
-
-        Raises:
-            Unavailable: none within ``wait_ms`` (replies for other ids do not count).
-        """
-        deadline = time.monotonic() + wait_ms / 1000
-        while not box:
+    def _next(self, call: Call) -> dict[str, Any] | None:
+        """The next reply of ``call``, reading the socket until one arrives; None at its
+        deadline (replies for other ids do not count)."""
+        deadline = call.deadline(time.monotonic())
+        while (reply := self._conv.take(call.sent)) is None:
             left_ms = math.ceil((deadline - time.monotonic()) * 1000)
             if left_ms <= 0 or not self._sock.poll(left_ms):
-                raise Unavailable(
-                    f"no reply from {self.endpoint} within {wait_ms} ms (is the node running?)"
-                )
-            self._file(self._sock.recv_multipart())
-        return box.popleft()
+                return None
+            self._conv.file(self._sock.recv_multipart())
+        return reply
 
-    def _file(self, frames: list[bytes]) -> None:
-        """Put a received reply in the inbox of its id; drop it if none is kept
-        (a late reply to a request that timed out here, or one sent with ``send``)."""
-        if len(frames) != 3 or frames[1] != p.CLIENT_TAG:
-            return
-        reply = p.unpack_map(frames[2])
-        rid = reply.get("id")
-        if isinstance(rid, (str, int)) and (box := self._inboxes.get(rid)) is not None:
-            box.append(reply)
+
+class AsyncClient(_Base):
+    """``Client`` for asyncio (pyzmq's ``zmq.asyncio``): the same arguments, ops and errors.
+
+    ``generate``, ``chat``, ``cancel``, ``ping``, ``status`` and ``request`` are
+    coroutines; ``stream_generate``/``stream_chat`` send at once and return an
+    ``AsyncStream`` (``async for piece in stream``). Cancelling the task that awaits
+    ``generate``/``chat`` or iterates a stream sends the node a ``cancel`` for the
+    request (the node's worker stops it), then re-raises ``CancelledError``.
+
+    Use it from one event loop; ``async with AsyncClient(...) as node`` closes it. A
+    task of its own reads the socket and files each reply under its request's id.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_ms: int | None = None,
+        wait_ms: int = 120_000,
+        max_body_bytes: int = p.DEFAULT_MAX_BODY_BYTES,
+        server_public_key: bytes | None = None,
+        client_keypair: tuple[bytes, bytes] | None = None,
+        fallback: LocalFallback | None = None,
+        breaker: BreakerSettings | None = None,
+    ) -> None:
+        super().__init__(endpoint, timeout_ms, wait_ms, max_body_bytes, fallback, breaker)
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock: zmq.asyncio.Socket = client_socket(
+            self._ctx, endpoint, server_public_key, client_keypair, self.guard is not None
+        )
+        # The same socket, synchronous: a task being cancelled sends its ``cancel``
+        # without awaiting (an await there could be cancelled in turn).
+        self._now_sock: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
+        self._arrived: dict[RequestId, asyncio.Event] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop reading and close the socket (pending replies are dropped; requests
+        still run on the node)."""
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        self._sock.close(0)
+        self._conv.clear()
+
+    # ------------------------------------------------------------------ ops
+
+    async def generate(self, prompt: str, **fields: Any) -> Reply:
+        """As ``Client.generate``; cancelling the awaiting task cancels it on the node."""
+        return await self._final({"op": "generate", "prompt": prompt, **fields})
+
+    async def chat(self, messages: list[dict[str, str]], **fields: Any) -> Reply:
+        """As ``Client.chat``; cancelling the awaiting task cancels it on the node."""
+        return await self._final({"op": "chat", "messages": messages, **fields})
+
+    async def stream_generate(self, prompt: str, **fields: Any) -> AsyncStream:
+        """As ``Client.stream_generate``: sent when awaited, read with ``async for``."""
+        return await self._stream({"op": "generate", "prompt": prompt, "stream": True, **fields})
+
+    async def stream_chat(self, messages: list[dict[str, str]], **fields: Any) -> AsyncStream:
+        """As ``Client.stream_chat``: sent when awaited, read with ``async for``."""
+        return await self._stream({"op": "chat", "messages": messages, "stream": True, **fields})
+
+    async def cancel(self, target: RequestId) -> None:
+        """As ``Client.cancel``.
+
+        Raises:
+            NotFound: ``target`` is not in flight on this connection.
+        """
+        await self.request({"op": "cancel", "target": target})
+
+    async def ping(self) -> dict[str, Any]:
+        """As ``Client.ping``."""
+        return await self.request({"op": "ping"})
+
+    async def status(self) -> dict[str, Any]:
+        """As ``Client.status``."""
+        node: dict[str, Any] = (await self.request({"op": "status"}))["node"]
+        return node
+
+    async def request(self, body: dict[str, Any]) -> dict[str, Any]:
+        """As ``Client.request``: the final reply body; raises on error replies."""
+        return await self._last(self._begin(body, guarded=False))
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _final(self, body: dict[str, Any]) -> Reply:
+        return Reply.from_body(await self._last(self._begin(body, guarded=True)))
+
+    async def _last(self, call: Call) -> dict[str, Any]:
+        """``call``'s final reply body (its partials skipped)."""
+        bodies = await self._bodies(call)
+        try:
+            async for item in bodies:
+                if item.get("status") != "partial":
+                    return item
+        finally:
+            await bodies.aclose()  # now, not when the loop collects it
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _stream(self, body: dict[str, Any]) -> AsyncStream:
+        call = self._begin(body, guarded=True)
+        stream = AsyncStream(await self._bodies(call), call.sent.id)
+        # Never iterated, its generator has no ``finally`` to run: the stream's end does it.
+        weakref.finalize(stream, self._forget, call, self._arrived[call.sent.id])
+        return stream
+
+    async def _bodies(self, call: Call) -> AsyncGenerator[dict[str, Any], None]:
+        """Send ``call``'s request now and return the iterator of its reply bodies."""
+        arrived = self._arrived[call.sent.id] = asyncio.Event()
+        try:
+            first = await self._send(call)
+        except BaseException:
+            self._forget(call, arrived)
+            raise
+        return self._course(call, first, arrived)
+
+    async def _send(self, call: Call) -> list[dict[str, Any]]:
+        """As ``Client._send``."""
+        self._start_reader()
+        if call.guard is None:
+            await self._sock.send_multipart(call.sent.frames())
+            return []
+        if call.permit is None:
+            return call.local("breaker_open", time.monotonic())
+        left_ms = max(0, math.ceil((call.deadline(0) - time.monotonic()) * 1000))
+        try:
+            # pyzmq's stub lacks the flags argument its asyncio poll has.
+            if await self._sock.poll(left_ms, zmq.POLLOUT):  # type: ignore[call-arg]
+                self._now_sock.send_multipart(call.sent.frames(), zmq.NOBLOCK)
+                return []
+        except zmq.Again:
+            pass
+        return call.unreachable(time.monotonic())
+
+    async def _course(
+        self, call: Call, first: list[dict[str, Any]], arrived: asyncio.Event
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        try:
+            for item in first:
+                yield item
+            while not call.done:
+                try:
+                    reply = await self._next(call, arrived)
+                except EdgeNodeError as exc:
+                    for item in call.failed(exc, time.monotonic()):
+                        yield item
+                    continue
+                now = time.monotonic()
+                items = (
+                    call.timed_out(now, self.endpoint)
+                    if reply is None
+                    else call.replied(reply, now)
+                )
+                for item in items:
+                    yield item
+        except asyncio.CancelledError:
+            if not call.done:
+                self._cancel_on_node(call.sent.id)
+            raise
+        finally:
+            self._forget(call, arrived)
+
+    def _forget(self, call: Call, arrived: asyncio.Event) -> None:
+        # Only this call's event: a newer request may have its id by now.
+        if self._arrived.get(call.sent.id) is arrived:
+            del self._arrived[call.sent.id]
+        call.end(time.monotonic())
+
+    def _cancel_on_node(self, target: RequestId) -> None:
+        """Send ``cancel`` for ``target`` without waiting: its reply, and the target's
+        499, go to no inbox and are dropped."""
+        try:
+            sent = self._conv.prepare({"op": "cancel", "target": target}, keep=False)
+            self._now_sock.send_multipart(sent.frames(), zmq.NOBLOCK)
+        except (zmq.ZMQError, EdgeNodeError):
+            pass  # no connection: the node ends the request at its deadline
+
+    async def _next(self, call: Call, arrived: asyncio.Event) -> dict[str, Any] | None:
+        """As ``Client._next``, woken by the reader task through ``arrived``."""
+        deadline = call.deadline(time.monotonic())
+        while (reply := self._conv.take(call.sent)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            arrived.clear()
+            try:
+                await asyncio.wait_for(arrived.wait(), left)
+            except asyncio.TimeoutError:  # the builtin TimeoutError only from 3.11
+                return None
+        return reply
+
+    def _start_reader(self) -> None:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        """File every reply under its id and wake the call waiting for it."""
+        while True:
+            frames = await self._sock.recv_multipart()
+            rid = self._conv.file(frames)
+            if rid is not None and (arrived := self._arrived.get(rid)) is not None:
+                arrived.set()

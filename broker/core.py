@@ -315,6 +315,7 @@ class Broker:
                 p.error_reply(req.id, ErrorCode.NOT_FOUND, f"no request {req.target!r} in flight"),
             )
             return
+        self.stats.count("cancelled_by_client")
         self._finish_early(job, ErrorCode.CANCELLED, "cancelled by client", now)
         self.outbox.client(identity, p.ok_reply(req.id, cancelled=req.target))
 

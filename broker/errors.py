@@ -95,6 +95,14 @@ class Unavailable(EdgeNodeError):
     code = ErrorCode.UNAVAILABLE
 
 
+class NoReply(Unavailable):
+    """The client library heard no reply from the node in time (never sent on the wire).
+
+    A 503 like the node's own refusals, raised by ``broker.client`` when a reply does
+    not come within its wait: the node is stopped, gone, hung or unreachable.
+    """
+
+
 class DeadlineExceeded(EdgeNodeError):
     """The request's ``timeout_ms`` budget ran out (504); ``partial_text`` holds what was made."""
 

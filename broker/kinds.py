@@ -38,6 +38,15 @@ DegradeReason = Literal[
     "worker_lost",
 ]
 
+#: Why a defensive client (``broker.client.Client(..., fallback=...)``) answered a
+#: request itself, from its local fallback, instead of the node: its reply's
+#: ``degrade_reason`` with ``served_by: "local"``. ``breaker_open``: the client's
+#: circuit breaker over the node refused the call (the node was not contacted);
+#: ``node_timeout``: no final reply within the request's ``timeout_ms``;
+#: ``node_unreachable``: no connection to the node to send on within it;
+#: ``node_error``: the node answered 500, 503 or 504.
+LocalDegradeReason = Literal["breaker_open", "node_timeout", "node_unreachable", "node_error"]
+
 #: How a final reply was counted (the ``Stats`` counter it added one to, moved
 #: to ``client_gone`` if it never reaches its client: ``Outgoing.counted``):
 #: ``ok``, or ``error_`` and the lowercased ``ErrorCode`` name

@@ -13,20 +13,24 @@ import time
 from collections.abc import Callable
 
 import pytest
+from clientkit import AnyClient
 
 from broker.errors import Cancelled, ErrorCode, NotFound, ProtocolError, Unavailable
 from node.testing import NodeProcess
 
 NodeFactory = Callable[..., NodeProcess]
+Connect = Callable[..., AnyClient]
 
 #: A stream of 1 + 30 pieces at 100 ms each: still running whenever a test acts on it.
 SLOW = "!slow 100 " + " ".join(f"w{i}" for i in range(28))
 WAIT_MS = 5000
 
 
-def test_cancel_on_the_same_client_ends_the_stream_with_cancelled(make_node: NodeFactory) -> None:
+def test_cancel_on_the_same_client_ends_the_stream_with_cancelled(
+    make_node: NodeFactory, connect_client: Connect
+) -> None:
     node = make_node()
-    with node.client(wait_ms=WAIT_MS) as c:
+    with connect_client(node.frontend, wait_ms=WAIT_MS) as c:
         stream = c.stream_generate(SLOW, max_tokens=100, id="story-1", route="llm")
         assert stream.id == "story-1"
         pieces = iter(stream)
@@ -47,9 +51,11 @@ def test_cancel_on_the_same_client_ends_the_stream_with_cancelled(make_node: Nod
         assert c.generate("still here", max_tokens=3).text == "echo: still here"
 
 
-def test_the_generated_id_of_a_stream_cancels_it(make_node: NodeFactory) -> None:
+def test_the_generated_id_of_a_stream_cancels_it(
+    make_node: NodeFactory, connect_client: Connect
+) -> None:
     node = make_node()
-    with node.client(wait_ms=WAIT_MS) as c:
+    with connect_client(node.frontend, wait_ms=WAIT_MS) as c:
         stream = c.stream_chat([{"role": "user", "content": SLOW}], max_tokens=100)
         assert isinstance(stream.id, str) and stream.id.startswith(f"{os.getpid():x}-")
         c.cancel(stream.id)  # before reading anything
@@ -57,9 +63,11 @@ def test_the_generated_id_of_a_stream_cancels_it(make_node: NodeFactory) -> None
             list(stream)
 
 
-def test_ping_status_and_generate_while_a_stream_is_open(make_node: NodeFactory) -> None:
+def test_ping_status_and_generate_while_a_stream_is_open(
+    make_node: NodeFactory, connect_client: Connect
+) -> None:
     node = make_node()
-    with node.client(wait_ms=WAIT_MS) as c:
+    with connect_client(node.frontend, wait_ms=WAIT_MS) as c:
         stream = c.stream_generate("!slow 50 a b c d e f", max_tokens=20)
         pieces = iter(stream)
         got = [next(pieces), next(pieces)]
@@ -72,9 +80,11 @@ def test_ping_status_and_generate_while_a_stream_is_open(make_node: NodeFactory)
         assert stream.result.id == stream.id
 
 
-def test_two_streams_interleaved_on_one_client(make_node: NodeFactory) -> None:
+def test_two_streams_interleaved_on_one_client(
+    make_node: NodeFactory, connect_client: Connect
+) -> None:
     node = make_node()
-    with node.client(wait_ms=WAIT_MS) as c:
+    with connect_client(node.frontend, wait_ms=WAIT_MS) as c:
         one = c.stream_generate("!slow 30 a b c d e", max_tokens=20)
         two = c.stream_generate("!slow 20 v w x y z", max_tokens=20)
         assert one.id != two.id
@@ -89,9 +99,11 @@ def test_two_streams_interleaved_on_one_client(make_node: NodeFactory) -> None:
         assert two.result is not None and two.result.id == two.id
 
 
-def test_an_id_in_flight_on_this_client_is_refused_locally(make_node: NodeFactory) -> None:
+def test_an_id_in_flight_on_this_client_is_refused_locally(
+    make_node: NodeFactory, connect_client: Connect
+) -> None:
     node = make_node()
-    with node.client(wait_ms=WAIT_MS) as c:
+    with connect_client(node.frontend, wait_ms=WAIT_MS) as c:
         stream = c.stream_generate(SLOW, max_tokens=100, id="twice")
         pieces = iter(stream)
         next(pieces)
@@ -106,9 +118,11 @@ def test_an_id_in_flight_on_this_client_is_refused_locally(make_node: NodeFactor
         assert c.generate("again", id="twice", max_tokens=2).id == "twice"
 
 
-def test_errors_carry_reason_code_and_retry_after(make_node: NodeFactory) -> None:
+def test_errors_carry_reason_code_and_retry_after(
+    make_node: NodeFactory, connect_client: Connect
+) -> None:
     node = make_node(workers={"count": 1}, broker={"max_queue": 1})
-    with node.client(wait_ms=WAIT_MS) as c:
+    with connect_client(node.frontend, wait_ms=WAIT_MS) as c:
         running = c.stream_generate(SLOW, max_tokens=100)
         next(iter(running))  # it runs: the only worker is busy
         queued = c.stream_generate("waits", max_tokens=2)
@@ -126,11 +140,11 @@ def test_errors_carry_reason_code_and_retry_after(make_node: NodeFactory) -> Non
 
 
 def test_a_finished_stream_frees_its_id_while_the_stream_object_lives(
-    make_node: NodeFactory,
+    make_node: NodeFactory, connect_client: Connect
 ) -> None:
     # Break-it finding: the id stayed "in flight" until the Stream was collected.
     node = make_node()
-    with node.client(wait_ms=WAIT_MS) as c:
+    with connect_client(node.frontend, wait_ms=WAIT_MS) as c:
         stream = c.stream_generate("tell me", max_tokens=5, id="s6")
         assert "".join(stream) == "echo: tell me"
         again = c.stream_generate("x", max_tokens=2, id="s6")

@@ -10,14 +10,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import zmq
+from clientkit import AnyClient
 
 from broker import protocol as p
-from broker.client import Client
 from broker.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -29,6 +29,8 @@ from broker.errors import (
     TooLarge,
     Unavailable,
 )
+
+Connect = Callable[..., AnyClient]
 
 
 class FakeNode:
@@ -121,13 +123,14 @@ def error(rid: Any, code: int, **extra: Any) -> dict[str, Any]:
 )  # fmt: skip
 def test_an_error_reply_s_fields_are_on_its_exception(
     fake: FakeNode,
+    connect_client: Connect,
     reply: dict[str, Any],
     cls: type[EdgeNodeError],
     reason: str | None,
     retry: int | None,
     text: str,
 ) -> None:
-    with Client(fake.endpoint, wait_ms=5000) as c:
+    with connect_client(fake.endpoint, wait_ms=5000) as c:
         stream = c.stream_generate("a", id="r")
         fake.next_request()
         fake.reply(reply)
@@ -141,8 +144,10 @@ def test_an_error_reply_s_fields_are_on_its_exception(
     assert exc.message == reply["message"]
 
 
-def test_mistyped_error_fields_do_not_break_the_client(fake: FakeNode) -> None:
-    with Client(fake.endpoint, wait_ms=5000) as c:
+def test_mistyped_error_fields_do_not_break_the_client(
+    fake: FakeNode, connect_client: Connect
+) -> None:
+    with connect_client(fake.endpoint, wait_ms=5000) as c:
         stream = c.stream_generate("a", id="r")
         fake.next_request()
         fake.reply(
@@ -153,8 +158,10 @@ def test_mistyped_error_fields_do_not_break_the_client(fake: FakeNode) -> None:
     assert (caught.value.reason, caught.value.retry_after_ms) == (None, None)
 
 
-def test_replies_in_any_order_reach_their_own_request(fake: FakeNode) -> None:
-    with Client(fake.endpoint, wait_ms=5000) as c:
+def test_replies_in_any_order_reach_their_own_request(
+    fake: FakeNode, connect_client: Connect
+) -> None:
+    with connect_client(fake.endpoint, wait_ms=5000) as c:
         one = c.stream_generate("a", id="one")
         two = c.stream_chat([{"role": "user", "content": "b"}], id=2)
         assert [fake.next_request()["id"] for _ in range(2)] == ["one", 2]
@@ -172,9 +179,11 @@ def test_replies_in_any_order_reach_their_own_request(fake: FakeNode) -> None:
         assert two.result is not None and (two.result.id, two.result.text) == (2, "B0")
 
 
-def test_a_cancel_reply_before_its_targets_499_still_ends_both(fake: FakeNode) -> None:
+def test_a_cancel_reply_before_its_targets_499_still_ends_both(
+    fake: FakeNode, connect_client: Connect
+) -> None:
     # The node sends the target's 499 first (PROTOCOL §11); the client does not rely on it.
-    with Client(fake.endpoint, wait_ms=5000) as c:
+    with connect_client(fake.endpoint, wait_ms=5000) as c:
         stream = c.stream_generate("a", id="t")
         fake.next_request()
         fake.reply(partial("t", "x", 0))
@@ -203,8 +212,9 @@ def test_a_cancel_reply_before_its_targets_499_still_ends_both(fake: FakeNode) -
 
 def test_the_wait_counts_only_this_requests_replies_and_late_ones_are_dropped(
     fake: FakeNode,
+    connect_client: Connect,
 ) -> None:
-    with Client(fake.endpoint, wait_ms=300) as c:
+    with connect_client(fake.endpoint, wait_ms=300) as c:
         busy = c.stream_generate("chatty", id="busy")
         quiet = c.stream_generate("silent", id="quiet")
         fake.next_request()
@@ -228,8 +238,10 @@ def test_the_wait_counts_only_this_requests_replies_and_late_ones_are_dropped(
         assert list(again) == [] and again.result is not None and again.result.text == "fresh"
 
 
-def test_a_stream_never_read_frees_its_id_when_dropped(fake: FakeNode) -> None:
-    with Client(fake.endpoint, wait_ms=5000) as c:
+def test_a_stream_never_read_frees_its_id_when_dropped(
+    fake: FakeNode, connect_client: Connect
+) -> None:
+    with connect_client(fake.endpoint, wait_ms=5000) as c:
         stream = c.stream_generate("a", id="gone")
         with pytest.raises(ProtocolError):
             c.stream_generate("b", id="gone")
@@ -238,10 +250,12 @@ def test_a_stream_never_read_frees_its_id_when_dropped(fake: FakeNode) -> None:
 
 
 @pytest.mark.parametrize("bad", [[1], True, 1.5, None, -3, "", "x" * 129, 2**63])
-def test_an_id_the_node_would_refuse_is_refused_before_sending(fake: FakeNode, bad: Any) -> None:
+def test_an_id_the_node_would_refuse_is_refused_before_sending(
+    fake: FakeNode, connect_client: Connect, bad: Any
+) -> None:
     # The node's 400 for such an id carries ``id: nil`` (it cannot echo an invalid
     # id), which no inbox takes: the client must refuse it itself, at once.
-    with Client(fake.endpoint, wait_ms=5000) as c:
+    with connect_client(fake.endpoint, wait_ms=5000) as c:
         if bad is None:  # None means "make one up", as when absent
             stream = c.stream_generate("a", id=bad)
             assert isinstance(stream.id, str)
@@ -252,8 +266,10 @@ def test_an_id_the_node_would_refuse_is_refused_before_sending(fake: FakeNode, b
     assert fake.requests.empty()
 
 
-def test_dropped_partials_are_on_the_stream_and_its_reply(fake: FakeNode) -> None:
-    with Client(fake.endpoint, wait_ms=5000) as c:
+def test_dropped_partials_are_on_the_stream_and_its_reply(
+    fake: FakeNode, connect_client: Connect
+) -> None:
+    with connect_client(fake.endpoint, wait_ms=5000) as c:
         stream = c.stream_generate("a b c d", id="s")
         fake.next_request()
         # Chunks 1 and 2 were dropped by the node (the client was not reading).

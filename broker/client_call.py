@@ -1,0 +1,116 @@
+"""One request's course through a client, sans I/O (``Call``).
+
+What both client libraries (``broker.client.Client`` and ``AsyncClient``) decide per
+request, once: until when to wait for its next reply, what a reply, an error reply or
+the lack of one means, and, for a defensive client, the local answer in the node's
+place (``broker.client_guard.NodeGuard``). The clients only send, wait and read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from broker import protocol as p
+from broker.breaker import Permit
+from broker.client_conversation import Conversation, Sent
+from broker.client_guard import NodeGuard
+from broker.errors import EdgeNodeError, NoReply
+from broker.kinds import LocalDegradeReason
+
+
+class Call:
+    """One request's course through a client, sans I/O: when to stop waiting, what a
+    reply, an error or the lack of one means, and the local answer in the node's place.
+
+    Shared by ``Client`` and ``AsyncClient``, which only send, wait and read. ``t0`` and
+    every ``now``: seconds of ``time.monotonic()``.
+
+    Attributes:
+        sent: the request.
+        done: its final reply (the node's or a local one) has been handed out.
+    """
+
+    def __init__(
+        self,
+        conv: Conversation,
+        sent: Sent,
+        t0: float,
+        guard: NodeGuard | None = None,
+        permit: Permit | None = None,
+    ) -> None:
+        self.conv = conv
+        self.sent = sent
+        self.t0 = t0
+        self.guard = guard
+        self.permit = permit
+        self.done = False
+        self._pieces = 0
+        # With a guard the request's budget is one deadline for all its replies: a
+        # control loop never waits longer than its ``timeout_ms``.
+        self._deadline = t0 + sent.wait_ms / 1000
+
+    def deadline(self, now: float) -> float:
+        """Until when to wait for the next reply (a guarded call: the request's end;
+        else ``wait_ms`` from now for each reply)."""
+        return self._deadline if self.guard is not None else now + self.sent.wait_ms / 1000
+
+    def replied(self, reply: dict[str, Any], now: float) -> list[dict[str, Any]]:
+        """The reply bodies to hand out for a reply of the node (``Conversation.take``)."""
+        if reply.get("status") == "partial":
+            self._pieces += 1
+            return [reply]
+        self.done = True
+        if self.guard is not None and self.permit is not None:
+            self.guard.succeeded(self.permit, now)
+        return [reply]
+
+    def failed(self, exc: EdgeNodeError, now: float) -> list[dict[str, Any]]:
+        """The node's error reply ``exc``: a guarded call answers locally if the node
+        failed to serve (500, 503, 504).
+
+        Raises:
+            EdgeNodeError: ``exc``, when it is the request's own or there is no guard.
+        """
+        self.done = True
+        if self.guard is None or self.permit is None:
+            raise exc
+        reason = self.guard.failed(self.permit, now, exc)
+        if reason is None:
+            raise exc
+        return self.local(reason, now, exc)
+
+    def timed_out(self, now: float, endpoint: str) -> list[dict[str, Any]]:
+        """No reply by ``deadline``: a guarded call answers locally (``node_timeout``).
+
+        Raises:
+            NoReply: without a guard.
+        """
+        exc = NoReply(
+            f"no reply from {endpoint} within {self.sent.wait_ms} ms (is the node running?)"
+        )
+        return self.failed(exc, now)
+
+    def unreachable(self, now: float) -> list[dict[str, Any]]:
+        """A guarded call found no connection to send on in time."""
+        assert self.guard is not None and self.permit is not None
+        return self.local(self.guard.unreachable(self.permit, now), now)
+
+    def local(
+        self, reason: LocalDegradeReason, now: float, node_error: EdgeNodeError | None = None
+    ) -> list[dict[str, Any]]:
+        """The fallback's answer as the final (after it, as one partial, if this is a
+        stream that has had no piece from the node yet)."""
+        assert self.guard is not None
+        self.done = True
+        total_ms = round((now - self.t0) * 1000)
+        final = self.guard.local_reply(self.sent.body, reason, total_ms, node_error)
+        if self.sent.body.get("stream") and not self._pieces:
+            return [p.partial_reply(self.sent.id, final["text"], 0), final]
+        return [final]
+
+    def end(self, now: float) -> None:
+        """Answered, failed, timed out or abandoned: later replies for the id are dropped,
+        and a permit without a verdict (abandoned, task cancelled) goes back."""
+        self.conv.forget(self.sent)
+        if self.guard is not None and self.permit is not None:
+            self.guard.released(self.permit, now)

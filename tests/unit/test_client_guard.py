@@ -1,0 +1,151 @@
+"""The defensive client's decisions, sans I/O: ``NodeGuard`` (the breaker over the node
+and the local fallback) and ``Call`` (one request's course), on a fake clock, with the
+real rule engine and the default rules as the fallback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from broker.breaker import BreakerSettings, BreakerState
+from broker.client_call import Call
+from broker.client_conversation import Conversation
+from broker.client_guard import NodeGuard, make_guard
+from broker.errors import (
+    Cancelled,
+    ConfigError,
+    DeadlineExceeded,
+    EdgeNodeError,
+    InternalError,
+    NoReply,
+    Overloaded,
+    ProtocolError,
+    Unavailable,
+)
+from fallback.engine import RuleEngine
+
+RULES = Path(__file__).resolve().parents[2] / "fallback" / "default_rules.toml"
+SETTINGS = BreakerSettings(
+    window_ms=10_000, minimum_calls=2, open_wait_ms=1000, half_open_probes=1, half_open_successes=1
+)
+REQUEST = {"id": "r1", "op": "generate", "prompt": "turn on the kitchen lights", "timeout_ms": 200}
+
+
+@pytest.fixture
+def guard() -> NodeGuard:
+    return NodeGuard(RuleEngine.from_file(RULES), SETTINGS)
+
+
+@pytest.mark.parametrize(
+    ("exc", "reason"),
+    [
+        (NoReply("no reply"), "node_timeout"),
+        (Unavailable("draining", reason="draining"), "node_error"),
+        (DeadlineExceeded("deadline"), "node_error"),
+        (InternalError("decode failed"), "node_error"),
+        (ProtocolError("bad field"), None),
+        (Overloaded("cap", reason="client_cap"), None),
+        (Cancelled("cancelled by client"), None),
+    ],
+)
+def test_a_node_failure_is_answered_locally_and_a_request_s_own_error_is_raised(
+    guard: NodeGuard, exc: EdgeNodeError, reason: str | None
+) -> None:
+    permit = guard.admit(0.0)
+    assert permit is not None
+    assert guard.failed(permit, 0.1, exc) == reason
+    window = guard.breaker.snapshot(0.1)
+    # A failure of the node counts against it; a 4xx is an answer in time; a 499 is neither.
+    assert (window["calls"], window["failures"]) == {
+        "node_timeout": (1, 1),
+        "node_error": (1, 1),
+        None: (0, 0) if isinstance(exc, Cancelled) else (1, 0),
+    }[reason]
+
+
+def test_failures_open_the_breaker_then_one_probe_closes_it(guard: NodeGuard) -> None:
+    for now in (0.0, 0.1):
+        permit = guard.admit(now)
+        assert permit is not None
+        guard.failed(permit, now + 0.2, NoReply("no reply"))
+    assert guard.admit(0.5) is None  # open: the node is not called
+    probe = guard.admit(1.3)  # 1 s after opening: half-open
+    assert probe is not None and probe.probe
+    assert guard.admit(1.3) is None  # one probe at a time
+    guard.succeeded(probe, 1.35)
+    assert guard.breaker.state(1.35) is BreakerState.CLOSED
+
+
+def test_a_failed_probe_reopens_and_the_wait_restarts(guard: NodeGuard) -> None:
+    for now in (0.0, 0.1):
+        permit = guard.admit(now)
+        assert permit is not None
+        assert guard.unreachable(permit, now) == "node_unreachable"
+    probe = guard.admit(1.2)
+    assert probe is not None
+    guard.failed(probe, 1.4, NoReply("no reply"))
+    assert guard.admit(2.3) is None  # reopened at 1.4: half-open only from 2.4
+    assert guard.admit(2.4) is not None
+
+
+def test_the_local_reply_is_the_rules_answer_marked_degraded(guard: NodeGuard) -> None:
+    body = guard.local_reply(REQUEST, "node_error", 201, Unavailable("x", reason="draining"))
+    assert body["id"] == "r1" and body["status"] == "ok"
+    assert body["text"] == '{"intent":"lights_on","room":"kitchen"}'
+    assert (body["rule"], body["confidence"]) == ("lights_on", 0.9)
+    assert (body["served_by"], body["degraded"], body["degrade_reason"]) == (
+        "local",
+        True,
+        "node_error",
+    )
+    assert body["total_ms"] == 201
+    assert body["node_error"] == {"code": 503, "reason": "draining"}
+
+
+def conversation() -> Conversation:
+    return Conversation(timeout_ms=200, wait_ms=200, max_body_bytes=65536, slack_ms=0)
+
+
+def test_a_stream_answered_locally_before_any_piece_gets_it_as_its_one_piece(
+    guard: NodeGuard,
+) -> None:
+    conv = conversation()
+    sent = conv.prepare({**REQUEST, "stream": True})
+    call = Call(conv, sent, 10.0, guard, guard.admit(10.0))
+    assert call.deadline(10.05) == call.deadline(99.0) == pytest.approx(10.2)  # one budget
+    out = call.timed_out(10.2, "ipc://x")
+    assert [b["status"] for b in out] == ["partial", "ok"]
+    assert out[0]["text"] == out[1]["text"] and out[1]["degrade_reason"] == "node_timeout"
+    assert call.done
+
+
+def test_a_stream_answered_locally_after_node_pieces_ends_with_the_local_final_only(
+    guard: NodeGuard,
+) -> None:
+    conv = conversation()
+    sent = conv.prepare({**REQUEST, "stream": True})
+    call = Call(conv, sent, 10.0, guard, guard.admit(10.0))
+    call.replied({"id": "r1", "status": "partial", "text": "echo:", "index": 0}, 10.05)
+    out = call.failed(Unavailable("worker lost", reason="worker_lost"), 10.1)
+    assert [b["status"] for b in out] == ["ok"] and out[0]["served_by"] == "local"
+
+
+def test_without_a_guard_no_reply_raises_no_reply() -> None:
+    conv = Conversation(timeout_ms=None, wait_ms=300, max_body_bytes=65536, slack_ms=2000)
+    sent = conv.prepare({"op": "ping"})
+    call = Call(conv, sent, 0.0)
+    assert call.deadline(5.0) == pytest.approx(5.3)  # each reply gets its own wait
+    with pytest.raises(NoReply, match="within 300 ms"):
+        call.timed_out(5.3, "ipc://x")
+
+
+def test_a_fallback_needs_a_budget_and_breaker_settings_need_a_fallback() -> None:
+    engine = RuleEngine.from_file(RULES)
+    with pytest.raises(ConfigError, match="timeout_ms"):
+        make_guard(engine, None, None)
+    with pytest.raises(ConfigError, match="fallback"):
+        make_guard(None, SETTINGS, 200)
+    assert make_guard(None, None, None) is None
+    guard = make_guard(engine, None, 200)
+    assert guard is not None and guard.breaker.settings.half_open_probes == 1
