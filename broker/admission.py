@@ -128,12 +128,20 @@ class AdmissionGate:
     # ------------------------------------------------------------------ the gate
 
     def check(
-        self, client: bytes, req: ClientRequest, route: Route, pool: PoolView, now: float
+        self,
+        client: bytes,
+        req: ClientRequest,
+        route: Route,
+        pool: PoolView,
+        now: float,
+        owner: bytes | None = None,
     ) -> Shed | Admit:
         """Decide on a new request, by the ordered checks of the module docstring.
 
         Args:
-            client: the requester's routing identity.
+            client: the requester's routing identity (its ids are unique per connection).
+            owner: who the per-client cap counts (``Job.owner``: the client's
+                authenticated key); None: ``client``.
             req: the request; its ``timeout_ms`` (clamped) is its budget.
             route: where the router sends it; ``route.hedge``: if the model cannot
                 take it, the rules answer it (``degraded`` ``latency_budget``).
@@ -147,11 +155,13 @@ class AdmissionGate:
         shed = self._valid(client, req, pool) or self._circuit(route)
         if shed is not None:
             return shed
-        verdict = self._engine(client, req, route, pool, now)
+        counted = client if owner is None else owner
+        verdict = self._engine(counted, req, route, pool, now)
         if isinstance(verdict, Shed) and route.hedge:
             # The model cannot take it at all (too large for it, or too late): then the
             # rules answer, whatever they say, as for the model's failures.
-            return self._engine(client, req, Route("rules", degraded="latency_budget"), pool, now)
+            hedge = Route("rules", degraded="latency_budget")
+            return self._engine(counted, req, hedge, pool, now)
         return verdict
 
     def _budget_s(self, req: ClientRequest) -> float:

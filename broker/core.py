@@ -144,8 +144,16 @@ class Broker:
 
     # ------------------------------------------------------------------ clients
 
-    def handle_client(self, frames: list[bytes], now: float) -> None:
-        """Handle one frontend message ``[identity, "", "EDGE/C1", body]``."""
+    def handle_client(
+        self, frames: list[bytes], now: float, principal: bytes | None = None
+    ) -> None:
+        """Handle one frontend message ``[identity, "", "EDGE/C1", body]``.
+
+        ``principal``: the key the client's connection authenticated with (its
+        CURVE public key, Z85, from the loop), None without CURVE. It, not the
+        routing id, is what the per-client in-flight cap counts: two connections
+        with one key share one cap. Replies still go to the routing id.
+        """
         if not frames:
             return
         identity = frames[0]
@@ -167,7 +175,7 @@ class Broker:
         elif req.op == "cancel":
             self._cancel_by_client(identity, req, now)
         elif not (req.retry and self._answer_retry(identity, req, now)):
-            self._accept(identity, req, now)
+            self._accept(identity, req, now, principal)
 
     def _answer_retry(self, identity: bytes, req: ClientRequest, now: float) -> bool:
         """Safe retry (PROTOCOL §3.5): a resend of a request still running is
@@ -194,12 +202,14 @@ class Broker:
         self.outbox.client(identity, {**kept.body, "replayed": True})
         return True
 
-    def _accept(self, identity: bytes, req: ClientRequest, now: float) -> None:
+    def _accept(
+        self, identity: bytes, req: ClientRequest, now: float, principal: bytes | None = None
+    ) -> None:
         """Route, admit, queue and dispatch a new ``generate`` request (each module
         once on the way in: docs/ARCHITECTURE.md, "One generate request")."""
         pool = self.snapshot.view(req.priority, self.draining, now)
         route = self.router.route(req, pool, now)
-        verdict = self._admit(identity, req, route, pool, now)
+        verdict = self._admit(identity, req, route, pool, now, principal)
         if isinstance(verdict, Shed):
             self._refuse(identity, req.id, verdict)
             return
@@ -207,13 +217,13 @@ class Broker:
         if verdict.evict is not None:  # a lower-priority request yields its place
             message = "evicted by a higher-priority request"
             self._shed_job(verdict.evict, message, "queue_full", now, verdict.evict_retry_ms)
-        job = self.jobs.new(identity, req, now, verdict.deadline, route.kind)
+        job = self.jobs.new(identity, req, now, verdict.deadline, route.kind, principal)
         job.degraded, job.permit = route.degraded, route.permit
         job.prompt_tokens = verdict.prompt_tokens
         self.jobs.bind(job)
         if route.ttft_budget_s is not None and not route.hedge:
             self.jobs.arm("ttft", job.rid, now + route.ttft_budget_s)
-        self.clients.opened(identity)
+        self.clients.opened(job.owner)
         self.queue.push(job)
         if route.hedge:
             self.handover.hedge(job)
@@ -226,11 +236,17 @@ class Broker:
         self.dispatcher.dispatch(now)
 
     def _admit(
-        self, identity: bytes, req: ClientRequest, route: Route, pool: PoolView, now: float
+        self,
+        identity: bytes,
+        req: ClientRequest,
+        route: Route,
+        pool: PoolView,
+        now: float,
+        principal: bytes | None = None,
     ) -> Shed | Admit:
         """The admission gate's verdict on ``req`` as routed by ``route``; the breaker's
         permit goes back unless the model takes the request."""
-        verdict = self.gate.check(identity, req, route, pool, now)
+        verdict = self.gate.check(identity, req, route, pool, now, principal)
         if route.permit is not None and (isinstance(verdict, Shed) or verdict.route is not route):
             self.router.breaker.release(route.permit, now)
         return verdict
@@ -632,6 +648,7 @@ class Broker:
             "draining": self.draining,
             "workers": workers,
             "counters": dict(self.stats.counters),
+            "refused": self.stats.refusals(),
             "delivery": self.delivery.snapshot(),
             "retry_cache": self.reply_cache.snapshot(),
             "service": self.estimator.snapshot(),

@@ -77,7 +77,9 @@ class Handover:
         if not self.can_fall_back(job):
             return False
         self.life.drop_hedge(job)
-        new = self.jobs.new(job.client, job.req, job.accepted_at, job.deadline, "rules")
+        new = self.jobs.new(
+            job.client, job.req, job.accepted_at, job.deadline, "rules", job.principal
+        )
         new.degraded = reason
         self.life.hand_over(job, new, now)
         self.queue.push(new, front=True)
@@ -89,7 +91,9 @@ class Handover:
     def hedge(self, job: Job) -> None:
         """Ask the rules about ``job`` (a model request past its latency budget)
         while the model keeps it; ``take_hedge`` decides whose answer the client gets."""
-        hedge = self.jobs.new(job.client, job.req, job.accepted_at, job.deadline, "rules")
+        hedge = self.jobs.new(
+            job.client, job.req, job.accepted_at, job.deadline, "rules", job.principal
+        )
         hedge.degraded, hedge.hedge_of = "latency_budget", job.rid
         job.hedged_by = hedge.rid
         # The model's request owns the client's id and deadline; the hedge ends with it.

@@ -54,10 +54,17 @@ class JobTable:
         return iter(list(self._jobs.values()))
 
     def new(
-        self, client: bytes, req: ClientRequest, now: float, deadline: float, kind: EngineKind
+        self,
+        client: bytes,
+        req: ClientRequest,
+        now: float,
+        deadline: float,
+        kind: EngineKind,
+        principal: bytes | None = None,
     ) -> Job:
-        """A new job with a fresh request id, its ``job`` deadline armed."""
-        job = Job(self._next_rid, client, req, now, deadline, kind=kind)
+        """A new job with a fresh request id, its ``job`` deadline armed;
+        ``principal``: its client's authenticated key (``Job.principal``)."""
+        job = Job(self._next_rid, client, req, now, deadline, kind=kind, principal=principal)
         self._next_rid += 1
         self._jobs[job.rid] = job
         self._timers.set(("job", job.rid), deadline)

@@ -62,3 +62,15 @@ FinalOutcome = Literal[
     "error_unavailable",
     "error_deadline_exceeded",
 ]
+
+#: The broker's two ROUTER sockets: clients connect to the frontend, workers and
+#: host agents to the backend.
+Side = Literal["frontend", "backend"]
+SIDES: tuple[Side, ...] = get_args(Side)
+
+#: Why a CURVE handshake was refused (``status``'s ``refused`` counts, per side):
+#: ``key_not_allowed``: the peer proved a key that is not in the allowlist (the
+#: ZAP handler said 400); ``handshake_failed``: the handshake itself failed (the
+#: peer used another server key, no CURVE at all, or sent garbage).
+Refusal = Literal["key_not_allowed", "handshake_failed"]
+REFUSALS: tuple[Refusal, ...] = get_args(Refusal)

@@ -98,7 +98,7 @@ class Lifecycle:
         if job.copy_of is not None:
             return
         self.jobs.release(job)
-        self.clients.closed(job.client)
+        self.clients.closed(job.owner)
         if deliver:
             self.outbox.client(job.client, body, ReplyKind.FINAL, counted)
             self.reply_cache.keep((job.client, job.req.id), job.req, body, now)

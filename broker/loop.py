@@ -10,10 +10,22 @@ in a backlog, a partial is dropped, the client is gone) is
 ``broker.delivery``'s decision; which client connections closed is told by the
 frontend's socket monitor (``broker.connections``). A gone client's requests
 are ended by ``Broker.client_gone``.
+
+With CURVE (``broker.security.CurveServer`` for a side), that ROUTER is a CURVE
+server and every peer must prove a key in its allowlist (Ironhouse). The ZAP
+handler that says yes or no (``ZapHandler``) is pyzmq's ``zmq.auth``
+``Authenticator`` driven by this loop: its socket is polled with the others,
+so authentication runs on the broker's one thread, between turns, with no
+lock and no second thread (``zmq.auth.thread.ThreadAuthenticator`` would add
+both). Refused handshakes are counted from the socket monitors
+(``Stats.refuse``); an accepted client's key reaches the core with each of its
+messages (the ``User-Id`` message property ZAP set), as its ``principal``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import os
 import stat
@@ -22,13 +34,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import zmq
+from zmq.auth.base import Authenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from broker import protocol as p
 from broker.connections import Connections
 from broker.core import Broker
 from broker.delivery import Fate, GoneCause, Offer, Outgoing
+from broker.kinds import Refusal, Side
 from broker.outbox import Effects
+from broker.security import CurveServer
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +60,23 @@ CLIENT_BATCH = 16
 CLIENT_TIME_S = 0.05
 #: The frontend connection events the loop follows (``broker.connections``).
 MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+#: The handshake failures of a CURVE socket, and the refusal each one counts as
+#: (libzmq >= 4.3's stable events; AUTH is the ZAP handler's 400).
+REFUSAL_EVENTS: dict[int, Refusal] = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "key_not_allowed",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake_failed",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake_failed",
+}
+HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+def zap_domain(side: Side) -> str:
+    """The ZAP domain of a side's socket: the ZAP handler keeps one allowlist per domain."""
+    return f"edgenode.{side}"
 
 
 def secure_ipc_dir(endpoint: str) -> None:
@@ -62,11 +94,22 @@ def secure_ipc_dir(endpoint: str) -> None:
 
 
 def make_router(
-    ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, max_msg: int
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    endpoint: str,
+    max_msg: int,
+    curve: CurveServer | None = None,
+    side: Side = "frontend",
 ) -> zmq.Socket[bytes]:
     """A bound ROUTER with the house socket options; ``max_msg`` is its
-    ZMQ_MAXMSGSIZE in bytes (``broker.protocol.MessageLimits.frame_bytes``)."""
+    ZMQ_MAXMSGSIZE in bytes (``broker.protocol.MessageLimits.frame_bytes``).
+    With ``curve`` it is a CURVE server whose peers the ZAP handler judges
+    under ``side``'s domain (set before the bind: no peer gets in without it)."""
     sock = ctx.socket(zmq.ROUTER)
+    if curve is not None:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
+        sock.setsockopt(zmq.ZAP_DOMAIN, zap_domain(side).encode())
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, SNDHWM)
@@ -80,9 +123,9 @@ def make_router(
 
 
 def watch_connections(
-    ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes]
+    ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes], events: int = MONITOR_EVENTS
 ) -> zmq.Socket[bytes]:
-    """A PAIR socket receiving ``sock``'s ``MONITOR_EVENTS`` (``zmq_socket_monitor``).
+    """A PAIR socket receiving ``sock``'s ``events`` (``zmq_socket_monitor``).
 
     Its receive HWM is unlimited: libzmq drops monitor events silently when the
     pipe is full, and a lost ACCEPTED could make a live client look gone
@@ -91,12 +134,64 @@ def watch_connections(
     handled as one whose ACCEPTED was lost: it counts as open.
     """
     endpoint = f"inproc://monitor-{id(sock):x}"
-    sock.monitor(endpoint, MONITOR_EVENTS)
+    sock.monitor(endpoint, events)
     pair = ctx.socket(zmq.PAIR)
     pair.setsockopt(zmq.RCVHWM, 0)
     pair.setsockopt(zmq.LINGER, 0)
     pair.connect(endpoint)
     return pair
+
+
+class _Allowlist:
+    """A ``zmq.auth`` credentials provider: one side's allowed keys."""
+
+    def __init__(self, side: Side, server: CurveServer) -> None:
+        self.side = side
+        self.server = server
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """Whether ``key`` (Z85) may connect; a refusal is logged with the key (the
+        monitor counts it). A refused peer does not retry (libzmq stops on ZAP 400)."""
+        if self.server.allows(key):
+            return True
+        log.warning("%s: refused a CURVE key not in the allowlist: %s", self.side, key.decode())
+        return False
+
+
+class ZapHandler:
+    """The ZAP handler (ZeroMQ RFC 27) of the loop's context, polled by the loop.
+
+    pyzmq's ``Authenticator`` with one credentials provider per side's ZAP
+    domain (``zap_domain``). Its ``handle_zap_message`` is a coroutine in
+    pyzmq >= 25 that never waits on anything with a plain provider; a private
+    event loop runs it to completion on the broker's thread.
+    """
+
+    def __init__(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], servers: dict[Side, CurveServer]
+    ) -> None:
+        self._auth = Authenticator(ctx, log=logging.getLogger("edgenode.zap"))
+        self._auth.start()  # bound before any CURVE socket: none accepts a peer unjudged
+        for side, server in servers.items():
+            self._auth.configure_curve_callback(zap_domain(side), _Allowlist(side, server))
+        self._aio = asyncio.new_event_loop()
+        self.socket: zmq.Socket[bytes] = self._auth.zap_socket
+
+    def handle(self) -> None:
+        """Answer every ZAP request waiting (each gets exactly one reply)."""
+        while True:
+            try:
+                msg = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            result = self._auth.handle_zap_message(msg)
+            if inspect.isawaitable(result):  # pyzmq >= 25; before, it ran already
+                self._aio.run_until_complete(result)
+
+    def close(self) -> None:
+        """Close the ZAP socket and the private event loop."""
+        self._auth.stop()
+        self._aio.close()
 
 
 class BrokerLoop:
@@ -111,6 +206,8 @@ class BrokerLoop:
             ``records`` (the migration log) and ``transitions`` (the breaker's).
         on_tick: called every loop turn with monotonic seconds (supervisor reaping).
         clock: monotonic seconds; injectable for tests.
+        frontend_curve, backend_curve: CURVE keys and allowlist of that side, or
+            None for a plaintext socket (``broker.security``).
     """
 
     def __init__(
@@ -121,6 +218,8 @@ class BrokerLoop:
         on_effects: Callable[[Effects], None] | None = None,
         on_tick: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        frontend_curve: CurveServer | None = None,
+        backend_curve: CurveServer | None = None,
     ) -> None:
         self.broker = broker
         self.clock = clock
@@ -130,14 +229,34 @@ class BrokerLoop:
         # One cap for both sides (PROTOCOL §2.3): what a client may send fits a
         # REQUEST, and what a worker may send back fits a reply.
         max_msg = p.message_limits(broker.settings.max_body_bytes).frame_bytes
-        self.frontend = make_router(self.ctx, frontend, max_msg)
+        servers: dict[Side, CurveServer] = {}
+        if frontend_curve is not None:
+            servers["frontend"] = frontend_curve
+        if backend_curve is not None:
+            servers["backend"] = backend_curve
+        self.zap = ZapHandler(self.ctx, servers) if servers else None
+        self.curve_frontend = frontend_curve is not None
+        self.frontend = make_router(self.ctx, frontend, max_msg, frontend_curve, "frontend")
         self.connections = Connections()
-        self.monitor = watch_connections(self.ctx, self.frontend)
-        self.backend = make_router(self.ctx, backend, max_msg)
+        events = MONITOR_EVENTS | (HANDSHAKE_EVENTS if self.curve_frontend else 0)
+        self.monitor = watch_connections(self.ctx, self.frontend, events)
+        self.backend = make_router(self.ctx, backend, max_msg, backend_curve, "backend")
+        #: The backend's handshake failures, with CURVE only (nothing else is watched there).
+        self.backend_monitor = (
+            None
+            if backend_curve is None
+            else watch_connections(self.ctx, self.backend, HANDSHAKE_EVENTS)
+        )
+        #: Each client routing id's authenticated key (CURVE), for the logs.
+        self.principals: dict[bytes, bytes] = {}
         self.poller = zmq.Poller()
         self.poller.register(self.frontend, zmq.POLLIN)
         self.poller.register(self.backend, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
+        if self.zap is not None:
+            self.poller.register(self.zap.socket, zmq.POLLIN)
+        if self.backend_monitor is not None:
+            self.poller.register(self.backend_monitor, zmq.POLLIN)
         self._extra: dict[int, Callable[[], None]] = {}
         self._running = False
         #: Messages to workers that could not be sent (the worker left or stalled).
@@ -169,6 +288,10 @@ class BrokerLoop:
         frontend_flags = zmq.POLLIN | (zmq.POLLOUT if delivery.wants_pollout() else 0)
         self.poller.register(self.frontend, frontend_flags)
         ready = dict(self.poller.poll(max(0, int(wait_s * 1000))))
+        if self.zap is not None and self.zap.socket in ready:
+            self.zap.handle()
+        if self.backend_monitor is not None and self.backend_monitor in ready:
+            self._read_refusals(self.backend_monitor, "backend")
         if self.backend in ready:
             self._drain(self.backend, self.broker.handle_worker)
         if ready.get(self.frontend, 0) & zmq.POLLIN:
@@ -243,11 +366,11 @@ class BrokerLoop:
     def _client_gone(self, client: bytes, cause: GoneCause) -> None:
         """End the requests of a client that is gone (``Broker.client_gone``)."""
         self.connections.forget(client)
+        key = self.principals.pop(client, None)
         ended = self.broker.client_gone(client, cause, self.clock())
         if ended:
-            log.info(
-                "client %s is gone (%s): %d request(s) ended", client.hex(), cause.value, ended
-            )
+            who = client.hex() if key is None else f"{client.hex()} (key {key.decode()})"
+            log.info("client %s is gone (%s): %d request(s) ended", who, cause.value, ended)
 
     def _drain_clients(self) -> None:
         """Read client messages (a bounded batch), noting each one's connection."""
@@ -264,7 +387,13 @@ class BrokerLoop:
             fd = parts[0].get(zmq.SRCFD)
             if isinstance(fd, int) and fd >= 0:
                 self.connections.seen(frames[0], fd)
-            self.broker.handle_client(frames, self.clock())
+            principal = None
+            if self.curve_frontend:
+                # The key ZAP accepted for this connection: the client, whatever
+                # routing id it has (RFC 27: the handler's User-Id reply).
+                principal = str(parts[0].get("User-Id")).encode()
+                self.principals[frames[0]] = principal
+            self.broker.handle_client(frames, self.clock(), principal)
             if self.clock() >= stop_at:
                 return  # the rest waits for the next turn (poll returns at once)
 
@@ -275,6 +404,10 @@ class BrokerLoop:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 break
+            refusal = REFUSAL_EVENTS.get(event["event"])
+            if refusal is not None:
+                self.broker.stats.refuse("frontend", refusal)
+                continue
             fd = int(event["value"])
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self.connections.accepted(fd)
@@ -282,6 +415,17 @@ class BrokerLoop:
                 self.connections.disconnected(fd)
         for client in self.connections.settle():
             self._client_gone(client, GoneCause.DISCONNECTED)
+
+    def _read_refusals(self, monitor: zmq.Socket[bytes], side: Side) -> None:
+        """Count the refused handshakes a side's monitor reported."""
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            refusal = REFUSAL_EVENTS.get(event["event"])
+            if refusal is not None:
+                self.broker.stats.refuse(side, refusal)
 
     def _drain(
         self,
@@ -330,6 +474,11 @@ class BrokerLoop:
                 )
         self.frontend.disable_monitor()
         self.monitor.close(0)
+        if self.backend_monitor is not None:
+            self.backend.disable_monitor()
+            self.backend_monitor.close(0)
         self.frontend.close(linger_ms)
         self.backend.close(0)
+        if self.zap is not None:
+            self.zap.close()
         self.ctx.term()

@@ -112,6 +112,9 @@ class Job:
     holding it (running or cancelling), ``attempts`` its re-dispatches.
     ``ack_late_since``: when the grace for its worker's ack of its CANCEL first
     ran out (``broker.liveness.Liveness.ack_overdue``), None until it has.
+    ``principal``: the key its client authenticated with (a CURVE public key,
+    Z85), None on a frontend without CURVE; ``owner`` is who the per-client cap
+    counts it against.
     """
 
     rid: int
@@ -133,6 +136,13 @@ class Job:
     hedged_by: int | None = None
     prompt_tokens: float | None = None
     ack_late_since: float | None = None
+    principal: bytes | None = None
+
+    @property
+    def owner(self) -> bytes:
+        """Who the per-client in-flight cap counts this job against: the client's
+        authenticated key if it has one, else its routing id (one connection)."""
+        return self.client if self.principal is None else self.principal
 
     @property
     def settled(self) -> bool:

@@ -43,6 +43,7 @@ from node.pool import WorkerPool
 from node.pressure import CpuPressureMonitor, PressureMonitor, cpu_psi_file
 from node.sandbox.cgroupfs import Host
 from node.sandbox.layout import Layout, read_layout
+from node.security.keys import also_allow, curve_servers, local_key_file, local_keypair
 from node.units import parse_size
 
 log = logging.getLogger("edgenode.node")
@@ -108,11 +109,23 @@ class Node:
         model = str(resolve_model(c.model.path)) if c.workers.engine == "llama" else "test"
         rules = resolve_rules(c.fallback.rules) if c.fallback.rules else None
         self.plan = check_fits(c)  # refuse what cannot fit, before anything starts
+        # ... and so do unusable key files; the node's local key is allowed at bind.
+        self._curve = curve_servers(c)
+        backend_curve = self._curve[1]
         # ... and so does a bad core plan; the workers get the plan's (resolved) slots.
         # The rule worker loads the rules this start validates, never the live file.
         snapshot = self.run_dir / RULES_SNAPSHOT
         served_rules = str(snapshot) if rules is not None else None
-        pool = WorkerPool(c, model, served_rules, self.run_dir, self.plan, slots=self.plan.slots)
+        pool = WorkerPool(
+            c,
+            model,
+            served_rules,
+            self.run_dir,
+            self.plan,
+            slots=self.plan.slots,
+            backend_key=b"" if backend_curve is None else backend_curve.public_key,
+            key_file=local_key_file(self.run_dir),
+        )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)
         # From here a SIGTERM (``edgenode stop`` of a starting node) must take the
@@ -221,6 +234,12 @@ class Node:
                 when in use, its holder.
         """
         c = self.config
+        frontend_curve, backend_curve = self._curve
+        if frontend_curve is not None or backend_curve is not None:
+            # This host's own processes (workers, the CLI as this user) hold it.
+            local = local_keypair(self.run_dir)
+            frontend_curve = also_allow(frontend_curve, local)
+            backend_curve = also_allow(backend_curve, local)
         try:
             return BrokerLoop(
                 broker,
@@ -228,6 +247,8 @@ class Node:
                 c.backend,
                 on_effects=lambda effects: _on_effects(pool, migration, effects),
                 on_tick=on_tick,
+                frontend_curve=frontend_curve,
+                backend_curve=backend_curve,
             )
         except zmq.ZMQError as exc:
             if exc.errno == errno.EADDRINUSE:
@@ -337,6 +358,10 @@ class Node:
             "model": model,
             "engine": self.config.workers.engine,
             "endpoints": {"frontend": self.config.frontend, "backend": self.config.backend},
+            "security": {
+                "frontend": "curve" if self._curve[0] is not None else "plaintext",
+                "backend": "curve" if self._curve[1] is not None else "plaintext",
+            },
             "run_dir": str(self.run_dir),
             "processes": pool.status(),
             "all_ready": pool.supervisor.all_ready(),

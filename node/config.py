@@ -22,7 +22,7 @@ from broker.protocol import message_limits
 from broker.records import BrokerSettings
 from broker.routing import MODES, RoutingSettings
 from node.capacity.worker_limits import validate_memory
-from node.endpoints import parse_endpoint
+from node.endpoints import is_loopback, parse_endpoint
 from node.engine import ModelEngineName
 from node.observe.logs import LOG_FORMATS, LogFormat
 from node.units import parse_cores, parse_size
@@ -158,6 +158,24 @@ class LoggingSection:
 
 
 @dataclass(frozen=True)
+class SecuritySection:
+    """``[security]``: CURVE on the frontend and the backend (``node.security.keys``).
+
+    ``server_secret_key``: the frontend's keypair file (``NAME.key_secret``); set,
+    every client must prove a key listed in ``client_keys`` (a directory of public
+    key files). ``backend_secret_key`` and ``worker_keys``: the same for the
+    workers' backend (remote workers, host agents). "" = that side is plaintext,
+    which a non-loopback tcp endpoint refuses unless ``allow_plaintext``.
+    """
+
+    server_secret_key: str = ""
+    client_keys: str = ""
+    backend_secret_key: str = ""
+    worker_keys: str = ""
+    allow_plaintext: bool = False
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     """The whole configuration. Picklable and JSON-able, so workers get a copy."""
 
@@ -171,6 +189,7 @@ class NodeConfig:
     fallback: FallbackSection = field(default_factory=FallbackSection)
     pressure: PressureSection = field(default_factory=PressureSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    security: SecuritySection = field(default_factory=SecuritySection)
     source: str = "built-in defaults"
 
     @property
@@ -390,6 +409,9 @@ CHECKED_APART = frozenset(
         "pressure.cpu_warn_pct",
         "pressure.cpu_clear_pct",
         "pressure.cpu_psi",
+        "security.server_secret_key",
+        "security.client_keys",
+        "security.worker_keys",
         "breaker.failure_rate_pct",
         "breaker.slow_call_rate_pct",
         "breaker.half_open_successes",
@@ -398,7 +420,16 @@ CHECKED_APART = frozenset(
 #: Keys with no range: their type is all there is to check (``repack``), or they
 #: name something only the start can check (a chat format llama-cpp-python knows,
 #: a rules file: refused then with a clear error).
-FREE_KEYS = frozenset({"model.repack", "model.flash_attn", "model.chat_format", "fallback.rules"})
+FREE_KEYS = frozenset(
+    {
+        "model.repack",
+        "model.flash_attn",
+        "model.chat_format",
+        "fallback.rules",
+        "security.backend_secret_key",  # a key file: read (and refused) at start
+        "security.allow_plaintext",
+    }
+)
 
 
 def validate(config: NodeConfig) -> NodeConfig:
@@ -460,6 +491,36 @@ def _validate_endpoints(config: NodeConfig) -> None:
         raise ConfigError(
             f"node.frontend and node.backend must differ, both are {config.frontend!r}"
         )
+    _validate_security(config)
+
+
+def _validate_security(config: NodeConfig) -> None:
+    """Keys come in pairs (a server key and its allowlist), and a non-loopback tcp
+    endpoint needs CURVE unless ``security.allow_plaintext``: anyone on that
+    network could otherwise ask the model, or register as a worker and read
+    users' prompts. The key files themselves are read at start."""
+    s = config.security
+    if bool(s.server_secret_key) != bool(s.client_keys):
+        raise ConfigError(
+            "security.server_secret_key and security.client_keys go together: the "
+            "frontend's keypair file and the directory of allowed client public keys"
+        )
+    if s.worker_keys and not s.backend_secret_key:
+        raise ConfigError("security.worker_keys needs security.backend_secret_key")
+    if s.allow_plaintext:
+        return
+    sides = (
+        ("node.frontend", config.frontend, s.server_secret_key, "server_secret_key"),
+        ("node.backend", config.backend, s.backend_secret_key, "backend_secret_key"),
+    )
+    for key, text, secured, secret_key in sides:
+        endpoint = parse_endpoint(key, text)
+        if endpoint.transport == "tcp" and not secured and not is_loopback(endpoint):
+            raise ConfigError(
+                f"{key} {text} is reachable from other hosts without CURVE: set "
+                f"security.{secret_key} (edgenode keys generate), or "
+                "security.allow_plaintext = true to serve it unauthenticated"
+            )
 
 
 def _size(key: str, value: str, empty_ok: bool) -> None:
@@ -482,6 +543,7 @@ _SECTIONS: dict[str, type] = {
     "fallback": FallbackSection,
     "pressure": PressureSection,
     "logging": LoggingSection,
+    "security": SecuritySection,
 }
 
 

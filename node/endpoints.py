@@ -230,3 +230,22 @@ def _tcp_busy(endpoint: Endpoint) -> bool:
         except OSError as exc:
             return exc.errno == errno.EADDRINUSE
     return False
+
+
+def is_loopback(endpoint: Endpoint) -> bool:
+    """Whether only this host can reach the tcp ``endpoint``: a loopback address
+    (127.0.0.0/8, ::1), or a name whose every address is one. ``*`` and every
+    other address are reachable from the network; an ipc endpoint is a file
+    (its directory's permissions guard it) and counts as loopback."""
+    if endpoint.transport == "ipc":
+        return True
+    if endpoint.host == "*":
+        return False
+    if _ip_version(endpoint.host) is not None:
+        return ipaddress.ip_address(endpoint.host).is_loopback
+    try:
+        infos = socket.getaddrinfo(endpoint.host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False  # parse_endpoint refused it already; never call the unknown safe
+    addresses = {str(info[4][0]).split("%")[0] for info in infos}
+    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)

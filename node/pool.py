@@ -64,6 +64,9 @@ class WorkerPool:
         slots: sequences per model worker (the plan's ``slots``); None resolves
             ``workers.slots`` with ``node.capacity.plan.resolve_slots``. The rule
             worker always has one.
+        backend_key, key_file: a CURVE backend's server public key (Z85) and the
+            file of the keypair the workers prove (``node.security.keys.local_keypair``);
+            ``b""``: a plaintext backend.
 
     Raises:
         ConfigError: an impossible core reservation (before anything starts).
@@ -77,8 +80,13 @@ class WorkerPool:
         run_dir: Path,
         capacity: PlannedLimits | None = None,
         slots: int | None = None,
+        backend_key: bytes = b"",
+        key_file: Path | None = None,
     ) -> None:
         self.config = config
+        #: A CURVE backend's server public key (Z85) and the workers' keypair file.
+        self._server_key = backend_key.decode()
+        self._key_file = str(key_file) if backend_key and key_file else ""
         self.capacity = capacity
         self.slots = resolve_slots(config) if slots is None else slots
         w = config.workers
@@ -133,6 +141,8 @@ class WorkerPool:
                     cpus=placement.cpus if self.plan.restricts else (),
                     nice=placement.nice,
                     max_body_bytes=c.broker.max_body_bytes,
+                    curve_server_key=self._server_key,
+                    curve_key_file=self._key_file,
                 )
             )
         return specs
@@ -150,6 +160,8 @@ class WorkerPool:
             heartbeat_liveness=c.broker.heartbeat_liveness,
             cpus=self.plan.node,
             max_body_bytes=c.broker.max_body_bytes,
+            curve_server_key=self._server_key,
+            curve_key_file=self._key_file,
         )
 
     # ------------------------------------------------------------------ lifecycle

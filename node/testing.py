@@ -23,11 +23,13 @@ import zmq
 
 from broker.client import Client
 from broker.errors import EdgeNodeError
+from node.config import from_dict
 from node.endpoints import connect_endpoint
 from node.interpreter import module_command
 from node.sandbox.cgroupfs import Host
 from node.sandbox.cgroups import cgroup_name
 from node.sandbox.layout import read_layout
+from node.security.keys import client_keys
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -74,6 +76,7 @@ class NodeProcess:
             lines.append(f"[{name}]")
             lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
         self.config.write_text("\n".join(lines) + "\n")
+        self.sections = sections
         configured = sections.get("node", {}).get("frontend")
         # Where a client connects: a wildcard bind (tcp://*:PORT) is no connect address.
         self.frontend = (
@@ -128,7 +131,7 @@ class NodeProcess:
         """Poll ``status`` until every worker is ready (``all_ready=False``: until
         the node answers); returns that status."""
         deadline = time.monotonic() + timeout
-        with Client(self.frontend, wait_ms=500) as client:
+        with self.client(wait_ms=500) as client:
             while time.monotonic() < deadline:
                 if self.proc is not None and self.proc.poll() is not None:
                     raise RuntimeError(f"node exited: {self.log.read_text()[-3000:]}")
@@ -142,8 +145,15 @@ class NodeProcess:
         raise TimeoutError(f"node not ready in {timeout}s: {self.log.read_text()[-3000:]}")
 
     def client(self, **kwargs: Any) -> Client:
-        """A client connected to this node."""
+        """A client connected to this node (with the node's local CURVE key if its
+        frontend has CURVE, unless ``kwargs`` name keys)."""
+        if "server_public_key" not in kwargs:
+            kwargs.update(self.keys())
         return Client(self.frontend, **kwargs)
+
+    def keys(self) -> dict[str, Any]:
+        """The ``Client`` keywords of a process of this host (``client_keys``)."""
+        return client_keys(from_dict(self.sections).security, self.run_dir)
 
     def status(self) -> dict[str, Any]:
         """The node's status map."""

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import zmq
+import zmq.auth
 
 from broker import protocol as p
 from broker.errors import EdgeNodeError, ErrorCode, InternalError
@@ -106,6 +107,11 @@ class WorkerSpec:
     #: ``broker.max_body_bytes``: the socket cap and the reply limits come from it
     #: (``broker.protocol.message_limits``), the same as the broker's.
     max_body_bytes: int = p.DEFAULT_MAX_BODY_BYTES
+    #: A backend with CURVE: its server public key (Z85) and the file holding this
+    #: worker's keypair (``zmq.auth`` format, mode 0600; a path, so the secret is
+    #: never on a command line). Both "" on a plaintext backend.
+    curve_server_key: str = ""
+    curve_key_file: str = ""
 
     def to_json(self) -> str:
         """Serialize for ``--spec``."""
@@ -219,6 +225,12 @@ class WorkerLoop:
         self.dealer.setsockopt(zmq.SNDHWM, 1000)
         self.dealer.setsockopt(zmq.MAXMSGSIZE, self.limits.frame_bytes)
         self.dealer.setsockopt(zmq.IPV6, 1)  # a backend on an IPv6 address (PROTOCOL §2)
+        if self.spec.curve_server_key:
+            public, secret = zmq.auth.load_certificate(self.spec.curve_key_file)
+            assert secret is not None  # node.security.keys.local_keypair wrote both
+            self.dealer.setsockopt(zmq.CURVE_SERVERKEY, self.spec.curve_server_key.encode())
+            self.dealer.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            self.dealer.setsockopt(zmq.CURVE_SECRETKEY, secret)
         self.dealer.connect(self.spec.backend)
         self.broker_seen = time.monotonic()
         self._want_ready = True

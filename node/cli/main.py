@@ -28,6 +28,7 @@ from node.capacity.plan import check_fits
 from node.cli.bench import bench
 from node.cli.capacity import capacity
 from node.cli.context import node_config, unusable_dir_error
+from node.cli.keys import keys
 from node.cli.report import report
 from node.cli.rules import load_or_exit, rules
 from node.cli.status_view import render_status
@@ -49,6 +50,7 @@ from node.pidfile import (
 )
 from node.pool import WorkerStatus
 from node.sandbox.cores import plan_workers
+from node.security.keys import client_keys
 
 #: ``edgenode status`` exit code when no node runs (LSB init-script convention).
 EXIT_NOT_RUNNING = 3
@@ -273,7 +275,7 @@ def _wait_started(
     """
     deadline = time.monotonic() + wait_s
     answered_by: int | None = None
-    with Client(connect_endpoint(config.frontend), wait_ms=1000) as client:
+    with Client(connect_endpoint(config.frontend), wait_ms=1000, **_keys(config)) as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise click.ClickException(f"node exited during start: {_exit_reason(logfile)}")
@@ -410,8 +412,9 @@ def status(ctx: click.Context, as_json: bool) -> None:
     """Show workers, queue and counters of the running node (exit 3 if none runs)."""
     config = node_config(ctx)
     address = connect_endpoint(config.frontend)
+    secured = _keys(config)
     try:
-        with Client(address, wait_ms=2000) as client:
+        with Client(address, wait_ms=2000, **secured) as client:
             node = client.status()
     except EdgeNodeError:
         if as_json:
@@ -467,10 +470,12 @@ def ask(
         fields["temperature"] = temperature
     messages = [{"role": "user", "content": text}]
     address = connect_endpoint(config.frontend)
+    secured = _keys(config)
     try:
-        with Client(address, wait_ms=2000) as probe:
+        with Client(address, wait_ms=2000, **secured) as probe:
             probe.ping()  # fail in seconds, not after a whole budget, if no node runs
-        with Client(address, max_body_bytes=config.broker.max_body_bytes) as client:
+        limit = config.broker.max_body_bytes
+        with Client(address, max_body_bytes=limit, **secured) as client:
             if stream:
                 s = (
                     client.stream_generate(text, **fields)
@@ -509,10 +514,24 @@ def _degraded(raw: dict[str, Any]) -> str:
     return f", degraded: {raw.get('degrade_reason')}" if raw.get("degraded") else ""
 
 
+def _keys(config: NodeConfig) -> dict[str, Any]:
+    """The ``Client`` keywords of this host's commands (``client_keys``: the node's
+    local key with a CURVE frontend).
+
+    Raises:
+        click.ClickException: the server key file cannot be read.
+    """
+    try:
+        return client_keys(config.security, config.run_dir)
+    except EdgeNodeError as exc:
+        raise click.ClickException(exc.message) from exc
+
+
 cli.add_command(rules)
 cli.add_command(report)
 cli.add_command(capacity)
 cli.add_command(bench)
+cli.add_command(keys)
 
 
 def main() -> None:

@@ -128,7 +128,12 @@ def test_a_node_on_a_wildcard_frontend_starts_answers_status_and_stops(
     # It binds tcp://*:PORT; start, status and stop used to connect to that bind
     # address, which is no connect address: a zmq traceback, the node left running.
     port = free_port()
-    node = make_node(start=False, workers=ONE_WORKER, node={"frontend": f"tcp://*:{port}"})
+    node = make_node(
+        start=False,
+        workers=ONE_WORKER,
+        node={"frontend": f"tcp://*:{port}"},
+        security={"allow_plaintext": True},  # a wildcard is reachable from the network
+    )
     started = node.cli("start", "--wait-s", "60")
     assert started.returncode == 0, started.stderr
     assert "edgenode running: 1 worker(s) ready" in started.stdout

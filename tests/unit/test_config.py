@@ -55,6 +55,7 @@ def test_shipped_file_documents_every_key() -> None:
         "fallback",
         "pressure",
         "logging",
+        "security",
     }
     for section, values in to_dict(DEFAULTS).items():
         assert set(data[section]) == set(values), section

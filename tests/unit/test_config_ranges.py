@@ -164,6 +164,10 @@ BAD: list[tuple[str, Any]] = [
     ("fallback.log_backups", 1001),
     ("fallback.log_backups", 2**40),
     ("pressure.poll_ms", 2**31),
+    # [security]: a server key without its allowlist, and the other way round.
+    ("security.server_secret_key", "/etc/edgenode/node.key_secret"),
+    ("security.client_keys", "/etc/edgenode/clients"),
+    ("security.worker_keys", "/etc/edgenode/workers"),
 ]
 
 
@@ -203,12 +207,13 @@ def test_kv_type_names_follow_the_capacity_model() -> None:
     "text",
     [
         '[node]\nfrontend = "tcp://127.0.0.1:5555"\nbackend = "tcp://127.0.0.1:5556"\n',
-        '[node]\nfrontend = "tcp://*:65535"\n',
+        '[node]\nfrontend = "tcp://*:65535"\n[security]\nallow_plaintext = true\n',
         '[node]\nfrontend = "tcp://[::1]:5555"\n',
         "[workers]\nready_timeout_ms = 1000\nrestart_backoff_ms = 1\nrestart_backoff_max_ms = 1\n",
         "[capacity]\nsafety_margin = 0.0\n[fallback]\nlow_confidence = 1.0\n",
         "[workers]\ncount = 0\nstop_grace_ms = 0\ntest_token_ms = 0\n",
-        '[node]\nfrontend = "tcp://0.0.0.0:5555"\nbackend = "tcp://[::]:5556"\n',
+        '[node]\nfrontend = "tcp://0.0.0.0:5555"\nbackend = "tcp://[::]:5556"\n'
+        "[security]\nallow_plaintext = true\n",
         '[node]\nfrontend = "tcp://localhost:5555"\n',
         f"[broker]\ndefault_max_tokens = {MAX_TOKENS_LIMIT}\nmax_queue = 65536\n",
         "[broker]\nheartbeat_interval_ms = 715827882\nmax_timeout_ms = 2147483647\n",

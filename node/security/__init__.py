@@ -1,0 +1,1 @@
+"""CURVE key files of the node: generating, allowing and loading them (``keys``)."""

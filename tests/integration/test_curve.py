@@ -1,0 +1,295 @@
+"""CURVE on a real node (test engine) on loopback TCP: Ironhouse on the frontend
+and the backend, refusals counted, per-client caps by key, plaintext refused
+where other hosts could reach it.
+
+The node's keypair is made by ``edgenode keys generate`` (the CLI the operator
+uses; the others by the function behind it, a subprocess each costs ~2 s here)
+and the clients' are allowed by ``edgenode keys allow``.
+"""
+
+from __future__ import annotations
+
+import socket
+import stat
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq.auth
+
+from broker.client import Client
+from broker.errors import Overloaded, Unavailable
+from node.engine import EngineSpec
+from node.interpreter import module_command
+from node.security.keys import generate
+from node.testing import REPO, NodeProcess, wait_for
+from node.worker import WorkerSpec
+
+NodeFactory = Callable[..., NodeProcess]
+
+#: One light worker: the test engine, one slot.
+ONE_WORKER = {"count": 1, "slots": 1}
+#: How long a refused client waits for a reply before ``Unavailable`` (ms).
+REFUSED_WAIT_MS = 1500
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def edgenode(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the ``edgenode`` CLI of this tree without a config."""
+    return subprocess.run(
+        module_command("node.cli", *args), capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+
+
+@dataclass
+class Keys:
+    """Key files of one test: the node's two keypairs, the allowlists, and clients'."""
+
+    root: Path
+
+    def generate(self, name: str, cli: bool = False) -> Path:
+        """NAME's keypair (``edgenode keys generate --dir ROOT NAME`` if ``cli``);
+        returns NAME.key_secret."""
+        if cli:
+            made = edgenode("keys", "generate", "--dir", str(self.root), name)
+            assert made.returncode == 0, made.stderr
+            assert "NAME.key_secret" not in made.stdout and name in made.stdout
+        else:
+            generate(self.root, name)
+        return self.root / f"{name}.key_secret"
+
+    def pair(self, name: str) -> tuple[bytes, bytes]:
+        """NAME's (public, secret) keys, Z85."""
+        public, secret = zmq.auth.load_certificate(self.root / f"{name}.key_secret")
+        assert secret is not None
+        return public, secret
+
+    def public(self, name: str) -> bytes:
+        """NAME's public key, Z85."""
+        return self.pair(name)[0]
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Iterator[Keys]:
+    made = Keys(tmp_path / "keys")
+    made.generate("node", cli=True)
+    for name in ("backend", "alice", "bob", "mallory", "agent", "stranger"):
+        made.generate(name)
+    yield made
+
+
+def curve_node(
+    make_node: NodeFactory, keys: Keys, tmp_path: Path, **sections: dict[str, Any]
+) -> NodeProcess:
+    """A node with CURVE on a loopback TCP frontend and backend; alice and bob are
+    allowed clients, agent an allowed worker (allowed with ``edgenode keys allow``)."""
+    security = {
+        "server_secret_key": str(keys.root / "node.key_secret"),
+        "client_keys": str(tmp_path / "clients"),
+        "backend_secret_key": str(keys.root / "backend.key_secret"),
+        "worker_keys": str(tmp_path / "workers"),
+    }
+    sections = {"workers": dict(ONE_WORKER), **sections}
+    node = make_node(
+        start=False,
+        node={
+            "frontend": f"tcp://127.0.0.1:{free_port()}",
+            "backend": f"tcp://127.0.0.1:{free_port()}",
+        },
+        security=security,
+        **sections,
+    )
+    for name, flag in (("alice", ()), ("bob", ()), ("agent", ("--worker",))):
+        allowed = node.cli("keys", "allow", str(keys.root / f"{name}.key"), *flag)
+        assert allowed.returncode == 0, allowed.stderr
+    return node.start()
+
+
+def client(node: NodeProcess, keys: Keys, name: str, server: str = "node", **kw: Any) -> Client:
+    """A client holding NAME's keypair that trusts SERVER's public key."""
+    return Client(
+        node.frontend, server_public_key=keys.public(server), client_keypair=keys.pair(name), **kw
+    )
+
+
+def refused(node: NodeProcess, side: str, cause: str) -> int:
+    """The node's count of CURVE handshakes refused on ``side`` for ``cause``."""
+    count: int = node.status()["refused"][side][cause]
+    return count
+
+
+def test_an_allowed_client_is_served_and_knows_the_node_is_secured(
+    make_node: NodeFactory, keys: Keys, tmp_path: Path
+) -> None:
+    node = curve_node(make_node, keys, tmp_path)
+    with client(node, keys, "alice", wait_ms=5000) as alice:
+        reply = alice.generate("hello there", max_tokens=4)
+        assert (reply.text, reply.served_by) == ("echo: hello there", "llm")
+        status = alice.status()
+    assert status["security"] == {"frontend": "curve", "backend": "curve"}
+    assert status["refused"]["frontend"] == {"key_not_allowed": 0, "handshake_failed": 0}
+    # The node's own worker got in on the CURVE backend with the node's local key.
+    assert [w["worker_id"] for w in status["workers"]] == ["llm-0"]
+    local = node.run_dir / "keys" / "local.key_secret"
+    assert stat.S_IMODE(local.stat().st_mode) == 0o600
+    # This host's commands (the node's user) use that local key too.
+    asked = node.cli("ask", "--route", "llm", "hi", "--max-tokens", "3")
+    assert asked.returncode == 0, asked.stderr
+
+
+def test_a_client_without_an_allowed_key_gets_nothing_and_is_counted(
+    make_node: NodeFactory, keys: Keys, tmp_path: Path
+) -> None:
+    node = curve_node(make_node, keys, tmp_path)
+    assert refused(node, "frontend", "key_not_allowed") == 0
+    # One call per connection: libzmq drops a refused connection for good (no
+    # reconnect after ZAP's 400), and the sync Client's next send would block.
+    with (
+        client(node, keys, "mallory", wait_ms=REFUSED_WAIT_MS) as mallory,
+        pytest.raises(Unavailable),
+    ):
+        mallory.ping()
+    with (
+        client(node, keys, "mallory", wait_ms=REFUSED_WAIT_MS) as mallory,
+        pytest.raises(Unavailable),
+    ):
+        mallory.generate("hello", max_tokens=2)
+    assert wait_for(lambda: refused(node, "frontend", "key_not_allowed") >= 2)
+    # Nothing of hers reached the broker: no request was admitted or refused.
+    counters = node.status()["counters"]
+    assert counters.get("admitted", 0) == 0 and counters.get("rejected_bad_request", 0) == 0
+
+
+def test_a_client_with_a_wrong_server_key_or_none_gets_nothing_and_is_counted(
+    make_node: NodeFactory, keys: Keys, tmp_path: Path
+) -> None:
+    node = curve_node(make_node, keys, tmp_path)
+    # alice is allowed, but trusts another server's key (say, a spoofed node's).
+    with (
+        client(node, keys, "alice", server="backend", wait_ms=REFUSED_WAIT_MS) as fooled,
+        pytest.raises(Unavailable),
+    ):
+        fooled.ping()
+    assert wait_for(lambda: refused(node, "frontend", "handshake_failed") >= 1)
+    before = refused(node, "frontend", "handshake_failed")
+    with Client(node.frontend, wait_ms=REFUSED_WAIT_MS) as plaintext, pytest.raises(Unavailable):
+        plaintext.ping()
+    assert wait_for(lambda: refused(node, "frontend", "handshake_failed") > before)
+    assert refused(node, "frontend", "key_not_allowed") == 0
+
+
+def test_two_connections_with_one_key_share_its_in_flight_cap(
+    make_node: NodeFactory, keys: Keys, tmp_path: Path
+) -> None:
+    node = curve_node(
+        make_node,
+        keys,
+        tmp_path,
+        broker={"max_in_flight_per_client": 1},
+        workers={"count": 2, "slots": 1},
+    )
+    with (
+        client(node, keys, "alice", wait_ms=10_000) as first,
+        client(node, keys, "alice", wait_ms=10_000) as second,
+        client(node, keys, "bob", wait_ms=10_000) as bob,
+    ):
+        slow = first.stream_generate("!slow 100 a long one", max_tokens=20)
+        assert wait_for(lambda: node.status()["in_flight"] == 1)
+        # Another connection, the same key: the cap is the key's, and it is full.
+        with pytest.raises(Overloaded) as capped:
+            second.generate("and me", max_tokens=2)
+        assert capped.value.reason == "client_cap"
+        # Another key has a cap of its own, while alice's request still runs.
+        assert bob.generate("bob here", max_tokens=8).text == "echo: bob here"
+        assert node.status()["in_flight"] == 1
+        assert "".join(slow)  # alice's stream runs to its end
+        # Her request ended: her key may send again, on the other connection.
+        assert second.generate("now", max_tokens=2).text == "echo: now"
+    assert node.status()["counters"]["shed_client_cap"] == 1
+
+
+def foreign_worker(node: NodeProcess, keys: Keys, name: str, worker_id: str) -> list[str]:
+    """The command line of a real worker process proving NAME's key to the node's backend."""
+    backend = node.sections["node"]["backend"]
+    spec = WorkerSpec(
+        worker_id=worker_id,
+        backend=backend,
+        engine=EngineSpec(kind="test", model_path="test", n_ctx=2048, n_batch=512, threads=1),
+        heartbeat_interval_ms=100,
+        curve_server_key=keys.public("backend").decode(),
+        curve_key_file=str(keys.root / f"{name}.key_secret"),
+    )
+    return module_command("node.worker", "--spec", spec.to_json())
+
+
+def test_a_foreign_worker_cannot_register_on_a_curve_tcp_backend(
+    make_node: NodeFactory, keys: Keys, tmp_path: Path
+) -> None:
+    node = curve_node(make_node, keys, tmp_path)
+    procs = [
+        subprocess.Popen(foreign_worker(node, keys, "stranger", "llm-evil"), cwd=REPO),
+        subprocess.Popen(foreign_worker(node, keys, "agent", "llm-agent"), cwd=REPO),
+    ]
+    try:
+        # The allowed agent registers (the test can tell a registration apart) ...
+        def ids() -> list[str]:
+            return sorted(w["worker_id"] for w in node.status()["workers"])
+
+        assert wait_for(lambda: "llm-agent" in ids(), timeout=20)
+        # ... the stranger, running the same code, never does: refused and counted.
+        assert wait_for(lambda: refused(node, "backend", "key_not_allowed") >= 1)
+        assert ids() == ["llm-0", "llm-agent"]
+        assert procs[0].poll() is None  # it still tries; it just never gets in
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+def test_a_plaintext_worker_cannot_register_on_a_curve_tcp_backend(
+    make_node: NodeFactory, keys: Keys, tmp_path: Path
+) -> None:
+    node = curve_node(make_node, keys, tmp_path)
+    spec = WorkerSpec(
+        worker_id="llm-plain",
+        backend=node.sections["node"]["backend"],
+        engine=EngineSpec(kind="test", model_path="test", n_ctx=2048, n_batch=512, threads=1),
+        heartbeat_interval_ms=100,
+    )
+    proc = subprocess.Popen(module_command("node.worker", "--spec", spec.to_json()), cwd=REPO)
+    try:
+        assert wait_for(lambda: refused(node, "backend", "handshake_failed") >= 1, timeout=20)
+        assert [w["worker_id"] for w in node.status()["workers"]] == ["llm-0"]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.parametrize(
+    ("node_section", "key"),
+    [
+        ({"frontend": "tcp://*:{port}"}, "node.frontend"),
+        ({"frontend": "tcp://0.0.0.0:{port}"}, "node.frontend"),
+        ({"backend": "tcp://[::]:{port}"}, "node.backend"),
+    ],
+)
+def test_plaintext_on_a_non_loopback_endpoint_is_refused_unless_allowed(
+    make_node: NodeFactory, node_section: dict[str, str], key: str
+) -> None:
+    port = free_port()
+    section = {k: v.format(port=port) for k, v in node_section.items()}
+    node = make_node(start=False, workers=ONE_WORKER, node=section)
+    started = node.cli("start", "--wait-s", "30")
+    assert started.returncode == 1
+    assert key in started.stderr and "security.allow_plaintext" in started.stderr, started.stderr
+    assert not (node.run_dir / "edgenode.pid").exists()
