@@ -87,14 +87,27 @@ class BrokerHarness:
 
     # ------------------------------------------------------------------ clients
 
-    def send(self, body: dict[str, Any], now: float, client: bytes = CLIENT) -> None:
-        """A well-framed client message; its reply is expected under its id."""
-        self.send_frames(p.client_frames(client, body), now, request_id_of(body))
+    def send(
+        self,
+        body: dict[str, Any],
+        now: float,
+        client: bytes = CLIENT,
+        principal: bytes | None = None,
+    ) -> None:
+        """A well-framed client message; its reply is expected under its id.
+        ``principal``: the key its connection authenticated with (CURVE)."""
+        self.send_frames(p.client_frames(client, body), now, request_id_of(body), principal)
 
-    def send_frames(self, frames: list[bytes], now: float, expect_id: str | int | None) -> None:
+    def send_frames(
+        self,
+        frames: list[bytes],
+        now: float,
+        expect_id: str | int | None,
+        principal: bytes | None = None,
+    ) -> None:
         """Any client message; exactly one final reply is expected with ``expect_id``."""
         self.expected[(frames[0], expect_id)] += 1
-        self.broker.handle_client(frames, now)
+        self.broker.handle_client(frames, now, principal)
 
     def drain_replies(self) -> list[tuple[bytes, dict[str, Any]]]:
         """Decode and clear the outbox's client replies, recording finals in the ledger."""

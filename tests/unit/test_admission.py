@@ -99,6 +99,27 @@ def test_per_client_cap_is_per_client_and_frees_on_reply() -> None:
     assert errors(h) == []
 
 
+def test_the_cap_counts_a_key_across_its_connections() -> None:
+    # CURVE: the loop passes each connection's authenticated key; two connections
+    # (routing ids) with one key are one client for the cap, replies go to each.
+    alice, bob = b"A" * 40, b"B" * 40
+    h = harness(max_in_flight_per_client=1)
+    h.ready(W1, 0.0, slots=4)
+    h.send(generate("first"), 0.0, client=CLIENT, principal=alice)
+    h.send(generate("second"), 0.0, client=OTHER_CLIENT, principal=alice)
+    h.send(generate("bobs"), 0.0, client=OTHER_CLIENT, principal=bob)
+    assert errors(h) == [("second", 429, "client_cap")]
+    assert h.broker.clients.of(alice) == 1 and h.broker.clients.of(CLIENT) == 0
+    first, _ = bodies(h.drain_workers(), W1, REQUEST)
+    h.final(W1, first["rid"], 0.5)
+    assert [(c, r["id"]) for c, r in h.drain_replies() if r["status"] == "ok"] == [
+        (CLIENT, "first")
+    ]
+    h.send(generate("second"), 0.6, client=OTHER_CLIENT, principal=alice)  # room again
+    assert errors(h) == []
+    assert h.broker.clients.of(alice) == 1
+
+
 def test_priority_evicts_the_newest_lower_class_request_when_full() -> None:
     h = harness(max_queue=2)
     h.ready(W1, 0.0)
