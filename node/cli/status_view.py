@@ -18,6 +18,7 @@ def render_status(node: dict[str, Any]) -> str:
         f"edgenode pid {node.get('pid')}  model {Path(str(node.get('model'))).name}  "
         f"engine {node.get('engine')}  mode {routing.get('mode', '-')}",
         f"frontend {node.get('endpoints', {}).get('frontend')}",
+        _security_line(node.get("security"), node.get("refused")),
         _gate_line(node),
         _breaker_line(routing.get("breaker")),
         _sandbox_line(node.get("sandbox")),
@@ -39,6 +40,22 @@ def render_status(node: dict[str, Any]) -> str:
     if node.get("service"):
         lines.append(_service_line(node["service"]))
     return "\n".join(line for line in lines if line is not None)
+
+
+def _security_line(security: dict[str, str] | None, refused: dict[str, Any] | None) -> str | None:
+    """``security: frontend curve (refused 2 keys, 5 handshakes), backend plaintext``;
+    None from a node without ``[security]`` in its status."""
+    if not security:
+        return None
+    parts = []
+    for side in ("frontend", "backend"):
+        text = f"{side} {security.get(side, '-')}"
+        counts = (refused or {}).get(side, {})
+        keys, shakes = counts.get("key_not_allowed", 0), counts.get("handshake_failed", 0)
+        if keys or shakes:
+            text += f" (refused {keys} keys, {shakes} handshakes)"
+        parts.append(text)
+    return "security: " + ", ".join(parts)
 
 
 #: The counters of what became of the messages sent to clients (broker.delivery),

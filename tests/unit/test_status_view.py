@@ -140,3 +140,16 @@ def test_replies_to_clients_get_their_own_line() -> None:
         "replies: finals 22 delivered, 12 waited, 1 undeliverable; partials 2500 delivered,"
         " 3560 dropped; waiting now 3 for 1 client(s) (max 64 each), 0 overflowed"
     )
+
+
+def test_the_security_line_shows_each_side_and_its_refusals() -> None:
+    status = _capacity(workers=1, slots=1, sequences=1)
+    status["security"] = {"frontend": "curve", "backend": "plaintext"}
+    status["refused"] = {
+        "frontend": {"key_not_allowed": 2, "handshake_failed": 5},
+        "backend": {"key_not_allowed": 0, "handshake_failed": 0},
+    }
+    assert (
+        "security: frontend curve (refused 2 keys, 5 handshakes), backend plaintext"
+        in render_status(status).splitlines()
+    )
