@@ -9,9 +9,13 @@ and the clients' are allowed by ``edgenode keys allow``.
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import os
 import socket
 import stat
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +24,7 @@ from typing import Any
 import pytest
 import zmq.auth
 
+from broker import protocol as p
 from broker.client import Client
 from broker.errors import Overloaded, Unavailable
 from node.engine import EngineSpec
@@ -293,3 +298,60 @@ def test_plaintext_on_a_non_loopback_endpoint_is_refused_unless_allowed(
     assert started.returncode == 1
     assert key in started.stderr and "security.allow_plaintext" in started.stderr, started.stderr
     assert not (node.run_dir / "edgenode.pid").exists()
+
+
+def register_as(backend: str, worker_id: str, uid: int | None) -> None:
+    """In a forked child: become ``uid`` (None: stay), then send READY as
+    ``worker_id`` on a raw DEALER every 50 ms for ``REGISTER_S``."""
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.SNDTIMEO, 50)  # never block: an unreachable backend has no pipe
+    dealer.connect(backend)
+    body = {"worker_id": worker_id, "engine": "llm", "slots": 1, "pid": os.getpid(), "n_ctx": 2048}
+    end = time.monotonic() + REGISTER_S
+    while time.monotonic() < end:
+        with contextlib.suppress(zmq.Again):
+            dealer.send_multipart(p.worker_frames(p.WorkerCommand.READY, body))
+        time.sleep(0.05)
+    dealer.close()
+    ctx.term()
+
+
+#: How long ``register_as`` keeps trying (s): a registered fake worker sends no
+#: heartbeats, so the broker drops it 0.3 s after it stops.
+REGISTER_S = 4.0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becoming another user needs root")
+def test_a_process_of_another_user_cannot_register_on_the_ipc_backend(
+    make_node: NodeFactory,
+) -> None:
+    # The default ipc backend stays plaintext: its 0700 directory is the fence.
+    node = make_node(workers=ONE_WORKER)
+    backend = f"ipc://{node.run_dir}/workers/backend.sock"
+    fork = multiprocessing.get_context("fork")
+
+    def ids() -> list[str]:
+        return sorted(w["worker_id"] for w in node.status()["workers"])
+
+    nobody = fork.Process(target=register_as, args=(backend, "llm-nobody", 65534))
+    nobody.start()
+    try:
+        time.sleep(REGISTER_S / 2)
+        assert nobody.is_alive()  # still trying while the node is asked
+        assert ids() == ["llm-0"]
+    finally:
+        nobody.join(10)
+    assert nobody.exitcode == 0
+    # The same registration from the node's own user gets in: the test can tell.
+    own = fork.Process(target=register_as, args=(backend, "llm-own", None))
+    own.start()
+    try:
+        assert wait_for(lambda: "llm-own" in ids(), timeout=REGISTER_S / 2)
+    finally:
+        own.join(10)
