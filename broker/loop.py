@@ -392,7 +392,9 @@ class BrokerLoop:
                 # The key ZAP accepted for this connection: the client, whatever
                 # routing id it has (RFC 27: the handler's User-Id reply).
                 principal = str(parts[0].get("User-Id")).encode()
-                self.principals[frames[0]] = principal
+                if self.principals.get(frames[0]) != principal:
+                    log.info("client %s is key %s", frames[0].hex(), principal.decode())
+                    self.principals[frames[0]] = principal
             self.broker.handle_client(frames, self.clock(), principal)
             if self.clock() >= stop_at:
                 return  # the rest waits for the next turn (poll returns at once)
