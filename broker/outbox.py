@@ -78,7 +78,9 @@ class Outbox(Effects):
 
     def trace(self, step: TraceStep, job: Job, worker: str = "", detail: str = "") -> None:
         """Note that ``job`` took ``step`` (on ``worker``, the worker's id)."""
-        self.traces.append(RequestTrace(step, job.rid, job.req.id, job.client, worker, detail))
+        self.traces.append(
+            RequestTrace(step, job.rid, job.req.id, job.client, worker, detail, job.principal)
+        )
 
     def take(self) -> Effects:
         """Everything queued so far; the outbox is empty afterwards (same lists)."""

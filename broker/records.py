@@ -186,6 +186,7 @@ class RequestTrace:
         detail: the step's particulars in a word or two: the engine kind and
             priority (``admitted``), the attempt (``dispatched``), the worker's
             status (``worker_final``), the cause (``requeued``).
+        principal: the client's CURVE key (Z85; ``Job.principal``), None without CURVE.
     """
 
     step: TraceStep
@@ -194,3 +195,4 @@ class RequestTrace:
     client: bytes
     worker: str = ""
     detail: str = ""
+    principal: bytes | None = None

@@ -439,7 +439,12 @@ def _log_paths(effects: Effects) -> None:
             on,
             detail,
             extra=about_request(
-                t.request_id, t.client or None, step=t.step, rid=t.rid, worker=t.worker or None
+                t.request_id,
+                t.client or None,
+                step=t.step,
+                rid=t.rid,
+                worker=t.worker or None,
+                key=None if t.principal is None else t.principal.decode(),
             ),
         )
     for out in effects.clients:

@@ -110,6 +110,9 @@ def test_the_cap_counts_a_key_across_its_connections() -> None:
     h.send(generate("bobs"), 0.0, client=OTHER_CLIENT, principal=bob)
     assert errors(h) == [("second", 429, "client_cap")]
     assert h.broker.clients.of(alice) == 1 and h.broker.clients.of(CLIENT) == 0
+    # The node's log names the key of each request's path (``RequestTrace.principal``).
+    admitted = {t.request_id: t.principal for t in h.broker.outbox.traces if t.step == "admitted"}
+    assert admitted == {"first": alice, "bobs": bob}
     first, _ = bodies(h.drain_workers(), W1, REQUEST)
     h.final(W1, first["rid"], 0.5)
     assert [(c, r["id"]) for c, r in h.drain_replies() if r["status"] == "ok"] == [
