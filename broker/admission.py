@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from broker.client_request import ClientRequest
 from broker.errors import ErrorCode
 from broker.jobs import JobTable
-from broker.kinds import EngineKind
+from broker.kinds import EngineKind, ShedReason
 from broker.pressure import PressureLevels
 from broker.queue import ClientCounts, RequestQueue
 from broker.records import BrokerSettings, Job
@@ -51,7 +51,7 @@ class Shed:
     """Why a request is refused: the wire code, a machine reason and advice."""
 
     code: ErrorCode
-    reason: str
+    reason: ShedReason
     message: str
     retry_after_ms: int | None = None
 

@@ -46,15 +46,16 @@ from broker.errors import EdgeNodeError, ErrorCode, ProtocolError
 from broker.exits import ExitCause, blames_its_request, not_retried
 from broker.handover import Handover
 from broker.jobs import JobTable
-from broker.kinds import PRESSURE_LEVELS, CpuLevel, EngineKind, FinalOutcome
+from broker.kinds import PRESSURE_LEVELS, CpuLevel, EngineKind, FinalOutcome, ShedReason
 from broker.lifecycle import Lifecycle
 from broker.liveness import Liveness
+from broker.observations import Ended, TokenGap
 from broker.outbox import Outbox
 from broker.pressure import PressureLevels
 from broker.protocol import WorkerCommand
 from broker.queue import ClientCounts, RequestQueue
 from broker.records import BrokerSettings, Job, JobState, WorkerEvent
-from broker.replies import final_reply
+from broker.replies import ERROR_OUTCOMES, final_reply
 from broker.reply_cache import ReplyCache, fingerprint
 from broker.routing import Route, Router, RoutingSettings
 from broker.service_time import ServiceEstimator
@@ -196,7 +197,7 @@ class Broker:
             self.stats.count("rejected_bad_request")
             message = f"id {req.id!r} answered a different request (safe retry)"
             shed = Shed(ErrorCode.BAD_REQUEST, "duplicate_id", message)
-            self._refuse(identity, req.id, shed)
+            self._refuse(identity, req.id, shed, "rules" if req.route == "rules" else "llm")
             return True
         self.stats.count("retry_replayed")
         self.outbox.client(identity, {**kept.body, "replayed": True})
@@ -211,7 +212,7 @@ class Broker:
         route = self.router.route(req, pool, now)
         verdict = self._admit(identity, req, route, pool, now, principal)
         if isinstance(verdict, Shed):
-            self._refuse(identity, req.id, verdict)
+            self._refuse(identity, req.id, verdict, route.kind)
             return
         route = verdict.route
         if verdict.evict is not None:  # a lower-priority request yields its place
@@ -269,15 +270,18 @@ class Broker:
         self.outbox.trace("admitted", copy, detail=f"llm {mode} copy")
         self.router.open_pair(primary, mode)
 
-    def _refuse(self, identity: bytes, rid: str | int, shed: Shed) -> None:
+    def _refuse(self, identity: bytes, rid: str | int, shed: Shed, kind: EngineKind) -> None:
         self.stats.count(f"shed_{shed.reason}")
         body = p.error_reply(
             rid, shed.code, shed.message, retry_after_ms=shed.retry_after_ms, reason=shed.reason
         )
         self.outbox.client(identity, body)
+        self.outbox.observations.append(
+            Ended(kind, ERROR_OUTCOMES[shed.code], shed.reason, admitted=False)
+        )
 
     def _shed_job(
-        self, job: Job, message: str, reason: str, now: float, retry: int | None = None
+        self, job: Job, message: str, reason: ShedReason, now: float, retry: int | None = None
     ) -> None:
         """Answer an admitted job 503 now (pressure, eviction) and cancel it if running;
         ``retry``: its ``retry_after_ms`` if admission gave it (an eviction), else asked."""
@@ -438,6 +442,9 @@ class Broker:
         if job.first_token_at is None:
             job.first_token_at = now
             self.estimator.levels.first_token(worker.identity, job.rid, now)
+        elif job.last_token_at is not None and job.copy_of is None:
+            self.outbox.observations.append(TokenGap(job.kind, now - job.last_token_at))
+        job.last_token_at = now
         # A hedge's text is held back: it is the client's only if the rules win.
         if job.req.stream and job.hedge_of is None:
             partial = p.partial_reply(job.req.id, text, len(job.chunks))

@@ -62,6 +62,7 @@ FinalOutcome = Literal[
     "error_unavailable",
     "error_deadline_exceeded",
 ]
+FINAL_OUTCOMES: tuple[FinalOutcome, ...] = get_args(FinalOutcome)
 
 #: The broker's two ROUTER sockets: clients connect to the frontend, workers and
 #: host agents to the backend.
@@ -74,3 +75,26 @@ SIDES: tuple[Side, ...] = get_args(Side)
 #: peer used another server key, no CURVE at all, or sent garbage).
 Refusal = Literal["key_not_allowed", "handshake_failed"]
 REFUSALS: tuple[Refusal, ...] = get_args(Refusal)
+
+#: Why a request is refused or shed with a 4xx/5xx: the error reply's ``reason``
+#: and the ``shed_<reason>`` counters (``broker.admission.Shed``, ``Broker._shed_job``).
+ShedReason = Literal[
+    "duplicate_id",
+    "draining",
+    "circuit_open",
+    "client_cap",
+    "too_large",
+    "memory_pressure",
+    "cpu_pressure",
+    "queue_full",
+    "deadline_unmeetable",
+]
+SHED_REASONS: tuple[ShedReason, ...] = get_args(ShedReason)
+
+#: Why a request ended as it did, beyond its ``FinalOutcome``: a shed's reason, the
+#: degrade reason of a rules answer given in the model's place, ``worker_lost``
+#: (its worker died and nothing could take over), ``shutdown`` (the node stopped),
+#: ``client_gone`` (ended unanswered: its client left), ``none`` (nothing more to say).
+EndReason = Literal[ShedReason, DegradeReason, "shutdown", "client_gone", "none"]
+#: Nested Literals flatten and repeat values once (``circuit_open`` is both kinds).
+END_REASONS: tuple[EndReason, ...] = get_args(EndReason)

@@ -27,6 +27,7 @@ from broker.delivery import ReplyKind
 from broker.dispatch import Dispatcher
 from broker.jobs import JobTable
 from broker.kinds import FinalOutcome
+from broker.observations import ended
 from broker.outbox import Outbox
 from broker.queue import ClientCounts, RequestQueue
 from broker.records import Job, JobState
@@ -87,6 +88,7 @@ class Lifecycle:
         A model copy (shadow/dual) has no client: its result only goes to the
         router. A hedge is answered only once it won (``Handover.take_hedge``
         handed its model over to it): its held-back text goes out first.
+        Its end goes to the metrics (``broker.observations.Ended``).
         """
         self.jobs.settle(job, JobState.ANSWERED)
         if job.hedge_of is not None and job.req.stream:
@@ -99,6 +101,7 @@ class Lifecycle:
             return
         self.jobs.release(job)
         self.clients.closed(job.owner)
+        self.outbox.observations.append(ended(job, body, now, delivered=deliver))
         if deliver:
             self.outbox.client(job.client, body, ReplyKind.FINAL, counted)
             self.reply_cache.keep((job.client, job.req.id), job.req, body, now)
@@ -155,6 +158,7 @@ class Lifecycle:
     def requeue(self, job: Job) -> None:
         """Run ``job`` again (its worker was lost), ahead of the queue: it waited longest."""
         self.jobs.requeue(job)
+        job.last_token_at = None  # no token gap spans the lost worker
         self.queue.push(job, front=True)
         self.outbox.trace("requeued", job, detail="its worker was lost")
 

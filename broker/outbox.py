@@ -2,8 +2,9 @@
 
 Every effect of the broker core is appended to one ``Outbox``: replies for
 clients, frames for workers, events for the supervisor, migration records for
-the node's log, the circuit breaker's state transitions and the steps of each
-request's path (``RequestTrace``, for the node's log). The I/O loop
+the node's log, the circuit breaker's state transitions, the steps of each
+request's path (``RequestTrace``, for the node's log) and the observations
+for the node's metrics (``broker.observations``). The I/O loop
 (``broker.loop.BrokerLoop.flush``) takes them all at once with ``take`` and
 hands what is not a frame to the node.
 
@@ -22,6 +23,7 @@ from broker import protocol as p
 from broker.breaker import Transition
 from broker.delivery import Outgoing, ReplyKind
 from broker.kinds import FinalOutcome
+from broker.observations import Observation
 from broker.protocol import WorkerCommand
 from broker.records import Job, RequestTrace, TraceStep, WorkerEvent
 
@@ -37,6 +39,7 @@ class Effects:
         records: migration records (plain dicts) for the node's migration log.
         transitions: the circuit breaker's state changes.
         traces: the steps of requests' paths, for the node's log.
+        observations: requests ended and token gaps, for the node's metrics.
     """
 
     clients: list[Outgoing] = field(default_factory=list)
@@ -45,6 +48,7 @@ class Effects:
     records: list[dict[str, Any]] = field(default_factory=list)
     transitions: list[Transition] = field(default_factory=list)
     traces: list[RequestTrace] = field(default_factory=list)
+    observations: list[Observation] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(
@@ -54,6 +58,7 @@ class Effects:
             or self.records
             or self.transitions
             or self.traces
+            or self.observations
         )
 
 
@@ -91,6 +96,7 @@ class Outbox(Effects):
             list(self.records),
             list(self.transitions),
             list(self.traces),
+            list(self.observations),
         )
         self.clients.clear()
         self.workers.clear()
@@ -98,4 +104,5 @@ class Outbox(Effects):
         self.records.clear()
         self.transitions.clear()
         self.traces.clear()
+        self.observations.clear()
         return taken

@@ -110,6 +110,7 @@ class Job:
     admission, None while there is neither.
     ``state`` is where it is in its life (``JobState``); ``worker`` the worker
     holding it (running or cancelling), ``attempts`` its re-dispatches.
+    ``first_token_at``/``last_token_at``: when its first and latest PARTIAL came.
     ``ack_late_since``: when the grace for its worker's ack of its CANCEL first
     ran out (``broker.liveness.Liveness.ack_overdue``), None until it has.
     ``principal``: the key its client authenticated with (a CURVE public key,
@@ -125,6 +126,7 @@ class Job:
     worker: bytes | None = None
     dispatched_at: float | None = None
     first_token_at: float | None = None
+    last_token_at: float | None = None
     chunks: list[str] = field(default_factory=list)
     state: JobState = JobState.QUEUED
     attempts: int = 0
