@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.errors import ErrorCode
-from broker.kinds import END_REASONS, EndReason, EngineKind, FinalOutcome
+from broker.kinds import END_REASONS, DegradeReason, EndReason, EngineKind, FinalOutcome
 from broker.records import Job
 from broker.replies import ERROR_OUTCOMES
 
@@ -40,6 +40,7 @@ class Ended:
             deadline (the timer's granularity: the loop's turn); None otherwise.
         prompt_tokens, completion_tokens: the worker's ``usage`` of an ``ok`` reply
             (0 when it gave none).
+        degraded: why the rules answered in the model's place (a fallback), or None.
     """
 
     engine: EngineKind
@@ -52,6 +53,7 @@ class Ended:
     overshoot_s: float | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    degraded: DegradeReason | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ def ended(job: Job, body: dict[str, Any], now: float, *, delivered: bool) -> End
         overshoot_s=max(0.0, now - job.deadline) if outcome == "error_deadline_exceeded" else None,
         prompt_tokens=_count(tokens.get("prompt_tokens")),
         completion_tokens=_count(tokens.get("completion_tokens")),
+        degraded=job.degraded,
     )
 
 

@@ -37,7 +37,9 @@ from node.endpoints import check_free
 from node.engine import EngineSpec, make_token_counter
 from node.migration.log import MigrationLog, migration_log_path
 from node.model import RULES_SNAPSHOT, resolve_model, resolve_rules, snapshot_rules
+from node.observe.listen import parse_listen
 from node.observe.logs import about_request, event_extra
+from node.observe.server import MetricsServer
 from node.pidfile import RunLock, inherited_lock_fd, remove_pidfile, write_pidfile
 from node.pool import WorkerPool
 from node.pressure import CpuPressureMonitor, PressureMonitor, cpu_psi_file
@@ -197,8 +199,28 @@ class Node:
                 cpu_level = None
             if cpu_level is not None:
                 broker.set_cpu_pressure(cpu_level, now)
+            if metrics is not None:
+                metrics.publish(now)
 
-        loop = self._bind(broker, pool, migration, on_tick)
+        metrics = _metrics(c, broker, pool)
+        try:
+            return self._serve_with(broker, pool, migration, on_tick, metrics)
+        finally:
+            if metrics is not None:
+                metrics.close()
+
+    def _serve_with(
+        self,
+        broker: Broker,
+        pool: WorkerPool,
+        migration: MigrationLog,
+        on_tick: Callable[[float], None],
+        metrics: MetricsServer | None,
+    ) -> int:
+        """Bind the loop and serve until stopped; ``metrics`` (None: off) records
+        the broker's effects."""
+        c = self.config
+        loop = self._bind(broker, pool, migration, on_tick, metrics)
         wake_r, wake_w = self._install_signals(loop)
         try:
             pool.start(lambda wid, cause: broker.worker_exited(wid, cause, time.monotonic()))
@@ -224,6 +246,7 @@ class Node:
         pool: WorkerPool,
         migration: MigrationLog,
         on_tick: Callable[[float], None],
+        metrics: MetricsServer | None = None,
     ) -> BrokerLoop:
         """The broker loop on the configured endpoints; what the broker's outbox
         holds for the node goes to ``pool`` and ``migration`` (``_on_effects``).
@@ -245,7 +268,7 @@ class Node:
                 broker,
                 c.frontend,
                 c.backend,
-                on_effects=lambda effects: _on_effects(pool, migration, effects),
+                on_effects=lambda effects: _on_effects(pool, migration, effects, metrics),
                 on_tick=on_tick,
                 frontend_curve=frontend_curve,
                 backend_curve=backend_curve,
@@ -401,10 +424,22 @@ def _cpu_monitor(config: NodeConfig, pool: WorkerPool) -> CpuPressureMonitor:
     return CpuPressureMonitor(config.pressure, path, why)
 
 
-def _on_effects(pool: WorkerPool, migration: MigrationLog, effects: Effects) -> None:
+def _metrics(config: NodeConfig, broker: Broker, pool: WorkerPool) -> MetricsServer | None:
+    """The metrics endpoint if ``[metrics] listen`` is set, else None (nothing listens).
+
+    Raises:
+        ConfigError: the address cannot be bound.
+    """
+    listen = parse_listen("metrics.listen", config.metrics.listen)
+    return None if listen is None else MetricsServer(listen, broker, pool)
+
+
+def _on_effects(
+    pool: WorkerPool, migration: MigrationLog, effects: Effects, metrics: MetricsServer | None
+) -> None:
     """Act on what the broker's outbox holds for the node: worker events for the
     supervisor, migration records for the log, the circuit breaker's transitions
-    for the node's log."""
+    for the node's log, observations and transitions for the metrics."""
     for event in effects.events:
         if event.kind == "ready":
             pool.supervisor.worker_ready(event.worker_id, event.pid)
@@ -422,6 +457,8 @@ def _on_effects(pool: WorkerPool, migration: MigrationLog, effects: Effects) -> 
             t.reason,
             extra=event_extra("breaker_transition", fields),
         )
+    if metrics is not None:
+        metrics.observe(effects)
     if log.isEnabledFor(logging.DEBUG):  # one line per step: formatted only when wanted
         _log_paths(effects)
 

@@ -24,6 +24,7 @@ from broker.routing import MODES, RoutingSettings
 from node.capacity.worker_limits import validate_memory
 from node.endpoints import is_loopback, parse_endpoint
 from node.engine import ModelEngineName
+from node.observe.listen import parse_listen
 from node.observe.logs import LOG_FORMATS, LogFormat
 from node.units import parse_cores, parse_size
 
@@ -176,6 +177,14 @@ class SecuritySection:
 
 
 @dataclass(frozen=True)
+class MetricsSection:
+    """``[metrics]``: the Prometheus endpoint (``node.observe``). ``listen`` = ""
+    (off) or "HOST:PORT" with an IP address or localhost (``node.observe.listen``)."""
+
+    listen: str = ""
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     """The whole configuration. Picklable and JSON-able, so workers get a copy."""
 
@@ -190,6 +199,7 @@ class NodeConfig:
     pressure: PressureSection = field(default_factory=PressureSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     security: SecuritySection = field(default_factory=SecuritySection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
     source: str = "built-in defaults"
 
     @property
@@ -415,6 +425,7 @@ CHECKED_APART = frozenset(
         "breaker.failure_rate_pct",
         "breaker.slow_call_rate_pct",
         "breaker.half_open_successes",
+        "metrics.listen",  # node.observe.listen.parse_listen
     }
 )
 #: Keys with no range: their type is all there is to check (``repack``), or they
@@ -472,6 +483,7 @@ def validate(config: NodeConfig) -> NodeConfig:
     for key in ("capacity.memory_budget", "capacity.reserve", "capacity.runtime_overhead"):
         _size(key, _value(config, key), empty_ok=key == "capacity.memory_budget")
     _size("pressure.budget", p.budget, empty_ok=True)
+    parse_listen("metrics.listen", config.metrics.listen)
     return config
 
 
@@ -544,6 +556,7 @@ _SECTIONS: dict[str, type] = {
     "pressure": PressureSection,
     "logging": LoggingSection,
     "security": SecuritySection,
+    "metrics": MetricsSection,
 }
 
 

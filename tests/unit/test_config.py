@@ -56,6 +56,7 @@ def test_shipped_file_documents_every_key() -> None:
         "pressure",
         "logging",
         "security",
+        "metrics",
     }
     for section, values in to_dict(DEFAULTS).items():
         assert set(data[section]) == set(values), section

@@ -122,6 +122,14 @@ BAD: list[tuple[str, Any]] = [
     ("pressure.cpu_clear_pct", 60.0),  # above cpu_warn_pct (50)
     ("pressure.cpu_clear_pct", math.nan),
     ("pressure.cpu_psi", "proc/pressure/cpu"),  # not absolute
+    ("metrics.listen", "9464"),  # no host
+    ("metrics.listen", "127.0.0.1:0"),
+    ("metrics.listen", "127.0.0.1:65536"),
+    ("metrics.listen", "127.0.0.1"),
+    ("metrics.listen", "example.org:9464"),  # a name, not an address
+    ("metrics.listen", "::1:9464"),  # IPv6 without brackets
+    ("metrics.listen", "[127.0.0.1]:9464"),  # brackets around IPv4
+    ("metrics.listen", "http://127.0.0.1:9464"),
     # Above each ceiling (issue 11, break-it): durations reach a zmq poll (a C int of
     # ms), counts and sizes what the node can hold, max_tokens the protocol's cap.
     ("node.frontend", "tcp://lo:5555"),  # an interface: served, but no client connects
