@@ -44,7 +44,7 @@ class MetricsServer:
     def __init__(self, listen: Listen, broker: Broker, pool: WorkerPool) -> None:
         # No ``*_created`` series: they double the exposition for a start time
         # that ``process_start_time_seconds`` already gives (process-wide switch).
-        disable_created_metrics()
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry()
         self.events = EventMetrics(self.registry)
         self.state = StateCollector(broker, pool)
