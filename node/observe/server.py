@@ -45,6 +45,7 @@ class MetricsServer:
         # No ``*_created`` series: they double the exposition for a start time
         # that ``process_start_time_seconds`` already gives (process-wide switch).
         disable_created_metrics()  # type: ignore[no-untyped-call]
+        self._failures = 0
         self.registry = CollectorRegistry()
         self.events = EventMetrics(self.registry)
         self.state = StateCollector(broker, pool)
@@ -65,12 +66,29 @@ class MetricsServer:
         log.info("metrics on http://%s:%d/metrics%s", host, listen.port, where)
 
     def publish(self, now: float) -> None:
-        """Refresh the state gauges' snapshot if due (call from the loop's tick)."""
-        self.state.publish(now)
+        """Refresh the state gauges' snapshot if due (call from the loop's tick).
+        A failure is logged, never raised: metrics must not take the broker down."""
+        try:
+            self.state.publish(now)
+        except Exception:
+            self._failed("publishing the state snapshot")
 
     def observe(self, effects: Effects) -> None:
-        """Record one batch of the broker's effects (call from ``on_effects``)."""
-        self.events.observe(effects.observations, effects.transitions)
+        """Record one batch of the broker's effects (call from ``on_effects``);
+        a failure is logged, never raised, as for ``publish``."""
+        try:
+            self.events.observe(effects.observations, effects.transitions)
+        except Exception:
+            self._failed("recording the broker's observations")
+
+    def _failed(self, what: str) -> None:
+        """Log the first failure with its traceback, later ones in one line (a
+        failure that repeats every loop turn must not flood the log)."""
+        if not self._failures:
+            log.exception("metrics: %s failed", what)
+        else:
+            log.debug("metrics: %s failed again", what, exc_info=True)
+        self._failures += 1
 
     def close(self) -> None:
         """Stop serving and free the port."""
