@@ -8,6 +8,8 @@ Prometheus server would read them.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import urllib.request
 from collections.abc import Callable
@@ -220,3 +222,47 @@ def test_a_metrics_port_in_use_stops_the_start_naming_the_key(make_node: NodeFac
     assert result.returncode != 0, result.stdout
     assert f"metrics.listen 127.0.0.1:{port}: cannot listen" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_metrics_follow_lost_workers_the_breaker_and_the_fallbacks(make_node: NodeFactory) -> None:
+    port = free_port()
+    node = make_node(
+        fallback={"rules": "default"},
+        # Opens once 2+ calls are in its window and half failed (as in test_fallback.py).
+        breaker={
+            "minimum_calls": 2,
+            "open_wait_ms": 3000,
+            "half_open_probes": 1,
+            "half_open_successes": 1,
+        },
+        metrics={"listen": f"127.0.0.1:{port}"},
+    )
+    before = scrape_until(port, lambda s: s.value("edgenode_slots", engine="rules") == 1)
+    assert before.value("edgenode_worker_state", worker="rules-0", engine="rules", state="ready")
+    with node.client(wait_ms=WAIT_MS) as c:
+        assert c.generate("Turn on the kitchen lights").served_by == "llm"
+        for w in node.status()["processes"]:
+            if w["worker_id"].startswith("llm-"):
+                os.kill(w["pid"], signal.SIGKILL)
+        # Both lost: the breaker opens, the rules answer in the model's place.
+        wait_for(lambda: not any(w["kind"] == "llm" for w in node.status()["workers"]))
+        reply = c.generate("Turn on the kitchen lights")
+        assert (reply.served_by, reply.degraded) == ("rules", True)
+        reason = reply.raw["degrade_reason"]
+    after = scrape_until(
+        port,
+        lambda s: (
+            s.value("edgenode_worker_restarts_total", worker="llm-0", engine="llm") == 1
+            and s.value("edgenode_worker_restarts_total", worker="llm-1", engine="llm") == 1
+        ),
+    )
+    assert (
+        after.value("edgenode_breaker_transitions_total", from_state="closed", to_state="open") == 1
+    )
+    assert after.value("edgenode_breaker_state", state="open") == 1
+    assert after.value("edgenode_fallbacks_total", reason=reason) == 1
+    assert after.value("edgenode_requests_total", engine="rules", outcome="ok", reason=reason) == 1
+    assert after.value("edgenode_requests_total", engine="llm", outcome="ok", reason="none") == 1
+    assert after.value("edgenode_worker_restarts_total", worker="rules-0", engine="rules") == 0
+    # The rules answered in well under the model's time: its own histograms moved.
+    assert after.value("edgenode_request_duration_seconds_count", engine="rules", outcome="ok") == 1
