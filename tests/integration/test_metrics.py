@@ -204,12 +204,18 @@ def test_nothing_listens_while_metrics_are_off(make_node: NodeFactory) -> None:
     assert listening_ports(node.proc.pid) == set()
 
 
-def test_metrics_listen_on_the_configured_port_only(make_node: NodeFactory) -> None:
+def test_metrics_listen_on_the_configured_port_only_until_the_node_stops(
+    make_node: NodeFactory,
+) -> None:
     port = free_port()
     node = make_node(metrics={"listen": f"127.0.0.1:{port}"})
     assert node.proc is not None
     assert listening_ports(node.proc.pid) == {port}
     assert "edgenode_requests" in Scrape(port).families
+    # A clean stop (exit 0) closes the endpoint and frees the port.
+    assert node.stop() == 0
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port)):
+        pass
 
 
 def test_a_metrics_port_in_use_stops_the_start_naming_the_key(make_node: NodeFactory) -> None:
