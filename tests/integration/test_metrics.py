@@ -102,7 +102,9 @@ def free_port() -> int:
 
 def listening_ports(pid: int) -> set[int]:
     """TCP ports process ``pid`` listens on."""
-    conns = psutil.Process(pid).net_connections(kind="tcp")
+    proc = psutil.Process(pid)
+    # net_connections is psutil >= 6.0's name (pyproject allows 5.9, which has only connections).
+    conns = (proc.net_connections if hasattr(proc, "net_connections") else proc.connections)("tcp")
     return {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
 
 
