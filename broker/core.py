@@ -431,13 +431,27 @@ class Broker:
         return self.jobs.get(rid)
 
     def _on_partial(self, worker: WorkerState, body: dict[str, Any], now: float) -> None:
+        """A PARTIAL: one piece ``{rid, text}``, or several in order ``{parts: [[rid,
+        text], ...]}`` (a worker's pieces of one decode step, PROTOCOL §13.2); a piece
+        that is malformed or not the worker's is ignored, the others still count."""
         if "progress" in body:
             self.liveness.note_progress(worker, body["progress"], now)
         else:
             worker.progress_at = now  # a token is progress even from a worker not counting
-        job = self._owned_job(worker, body)
-        text = body.get("text")
-        if job is None or job.settled or not isinstance(text, str):
+        parts = body.get("parts")
+        if parts is None:
+            self._partial_text(worker, body.get("rid"), body.get("text"), now)
+        elif isinstance(parts, list):
+            for part in parts:
+                if isinstance(part, list) and len(part) == 2:
+                    self._partial_text(worker, part[0], part[1], now)
+
+    def _partial_text(self, worker: WorkerState, rid: Any, text: Any, now: float) -> None:
+        """One piece of text of ``worker``'s request ``rid``: to its client if it streams."""
+        if not isinstance(rid, int) or rid not in worker.active or not isinstance(text, str):
+            return
+        job = self.jobs.get(rid)
+        if job is None or job.settled:
             return
         if job.first_token_at is None:
             job.first_token_at = now

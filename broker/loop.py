@@ -251,6 +251,7 @@ class BrokerLoop:
         self.principals: dict[bytes, bytes] = {}
         self.poller = zmq.Poller()
         self.poller.register(self.frontend, zmq.POLLIN)
+        self._frontend_flags = zmq.POLLIN
         self.poller.register(self.backend, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
         if self.zap is not None:
@@ -286,7 +287,9 @@ class BrokerLoop:
         if retry_s is not None:
             wait_s = min(wait_s, retry_s)
         frontend_flags = zmq.POLLIN | (zmq.POLLOUT if delivery.wants_pollout() else 0)
-        self.poller.register(self.frontend, frontend_flags)
+        if frontend_flags != self._frontend_flags:
+            self.poller.register(self.frontend, frontend_flags)
+            self._frontend_flags = frontend_flags
         ready = dict(self.poller.poll(max(0, int(wait_s * 1000))))
         if self.zap is not None and self.zap.socket in ready:
             self.zap.handle()
@@ -294,12 +297,16 @@ class BrokerLoop:
             self._read_refusals(self.backend_monitor, "backend")
         if self.backend in ready:
             self._drain(self.backend, self.broker.handle_worker)
-        if ready.get(self.frontend, 0) & zmq.POLLIN:
+        clients_read = bool(ready.get(self.frontend, 0) & zmq.POLLIN)
+        if clients_read:
             self._drain_clients()
             # Read what workers sent meanwhile, so liveness judges fresh news.
             self._drain(self.backend, self.broker.handle_worker)
-        # After the clients' messages: the events that preceded them are in.
-        self._read_monitor()
+        # After the clients' messages: the events that preceded them are in. A turn
+        # without client messages reads only events the poll saw (a failed read costs
+        # as much as a message; a later event wakes the next poll).
+        if clients_read or self.monitor in ready:
+            self._read_monitor()
         for fd, callback in self._extra.items():
             if fd in ready:
                 callback()
@@ -315,7 +322,9 @@ class BrokerLoop:
     def flush(self) -> None:
         """Send every frame the core queued, then hand the rest to ``on_effects``;
         again while that queued more (a supervisor event may)."""
-        while effects := self.broker.outbox.take():
+        outbox = self.broker.outbox
+        while outbox:  # most turns queue nothing: no empty batch is built for them
+            effects = outbox.take()
             for frames in effects.workers:
                 self._send(self.backend, frames)
             for out in effects.clients:

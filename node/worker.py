@@ -158,6 +158,10 @@ class WorkerLoop:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
+        self._poller = zmq.Poller()
+        #: Pieces of text ``(rid, text)`` read from the engine threads and not yet
+        #: sent: one PARTIAL carries all that one turn read (PROTOCOL §13.2).
+        self._parts: list[tuple[int, str]] = []
 
     # ------------------------------------------------------------------ main loop
 
@@ -197,18 +201,22 @@ class WorkerLoop:
 
     def _turn(self, timeout_s: float) -> None:
         assert self.dealer is not None
-        poller = zmq.Poller()
-        poller.register(self.dealer, zmq.POLLIN)
-        poller.register(self._events, zmq.POLLIN)
-        poller.register(self._wake_r.fileno(), zmq.POLLIN)
         # zmq_poll takes a C int of ms: the +1 must not overflow at the longest interval.
-        ready = dict(poller.poll(min(int(timeout_s * 1000) + 1, MAX_POLL_MS)))
+        ready = dict(self._poller.poll(min(int(timeout_s * 1000) + 1, MAX_POLL_MS)))
         if self._events in ready:
-            while self._events.poll(0):
-                self._on_engine_event(self._events.recv_multipart())
+            # All that the engine threads sent so far, then one PARTIAL for its text.
+            for frames in _drain(self._events):
+                self._on_engine_event(frames)
+            self._send_parts()
         if self.dealer in ready:
-            while self.dealer.poll(0):
-                self._on_broker(self.dealer.recv_multipart())
+            dealer = self.dealer
+            # Until a DISCONNECT replaces the socket: the rest was the old broker's.
+            while dealer is self.dealer:
+                try:
+                    frames = dealer.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_broker(frames)
         if self._wake_r.fileno() in ready:
             with contextlib.suppress(BlockingIOError):
                 self._wake_r.recv(64)
@@ -232,6 +240,10 @@ class WorkerLoop:
             self.dealer.setsockopt(zmq.CURVE_PUBLICKEY, public)
             self.dealer.setsockopt(zmq.CURVE_SECRETKEY, secret)
         self.dealer.connect(self.spec.backend)
+        self._poller = zmq.Poller()
+        self._poller.register(self.dealer, zmq.POLLIN)
+        self._poller.register(self._events, zmq.POLLIN)
+        self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
         self.broker_seen = time.monotonic()
         self._want_ready = True
         self._send_ready_if_idle()
@@ -239,6 +251,7 @@ class WorkerLoop:
     def _reconnect(self) -> None:
         """New socket, new identity. READY waits until every running job has ended,
         so the new broker never sees credit this worker cannot honour."""
+        self._parts.clear()  # the old connection's requests: the new broker never knew them
         for rid, cancelled in self.running.items():
             cancelled.set()  # nobody awaits its result any more
             self._abandoned.add(rid)  # and the new broker never knew it
@@ -331,13 +344,19 @@ class WorkerLoop:
     # ------------------------------------------------------------------ engine side
 
     def _on_engine_event(self, frames: list[bytes]) -> None:
+        """One message of an engine thread: ``partials`` (``{parts: [[rid, text],
+        ...]}``, in order) or ``final`` (a FINAL body). Pieces of text wait in
+        ``_parts`` for ``_send_parts``; a FINAL sends them first, so the broker
+        never sees a request's text after its FINAL."""
         kind, payload = frames[0], p.unpack_map(frames[1])
+        if kind == b"partials":
+            for rid, text in payload["parts"]:
+                if rid not in self._abandoned:
+                    self._relay_partial(rid, text)
+            return
+        self._send_parts()
         rid = payload["rid"]
         abandoned = rid in self._abandoned
-        if kind == b"partial":
-            if not abandoned:
-                self._relay_partial(rid, payload)
-            return
         self._streamed.pop(rid, None)
         self._log_final(rid, payload, rid in self._abandoned)
         outgrew = rid in self._outgrew
@@ -370,19 +389,36 @@ class WorkerLoop:
         else:
             log.info("%s: %s", said, payload.get("message"), extra=extra)
 
-    def _relay_partial(self, rid: int, payload: dict[str, Any]) -> None:
-        """Send a PARTIAL while the request's text fits a reply; at the first piece
-        past ``limits.text_bytes``, stop the request (its FINAL becomes a 413)."""
+    def _relay_partial(self, rid: int, text: str) -> None:
+        """Queue a piece of text for the broker while the request's text fits a reply;
+        at the first piece past ``limits.text_bytes``, stop the request (its FINAL
+        becomes a 413)."""
         if rid in self._outgrew:
             return
-        sent = self._streamed.get(rid, 0) + len(str(payload.get("text", "")).encode())
+        sent = self._streamed.get(rid, 0) + len(text.encode())
         if sent > self.limits.text_bytes:
             self._outgrew.add(rid)
             if rid in self.running:
                 self.running[rid].set()
             return
         self._streamed[rid] = sent
-        self._send(WorkerCommand.PARTIAL, {**payload, "progress": self._progress()})
+        self._parts.append((rid, text))
+
+    def _send_parts(self) -> None:
+        """Send the queued pieces of text: one PARTIAL ``{rid, text, progress}``, or
+        for several (one decode step of many slots, or tokens that came while the
+        I/O thread was busy) one ``{parts: [[rid, text], ...], progress}``: a message
+        per piece cost the broker and this thread a wake-up each (PROTOCOL §13.2)."""
+        parts = self._parts
+        if not parts:
+            return
+        if len(parts) == 1:
+            rid, text = parts[0]
+            body: dict[str, Any] = {"rid": rid, "text": text, "progress": self._progress()}
+        else:
+            body = {"parts": [list(part) for part in parts], "progress": self._progress()}
+        parts.clear()
+        self._send(WorkerCommand.PARTIAL, body)
 
     def _engine_thread(self) -> None:
         """One request at a time through ``engine.run`` (engines that do not batch)."""
@@ -409,10 +445,23 @@ class WorkerLoop:
 
     def _batch_thread(self) -> None:
         """Every slot of a batching engine, stepped together: new requests join
-        between steps; the thread blocks only while no slot is busy."""
+        between steps; the thread blocks only while no slot is busy. The text of
+        one step, every slot's, goes to the I/O thread as one message, before the
+        FINALs of the requests that ended in it."""
         engine = self.engine
         assert isinstance(engine, BatchEngine)
         out = self._pusher()
+        step_parts: list[tuple[int, str]] = []
+
+        def send_parts() -> None:
+            if step_parts:
+                out.send_multipart([b"partials", p.pack({"parts": step_parts})])
+                step_parts.clear()
+
+        def send_final(rid: int, outcome: Outcome) -> None:
+            send_parts()  # a request's text before its FINAL
+            out.send_multipart([b"final", p.pack(final_body(rid, outcome))])
+
         while True:
             items = [self._jobs.get()] if not engine.busy else []
             with contextlib.suppress(queue.Empty):
@@ -424,13 +473,13 @@ class WorkerLoop:
                     return
                 rid, job, cancelled = item
                 try:
-                    engine.submit(rid, job, cancelled, self._emitter(out, rid))
+                    engine.submit(rid, job, cancelled, self._collector(step_parts, rid))
                 except EdgeNodeError as exc:
-                    out.send_multipart([b"final", p.pack(final_body(rid, exc))])
+                    send_final(rid, exc)
                 except Exception as exc:  # an engine bug must cost one request, not the worker
-                    bug = _engine_bug(rid, exc, self.request_ids.get(rid))
-                    out.send_multipart([b"final", p.pack(final_body(rid, bug))])
+                    send_final(rid, _engine_bug(rid, exc, self.request_ids.get(rid)))
             if not engine.busy:
+                send_parts()
                 continue
             try:
                 ended = engine.step()
@@ -439,8 +488,9 @@ class WorkerLoop:
                 # and the broker re-dispatches what had streamed nothing.
                 log.critical("engine step failed: exiting", exc_info=True)
                 os._exit(EXIT_ENGINE_BUG)
+            send_parts()
             for rid, outcome in ended:
-                out.send_multipart([b"final", p.pack(final_body(rid, outcome))])
+                send_final(rid, outcome)
 
     def _pusher(self) -> zmq.Socket[bytes]:
         """An engine thread's own socket to the I/O thread."""
@@ -449,11 +499,22 @@ class WorkerLoop:
         return out
 
     def _emitter(self, out: zmq.Socket[bytes], rid: int) -> Callable[[str], None]:
-        """The ``emit`` of request ``rid``: one PARTIAL per piece of text."""
+        """The ``emit`` of request ``rid`` on its own engine thread: each piece of
+        text to the I/O thread at once."""
 
         def emit(text: str) -> None:
             self.progress += 1
-            out.send_multipart([b"partial", p.pack({"rid": rid, "text": text})])
+            out.send_multipart([b"partials", p.pack({"parts": [(rid, text)]})])
+
+        return emit
+
+    def _collector(self, step_parts: list[tuple[int, str]], rid: int) -> Callable[[str], None]:
+        """The ``emit`` of request ``rid`` in a batching engine: its pieces of text
+        join the step's (``_batch_thread`` sends them after the step)."""
+
+        def emit(text: str) -> None:
+            self.progress += 1
+            step_parts.append((rid, text))
 
         return emit
 
@@ -473,6 +534,17 @@ class WorkerLoop:
             thread.join(timeout=max(0.0, end - time.monotonic()))
         if not any(thread.is_alive() for thread in self._threads):
             self.ctx.term()
+
+
+def _drain(sock: zmq.Socket[bytes]) -> list[list[bytes]]:
+    """Every message ``sock`` holds now (non-blocking), oldest first: reading them
+    all before acting lets one PARTIAL carry every piece of text among them."""
+    messages = []
+    while True:
+        try:
+            messages.append(sock.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            return messages
 
 
 def final_body(rid: int, outcome: Outcome) -> dict[str, Any]:

@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""The broker's overhead against a raw pyzmq ROUTER/ROUTER relay (a benchmark, not a test).
+
+Both sides carry the same conversation: a client DEALER sends
+``["", "EDGE/C1", body]`` with ``k`` requests in flight (closed loop), a router
+passes it to a worker DEALER and the worker's answer back. The node side is a
+real node (``edgenode start``) with one test-engine worker of ``k`` slots and
+``test_token_ms = 0``, asked for one token (``max_tokens = 1``), so its time is
+the broker's and the worker's own I/O; the relay side is a process whose ROUTER
+pair only forwards frames, with a worker process that answers each request at
+once with a FINAL of the same shape.
+
+Rounds are interleaved (relay, node, relay, node, ...) so both see the same
+load from the machine's other users. Per round: requests/s, and the CPU time
+(user + sys, from /proc) per request of the router process (the node's broker
+process, or the relay) and of the worker process. The CPU time per request is
+the robust figure on a shared machine: it does not count the time the process
+waited for a core. ``--profile`` runs py-spy on the node's process during the
+node rounds (needs py-spy on PATH or in the venv).
+
+Usage: ``python scripts/bench_overhead.py [--seconds 3] [--rounds 3] [--inflight 1,8]
+[--profile DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import psutil
+import zmq
+
+from node.testing import NodeProcess
+
+#: The relay and its worker, run as separate processes (``python -c``).
+RELAY = textwrap.dedent(
+    """
+    import sys, zmq
+    ctx = zmq.Context()
+    front = ctx.socket(zmq.ROUTER); front.bind(sys.argv[1])
+    back = ctx.socket(zmq.ROUTER); back.bind(sys.argv[2])
+    # The worker says hello first, so the relay knows its routing id.
+    worker = back.recv_multipart()[0]
+    poller = zmq.Poller()
+    poller.register(front, zmq.POLLIN)
+    poller.register(back, zmq.POLLIN)
+    while True:
+        ready = dict(poller.poll())
+        if front in ready:
+            while True:
+                try:
+                    frames = front.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                # [client, "", tag, body] -> [worker, client, "", tag, body]
+                back.send_multipart([worker, *frames])
+        if back in ready:
+            while True:
+                try:
+                    frames = back.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                front.send_multipart(frames[1:])
+    """
+)
+RELAY_WORKER = textwrap.dedent(
+    """
+    import sys, msgpack, zmq
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER); sock.connect(sys.argv[1])
+    sock.send_multipart([b"hello"])
+    while True:
+        client, empty, tag, body = sock.recv_multipart()
+        req = msgpack.unpackb(body)
+        reply = {"id": req["id"], "status": "ok", "text": "echo:", "finish_reason": "length",
+                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+        sock.send_multipart([client, empty, tag, msgpack.packb(reply)])
+    """
+)
+
+NODE_SECTIONS: dict[str, dict[str, Any]] = {
+    "workers": {"engine": "test", "count": 1, "threads": 1, "test_token_ms": 0},
+    "fallback": {"rules": ""},
+    "pressure": {"cpu_warn_pct": 0.0},
+    "broker": {"max_in_flight_per_client": 10_000},
+}
+
+
+@dataclass
+class Round:
+    """One measured round: ``side`` is ``relay`` or ``node``."""
+
+    side: str
+    inflight: int
+    requests: int
+    seconds: float
+    router_cpu_s: float
+    worker_cpu_s: float
+
+    @property
+    def rate(self) -> float:
+        """Requests per second."""
+        return self.requests / self.seconds
+
+    @property
+    def router_us(self) -> float:
+        """The router process's CPU µs per request."""
+        return 1e6 * self.router_cpu_s / self.requests
+
+    @property
+    def worker_us(self) -> float:
+        """The worker process's CPU µs per request."""
+        return 1e6 * self.worker_cpu_s / self.requests
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    """User + system CPU seconds of ``proc`` (all its threads)."""
+    times = proc.cpu_times()
+    return float(times.user + times.system)
+
+
+def drive(endpoint: str, inflight: int, seconds: float) -> tuple[int, float]:
+    """Closed loop of ``inflight`` requests for ``seconds``; returns (finals, elapsed s)."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    body = {"op": "generate", "prompt": "hi", "max_tokens": 1}
+    n = 0
+
+    def send() -> None:
+        nonlocal n
+        sock.send_multipart([b"", b"EDGE/C1", msgpack.packb({"id": n, **body})])
+        n += 1
+
+    done = 0
+    try:
+        for _ in range(inflight):
+            send()
+        start = time.monotonic()
+        end = start + seconds
+        while time.monotonic() < end:
+            if not sock.poll(1000):
+                raise RuntimeError("no reply in 1 s")
+            reply = msgpack.unpackb(sock.recv_multipart()[-1])
+            if reply["status"] == "partial":
+                continue
+            if reply["status"] != "ok":
+                raise RuntimeError(f"not ok: {reply}")
+            done += 1
+            send()
+        elapsed = time.monotonic() - start
+        # Let the last requests finish, unmeasured, so the next round starts clean.
+        outstanding = n - done
+        while outstanding and sock.poll(2000):
+            if msgpack.unpackb(sock.recv_multipart()[-1])["status"] != "partial":
+                outstanding -= 1
+    finally:
+        sock.close(0)
+    return done, elapsed
+
+
+def measure(
+    side: str,
+    endpoint: str,
+    router: psutil.Process,
+    worker: psutil.Process,
+    inflight: int,
+    seconds: float,
+) -> Round:
+    """One round against an already running router/worker pair."""
+    drive(endpoint, inflight, 0.3)  # warm-up: connections, caches
+    r0, w0 = cpu_s(router), cpu_s(worker)
+    done, elapsed = drive(endpoint, inflight, seconds)
+    return Round(side, inflight, done, elapsed, cpu_s(router) - r0, cpu_s(worker) - w0)
+
+
+def start_relay(run_dir: Path) -> tuple[list[subprocess.Popen[bytes]], str]:
+    """The relay and its worker; returns their processes and the client endpoint."""
+    front, back = f"ipc://{run_dir}/relay-front.sock", f"ipc://{run_dir}/relay-back.sock"
+    relay = subprocess.Popen([sys.executable, "-c", RELAY, front, back])
+    time.sleep(0.3)
+    worker = subprocess.Popen([sys.executable, "-c", RELAY_WORKER, back])
+    time.sleep(0.3)
+    return [relay, worker], front
+
+
+def summary(rounds: list[Round]) -> dict[str, Any]:
+    """Medians per (side, in flight), and the node/relay ratios."""
+    out: dict[str, Any] = {}
+    for k in sorted({r.inflight for r in rounds}):
+        row: dict[str, Any] = {}
+        for side in ("relay", "node"):
+            mine = [r for r in rounds if r.side == side and r.inflight == k]
+            row[side] = {
+                "req_s": statistics.median(r.rate for r in mine),
+                "router_cpu_us_per_req": statistics.median(r.router_us for r in mine),
+                "worker_cpu_us_per_req": statistics.median(r.worker_us for r in mine),
+            }
+        # The ratio of each interleaved pair, then their median: a pair shares the load.
+        pairs = zip(
+            [r for r in rounds if r.side == "relay" and r.inflight == k],
+            [r for r in rounds if r.side == "node" and r.inflight == k],
+            strict=True,
+        )
+        row["req_s_ratio"] = statistics.median(n.rate / r.rate for r, n in pairs)
+        out[str(k)] = row
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--inflight", default="1,8")
+    parser.add_argument("--profile", type=Path, help="py-spy the node's process into DIR")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    levels = [int(k) for k in args.inflight.split(",")]
+    run_dir = Path(tempfile.mkdtemp(prefix="ov-"))
+    relay_procs, relay_front = start_relay(run_dir)
+    sections = {name: dict(values) for name, values in NODE_SECTIONS.items()}
+    sections["workers"]["slots"] = max(levels)
+    node = NodeProcess(sections).start()
+    rounds: list[Round] = []
+    try:
+        status = node.status()
+        node_proc = psutil.Process(status["pid"])
+        node_worker = psutil.Process(node.worker_pids()[0])
+        relay_proc, relay_worker = (psutil.Process(p.pid) for p in relay_procs)
+        spy = None
+        for i in range(args.rounds):
+            for k in levels:
+                rounds.append(measure("relay", relay_front, relay_proc, relay_worker, k, args.seconds))
+                if args.profile is not None and spy is None:
+                    args.profile.mkdir(parents=True, exist_ok=True)
+                    spy = subprocess.Popen(
+                        [_py_spy(), "record", "--pid", str(node_proc.pid), "--format", "raw",
+                         "-o", str(args.profile / "node.txt"), "--rate", "200", "--nonblocking"]
+                    )  # fmt: skip
+                rounds.append(measure("node", node.frontend, node_proc, node_worker, k, args.seconds))
+                for r in rounds[-2:]:
+                    print(
+                        f"round {i} {r.side:5} k={k}: {r.rate:8.0f} req/s"
+                        f"  router {r.router_us:6.0f} µs/req  worker {r.worker_us:6.0f} µs/req",
+                        flush=True,
+                    )
+        if spy is not None:
+            spy.send_signal(2)
+            spy.wait(30)
+    finally:
+        node.cleanup()
+        for proc in relay_procs:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    figures = summary(rounds)
+    print(json.dumps(figures, indent=2))
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def _py_spy() -> str:
+    found = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return found
+
+
+if __name__ == "__main__":
+    main()
