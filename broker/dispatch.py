@@ -55,6 +55,8 @@ class Dispatcher:
 
     def dispatch(self, now: float) -> None:
         """Send queued requests, by priority then age, while credit allows."""
+        if not self.queue:
+            return  # most calls (a FINAL with nothing waiting): no credit to count
         free = {kind: free_credit(self.workers, self.levels, kind) for kind in ENGINE_KINDS}
         for job in self.queue:
             if free[job.kind] <= 0:

@@ -164,17 +164,22 @@ def _unpack_failure(exc: Exception) -> str:
 
 
 def _check_str_keys(obj: dict[Any, Any]) -> None:
-    """Refuse bin (bytes) keys anywhere: strict_map_key lets them through."""
+    """Refuse bin (bytes) keys anywhere: strict_map_key lets them through.
+
+    The unpacker builds exact ``dict``, ``list`` and ``str`` objects, so exact type
+    tests suffice; only containers are visited (every message crosses here: the
+    broker's busiest check)."""
     stack: list[Any] = [obj]
     while stack:
         item = stack.pop()
-        if isinstance(item, dict):
-            bad = next((k for k in item if not isinstance(k, str)), None)
-            if bad is not None:
-                raise ProtocolError(f"map keys (field names) must be msgpack str, got {bad!r}")
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
+        if type(item) is dict:
+            for key, value in item.items():
+                if type(key) is not str:
+                    raise ProtocolError(f"map keys (field names) must be msgpack str, got {key!r}")
+                if type(value) is dict or type(value) is list:
+                    stack.append(value)
+        else:
+            stack.extend(v for v in item if type(v) is dict or type(v) is list)
 
 
 # --------------------------------------------------------------------------- client side

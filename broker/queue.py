@@ -34,6 +34,10 @@ class RequestQueue:
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
+    def __bool__(self) -> bool:
+        """Whether any job waits (without counting them)."""
+        return any(self._queues.values())
+
     def __iter__(self) -> Iterator[Job]:
         """Queued jobs in dispatch order: by priority, then arrival."""
         for priority in PRIORITIES:

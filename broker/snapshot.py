@@ -63,11 +63,13 @@ def free_credit(workers: WorkerRegistry, levels: PressureLevels, kind: EngineKin
     under memory pressure at most the model's halved slots
     (``PressureLevels.concurrency``) less those running; the rules need no memory
     worth protecting."""
-    pool = workers.of_kind(kind)
-    slots = sum(w.slots for w in pool)
-    in_flight = sum(len(w.active) for w in pool)
+    slots = in_flight = credit = 0
+    for w in workers.of_kind(kind):  # one pass: it runs several times per request
+        slots += w.slots
+        in_flight += len(w.active)
+        credit += w.credit
     limit = levels.concurrency(slots) if kind == "llm" else slots
-    return min(sum(w.credit for w in pool), limit - in_flight)
+    return min(credit, limit - in_flight)
 
 
 def engine_slots(

@@ -13,13 +13,17 @@ once with a FINAL of the same shape.
 Rounds are interleaved (relay, node, relay, node, ...) so both see the same
 load from the machine's other users. Per round: requests/s, and the CPU time
 (user + sys, from /proc) per request of the router process (the node's broker
-process, or the relay) and of the worker process. The CPU time per request is
-the robust figure on a shared machine: it does not count the time the process
-waited for a core. ``--profile`` runs py-spy on the node's process during the
-node rounds (needs py-spy on PATH or in the venv).
+process, or the relay) and of the worker process, less what each process spends
+idle in the same time (measured before the rounds: the node's heartbeats and
+pressure readings): the marginal CPU cost of a request. It is the robust figure
+on a shared machine: it does not count the time a process waited for a core.
+``--profile`` runs py-spy on the node's process during the node rounds (needs
+py-spy on PATH or in the venv). ``--before TREE`` also runs a
+node from another source tree (e.g. a worktree of ``main``), as side ``before``,
+in the same interleaved rounds: the A/B of a change.
 
 Usage: ``python scripts/bench_overhead.py [--seconds 3] [--rounds 3] [--inflight 1,8]
-[--profile DIR]``.
+[--profile DIR] [--before TREE] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -91,7 +95,9 @@ RELAY_WORKER = textwrap.dedent(
 )
 
 NODE_SECTIONS: dict[str, dict[str, Any]] = {
-    "workers": {"engine": "test", "count": 1, "threads": 1, "test_token_ms": 0},
+    # nice 0, as the relay's worker: on a busy machine a nice-10 worker's wait for a
+    # core, not the broker, would set the node's req/s.
+    "workers": {"engine": "test", "count": 1, "threads": 1, "test_token_ms": 0, "nice": 0},
     "fallback": {"rules": ""},
     "pressure": {"cpu_warn_pct": 0.0},
     "broker": {"max_in_flight_per_client": 10_000},
@@ -102,7 +108,7 @@ NODE_SECTIONS: dict[str, dict[str, Any]] = {
 class Round:
     """One measured round: ``side`` is ``relay`` or ``node``."""
 
-    side: str
+    side: str  # relay, node, or before (the node of --before TREE)
     inflight: int
     requests: int
     seconds: float
@@ -172,19 +178,28 @@ def drive(endpoint: str, inflight: int, seconds: float) -> tuple[int, float]:
     return done, elapsed
 
 
+Pair = tuple[psutil.Process, psutil.Process]
+
+
+def idle_rates(pair: Pair, seconds: float) -> tuple[float, float]:
+    """CPU seconds per second the router and the worker spend with nothing in flight."""
+    r0, w0 = cpu_s(pair[0]), cpu_s(pair[1])
+    time.sleep(seconds)
+    return (cpu_s(pair[0]) - r0) / seconds, (cpu_s(pair[1]) - w0) / seconds
+
+
 def measure(
-    side: str,
-    endpoint: str,
-    router: psutil.Process,
-    worker: psutil.Process,
-    inflight: int,
-    seconds: float,
+    side: str, endpoint: str, pair: Pair, idle: tuple[float, float], inflight: int, seconds: float
 ) -> Round:
-    """One round against an already running router/worker pair."""
+    """One round against an already running router/worker ``pair``; ``idle`` is
+    their ``idle_rates``, taken off."""
+    router, worker = pair
     drive(endpoint, inflight, 0.3)  # warm-up: connections, caches
     r0, w0 = cpu_s(router), cpu_s(worker)
     done, elapsed = drive(endpoint, inflight, seconds)
-    return Round(side, inflight, done, elapsed, cpu_s(router) - r0, cpu_s(worker) - w0)
+    router_s = max(0.0, cpu_s(router) - r0 - idle[0] * elapsed)
+    worker_s = max(0.0, cpu_s(worker) - w0 - idle[1] * elapsed)
+    return Round(side, inflight, done, elapsed, router_s, worker_s)
 
 
 def start_relay(run_dir: Path) -> tuple[list[subprocess.Popen[bytes]], str]:
@@ -202,20 +217,22 @@ def summary(rounds: list[Round]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k in sorted({r.inflight for r in rounds}):
         row: dict[str, Any] = {}
-        for side in ("relay", "node"):
+        for side in ("relay", "node", "before"):
             mine = [r for r in rounds if r.side == side and r.inflight == k]
+            if not mine:
+                continue
             row[side] = {
                 "req_s": statistics.median(r.rate for r in mine),
                 "router_cpu_us_per_req": statistics.median(r.router_us for r in mine),
                 "worker_cpu_us_per_req": statistics.median(r.worker_us for r in mine),
             }
         # The ratio of each interleaved pair, then their median: a pair shares the load.
-        pairs = zip(
-            [r for r in rounds if r.side == "relay" and r.inflight == k],
-            [r for r in rounds if r.side == "node" and r.inflight == k],
-            strict=True,
-        )
-        row["req_s_ratio"] = statistics.median(n.rate / r.rate for r, n in pairs)
+        relay = [r for r in rounds if r.side == "relay" and r.inflight == k]
+        for side in ("node", "before"):
+            mine = [r for r in rounds if r.side == side and r.inflight == k]
+            if mine:
+                pairs = zip(relay, mine, strict=True)
+                row[f"{side}_req_s_ratio"] = statistics.median(n.rate / r.rate for r, n in pairs)
         out[str(k)] = row
     return out
 
@@ -227,31 +244,54 @@ def main() -> None:
     parser.add_argument("--inflight", default="1,8")
     parser.add_argument("--profile", type=Path, help="py-spy the node's process into DIR")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--before", type=Path, help="also run a node from this source tree")
     args = parser.parse_args()
     levels = [int(k) for k in args.inflight.split(",")]
     run_dir = Path(tempfile.mkdtemp(prefix="ov-"))
     relay_procs, relay_front = start_relay(run_dir)
     sections = {name: dict(values) for name, values in NODE_SECTIONS.items()}
     sections["workers"]["slots"] = max(levels)
-    node = NodeProcess(sections).start()
+    nodes = {"node": NodeProcess(sections).start()}
+    if args.before is not None:
+        # The node and its workers import from PYTHONPATH (they run with -P).
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = str(args.before.resolve())
+        try:
+            nodes["before"] = NodeProcess(sections).start()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
     rounds: list[Round] = []
     try:
-        status = node.status()
-        node_proc = psutil.Process(status["pid"])
-        node_worker = psutil.Process(node.worker_pids()[0])
-        relay_proc, relay_worker = (psutil.Process(p.pid) for p in relay_procs)
+        procs = {
+            side: (psutil.Process(n.status()["pid"]), psutil.Process(n.worker_pids()[0]))
+            for side, n in nodes.items()
+        }
+        node_proc = procs["node"][0]
+        procs["relay"] = (psutil.Process(relay_procs[0].pid), psutil.Process(relay_procs[1].pid))
+        time.sleep(1.0)  # the nodes' start-up is over
+        idle = {side: idle_rates(pair, 2.0) for side, pair in procs.items()}
+        shown = {side: [round(1e3 * x, 1) for x in rates] for side, rates in idle.items()}
+        print("idle CPU, ms/s (router, worker):", shown, flush=True)
         spy = None
         for i in range(args.rounds):
             for k in levels:
-                rounds.append(measure("relay", relay_front, relay_proc, relay_worker, k, args.seconds))
+                rounds.append(
+                    measure("relay", relay_front, procs["relay"], idle["relay"], k, args.seconds)
+                )
                 if args.profile is not None and spy is None:
                     args.profile.mkdir(parents=True, exist_ok=True)
                     spy = subprocess.Popen(
                         [_py_spy(), "record", "--pid", str(node_proc.pid), "--format", "raw",
                          "-o", str(args.profile / "node.txt"), "--rate", "200", "--nonblocking"]
                     )  # fmt: skip
-                rounds.append(measure("node", node.frontend, node_proc, node_worker, k, args.seconds))
-                for r in rounds[-2:]:
+                for side, n in nodes.items():
+                    rounds.append(
+                        measure(side, n.frontend, procs[side], idle[side], k, args.seconds)
+                    )
+                for r in rounds[-1 - len(nodes) :]:
                     print(
                         f"round {i} {r.side:5} k={k}: {r.rate:8.0f} req/s"
                         f"  router {r.router_us:6.0f} µs/req  worker {r.worker_us:6.0f} µs/req",
@@ -261,7 +301,8 @@ def main() -> None:
             spy.send_signal(2)
             spy.wait(30)
     finally:
-        node.cleanup()
+        for n in nodes.values():
+            n.cleanup()
         for proc in relay_procs:
             proc.kill()
             proc.wait()
