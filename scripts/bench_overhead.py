@@ -22,8 +22,13 @@ py-spy on PATH or in the venv). ``--before TREE`` also runs a
 node from another source tree (e.g. a worktree of ``main``), as side ``before``,
 in the same interleaved rounds: the A/B of a change.
 
+``--stream K,...`` adds the per-token cost (issue 10): ``K`` streamed requests
+in flight of ``STREAM_TOKENS`` tokens each, with per streamed token the CPU time
+of the broker's process and of the worker's I/O thread (its main thread; the
+engine threads are not counted), from ``/proc/<pid>/task/<tid>/schedstat`` (ns).
+
 Usage: ``python scripts/bench_overhead.py [--seconds 3] [--rounds 3] [--inflight 1,8]
-[--profile DIR] [--before TREE] [--json FILE]``.
+[--stream 1,4] [--profile DIR] [--before TREE] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -137,6 +142,78 @@ def cpu_s(proc: psutil.Process) -> float:
     return float(times.user + times.system)
 
 
+#: Tokens of one streamed request (the test engine answers one per prompt word).
+STREAM_TOKENS = 64
+
+
+def thread_cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds of ``pid``'s thread ``tid`` (None: all its threads), from schedstat (ns)."""
+    tids = [tid] if tid is not None else [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    total = 0
+    for t in tids:
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as fh:
+                total += int(fh.read().split()[0])
+        except (OSError, ValueError):
+            pass  # a thread that ended meanwhile
+    return total / 1e9
+
+
+def stream_drive(endpoint: str, inflight: int, seconds: float) -> tuple[int, float]:
+    """Closed loop of ``inflight`` streamed requests; returns (partials, elapsed s)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    prompt = " ".join(["w"] * (STREAM_TOKENS - 1))  # "echo:" and one token per word
+    n = tokens = 0
+
+    def send() -> None:
+        nonlocal n
+        body = {"id": n, "op": "generate", "prompt": prompt, "max_tokens": STREAM_TOKENS}
+        sock.send_multipart([b"", b"EDGE/C1", msgpack.packb({**body, "stream": True})])
+        n += 1
+
+    done = 0
+    try:
+        for _ in range(inflight):
+            send()
+        start = time.monotonic()
+        while time.monotonic() < start + seconds:
+            if not sock.poll(2000):
+                raise RuntimeError("no reply in 2 s")
+            reply = msgpack.unpackb(sock.recv_multipart()[-1])
+            if reply["status"] == "partial":
+                tokens += 1
+                continue
+            if reply["status"] != "ok":
+                raise RuntimeError(f"not ok: {reply}")
+            done += 1
+            send()
+        elapsed = time.monotonic() - start
+        while n - done and sock.poll(3000):
+            if msgpack.unpackb(sock.recv_multipart()[-1])["status"] != "partial":
+                done += 1
+    finally:
+        sock.close(0)
+    return tokens, elapsed
+
+
+def measure_stream(side: str, node: NodeProcess, inflight: int, seconds: float) -> dict[str, Any]:
+    """Per streamed token: CPU µs of the broker's process and of the worker's I/O thread."""
+    broker = node.status()["pid"]
+    worker = node.worker_pids()[0]
+    stream_drive(node.frontend, inflight, 0.3)
+    b0, w0 = thread_cpu_s(broker), thread_cpu_s(worker, worker)
+    tokens, elapsed = stream_drive(node.frontend, inflight, seconds)
+    return {
+        "side": side,
+        "inflight": inflight,
+        "tokens_s": tokens / elapsed,
+        "broker_us_per_token": 1e6 * (thread_cpu_s(broker) - b0) / tokens,
+        "worker_io_us_per_token": 1e6 * (thread_cpu_s(worker, worker) - w0) / tokens,
+    }
+
+
 def drive(endpoint: str, inflight: int, seconds: float) -> tuple[int, float]:
     """Closed loop of ``inflight`` requests for ``seconds``; returns (finals, elapsed s)."""
     ctx = zmq.Context.instance()
@@ -245,12 +322,14 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, help="py-spy the node's process into DIR")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--before", type=Path, help="also run a node from this source tree")
+    parser.add_argument("--stream", default="", help="streamed requests in flight, e.g. 1,4")
     args = parser.parse_args()
-    levels = [int(k) for k in args.inflight.split(",")]
+    levels = [int(k) for k in args.inflight.split(",") if k]
     run_dir = Path(tempfile.mkdtemp(prefix="ov-"))
     relay_procs, relay_front = start_relay(run_dir)
     sections = {name: dict(values) for name, values in NODE_SECTIONS.items()}
-    sections["workers"]["slots"] = max(levels)
+    streams = [int(k) for k in args.stream.split(",") if k]
+    sections["workers"]["slots"] = max(levels + streams)
     nodes = {"node": NodeProcess(sections).start()}
     if args.before is not None:
         # The node and its workers import from PYTHONPATH (they run with -P).
@@ -264,6 +343,7 @@ def main() -> None:
             else:
                 os.environ["PYTHONPATH"] = saved
     rounds: list[Round] = []
+    token_rounds: list[dict[str, Any]] = []
     try:
         procs = {
             side: (psutil.Process(n.status()["pid"]), psutil.Process(n.worker_pids()[0]))
@@ -297,6 +377,16 @@ def main() -> None:
                         f"  router {r.router_us:6.0f} µs/req  worker {r.worker_us:6.0f} µs/req",
                         flush=True,
                     )
+            for k in streams:
+                for side, n in nodes.items():
+                    token_rounds.append(measure_stream(side, n, k, args.seconds))
+                    t = token_rounds[-1]
+                    print(
+                        f"round {i} {side:5} stream k={k}: {t['tokens_s']:7.0f} tokens/s"
+                        f"  broker {t['broker_us_per_token']:5.0f} µs/token"
+                        f"  worker I/O {t['worker_io_us_per_token']:5.0f} µs/token",
+                        flush=True,
+                    )
         if spy is not None:
             spy.send_signal(2)
             spy.wait(30)
@@ -307,7 +397,14 @@ def main() -> None:
             proc.kill()
             proc.wait()
         shutil.rmtree(run_dir, ignore_errors=True)
-    figures = summary(rounds)
+    figures = summary(rounds) if rounds else {}
+    for k in streams:
+        for side in nodes:
+            mine = [t for t in token_rounds if t["side"] == side and t["inflight"] == k]
+            figures.setdefault(f"stream {k}", {})[side] = {
+                key: statistics.median(t[key] for t in mine)
+                for key in ("tokens_s", "broker_us_per_token", "worker_io_us_per_token")
+            }
     print(json.dumps(figures, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
