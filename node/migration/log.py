@@ -160,13 +160,24 @@ class _JsonLinesHandler(RotatingFileHandler):
     def __init__(self, path: Path, max_bytes: int, backups: int) -> None:
         super().__init__(path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
         self.dropped = 0
+        # bpo-45401: never rotate anything but a regular file (a FIFO, /dev/null). The
+        # stdlib asks with two stat calls per line; the answer cannot change for the
+        # node's own path, and a line is written per request on the broker's loop.
+        self._regular = not (path.exists() and not path.is_file())
 
     def shouldRollover(self, record: logging.LogRecord) -> bool:
+        """The stdlib's test (the file's size + this line >= ``maxBytes``), without
+        formatting the line twice or seeking: the file is only appended to."""
+        if not self._regular or self.maxBytes <= 0:
+            return False
+        if self.stream is None:  # reopened lazily after a rotation
+            self.stream = self._open()
+        size = self.stream.tell()
         # Never rotate an empty file (gh-116263, fixed in 3.13): a line larger than max_bytes
         # would otherwise rotate on every write and push the real backups out with empty ones.
-        if self.stream is not None and self.stream.tell() == 0:
+        if size == 0:
             return False
-        return bool(super().shouldRollover(record))
+        return size + len(self.format(record)) + 1 >= self.maxBytes
 
     def handleError(self, record: logging.LogRecord) -> None:
         self.dropped += 1
