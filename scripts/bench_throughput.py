@@ -2,21 +2,11 @@
 """Throughput and time to first token: the node vs llama-cpp-python vs llama-server
 (a benchmark, not a test; its targets and last figures: README, "Performance").
 
-What it measures, in one run, on the same cores (``--cpus``), with the default model
-(``node.model.resolve_model("default")``), the same prompts (six story and
-instruction prompts of 26-39 tokens, cycled), greedy sampling (temperature 0, sent
-explicitly to every backend) and at most 128 generated tokens per request, at 1, 2,
-4 and 8 concurrent requests (``--levels``):
-
-* **aggregate tokens/s**: the tokens actually generated (as each backend counts
-  them: the node's ``usage.completion_tokens``, llama-server's
-  ``timings.predicted_n``, for llama-cpp-python the tokens its ``generate`` yields
-  less a final end-of-generation token) by a batch of N closed-loop clients, each
-  sending its requests one after another, divided by the batch's wall time (the
-  first request sent to the last reply);
-* **TTFT p50 / p99**: from sending a request to its first streamed text, over every
-  request of the batch, by nearest rank (``node.bench.stats.percentiles``). With 6-16
-  requests per level p99 is the slowest request's TTFT.
+What is measured (tokens/s and TTFT p50/p99 at 1, 2, 4 and 8 concurrent requests, the
+same prompts and greedy 128-token generations for every backend) is written once, in
+``node.bench.throughput``'s docstring; ``edgenode bench --only throughput`` runs the
+same measurement. This script adds what a study needs: layouts, rounds, pinning,
+repacking and flash attention per backend.
 
 Prompt caching is left at each backend's default (the node and llama-server reuse
 a slot's KV for a shared prefix, llama-cpp-python its last prompt's): the prompts

@@ -16,7 +16,7 @@ explicitly to every backend) and at most 128 generated tokens per request, at 1,
   sending its requests one after another, divided by the batch's wall time (the
   first request sent to the last reply);
 * **TTFT p50 / p99**: from sending a request to its first streamed text, over every
-  request of the batch, by nearest rank (``node.migration.report.percentiles``). With 6-16
+  request of the batch, by nearest rank (``node.bench.stats.percentiles``). With 6-16
   requests per level p99 is the slowest request's TTFT.
 
 Prompt caching is left at each backend's default (the node and llama-server reuse
