@@ -268,6 +268,11 @@ class BrokerLoop:
         self._extra[fd] = callback
         self.poller.register(fd, zmq.POLLIN)
 
+    def remove_fd(self, fd: int) -> None:
+        """Stop watching ``fd`` (from ``add_fd``); before the caller closes it."""
+        if self._extra.pop(fd, None) is not None:
+            self.poller.unregister(fd)
+
     def stop(self) -> None:
         """Make ``run`` return after the current turn."""
         self._running = False

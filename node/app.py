@@ -5,10 +5,18 @@ reports worker events through callbacks, the pool reports exits back, and
 neither imports the other. Signals and ``edgenode stop`` take the same path:
 SIGTERM -> drain -> answer the rest -> stop workers (still answering clients)
 -> close the sockets -> remove cgroups and run files.
+
+Two ways to run a ``Node``: ``run()`` is the CLI's (``edgenode start``): it owns
+the process, so it installs SIGTERM/SIGINT/SIGCHLD handlers and a wakeup fd and
+blocks until a signal. ``with Node(config) as node:`` (``start``/``stop``, also
+``async with``) embeds the node in an app: the same serving code on a thread of
+its own, stopped through a socketpair that wakes the loop, worker exits noticed
+through pidfds; it installs no signal handler (README "Embedding a node in your app").
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
@@ -16,16 +24,18 @@ import os
 import resource
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import zmq
 
 from broker.core import Broker
 from broker.delivery import ReplyKind
-from broker.errors import ConfigError
+from broker.errors import ConfigError, EdgeNodeError, SandboxError
 from broker.loop import BrokerLoop
 from broker.outbox import Effects
 from broker.token_count import TokenCounter
@@ -33,7 +43,7 @@ from node.capacity.budget import tightest_limit
 from node.capacity.plan import check_fits
 from node.capacity.worker_limits import describe, memory_max_bytes
 from node.config import NodeConfig
-from node.endpoints import check_free
+from node.endpoints import check_free, connect_endpoint
 from node.engine import EngineSpec, make_token_counter
 from node.migration.log import MigrationLog, migration_log_path
 from node.model import RULES_SNAPSHOT, resolve_model, resolve_rules, snapshot_rules
@@ -44,6 +54,7 @@ from node.pidfile import RunLock, inherited_lock_fd, remove_pidfile, write_pidfi
 from node.pool import WorkerPool
 from node.pressure import CpuPressureMonitor, PressureMonitor, cpu_psi_file
 from node.sandbox.cgroupfs import Host
+from node.sandbox.cores import pin_all_threads
 from node.sandbox.layout import Layout, read_layout
 from node.security.keys import also_allow, curve_servers, local_key_file, local_keypair
 from node.units import parse_size
@@ -82,12 +93,43 @@ KILL_REAP_S = 1.0
 #: frontend closes (ms); bounded, so a client that stopped reading cannot hold
 #: up the stop.
 CLOSE_LINGER_MS = 500
+#: How long ``Node.start`` (so ``with Node(config)``) waits for every worker to be
+#: READY (s): the default of ``edgenode start --wait-s``, room for a model load.
+START_WAIT_S = 180.0
+#: Loop turn cap of an embedded node on a kernel without pidfds (s): how soon a
+#: worker's exit is noticed when nothing wakes the loop for it.
+EXIT_POLL_S = 0.05
+
+
+class NodeStartError(EdgeNodeError):
+    """An embedded node did not come up: a worker failed for good (its exit says
+    why), or not every worker was READY within the wait. The node is stopped
+    (workers, cgroups, run files removed) before this is raised."""
 
 
 class Node:
     """A running edgenode: broker loop in this process, workers as children.
 
-    Raises (from ``run``):
+    ``run()`` serves in the calling thread until SIGTERM/SIGINT (the CLI's node).
+    ``start()``/``stop()``, or ``with Node(config) as node:`` / ``async with``,
+    serve on a thread of its own, for an app that embeds the node:
+
+    - ``start`` returns once every worker is READY (what ``edgenode start``
+      waits for), bounded by ``start_wait_s``; ``frontend`` is then the endpoint
+      to connect a ``broker.client.Client`` to.
+    - ``stop`` drains as SIGTERM does, joins the thread and re-raises an error
+      that ended the loop thread; a second call does nothing.
+    - No signal handler, wakeup fd or SIGCHLD handler is installed: the app's
+      stay as they were. ``edgenode stop`` on the run directory signals the
+      app's process (the pidfile names it); its own handler decides.
+    - Cgroups: the node's sandbox moves the whole process (the app with it) into
+      the node's ``node`` leaf, as for the CLI's node (cgroup v2 allows no process
+      in a cgroup that enables controllers), and ``stop`` moves it back to the
+      cgroup it came from and removes the node's tree. With reserved cores
+      (``node.cpus``) the app's threads run on the node's cores until ``stop``
+      gives them back the cores they had.
+
+    Raises (from ``run``, ``start`` and so ``__enter__``):
         ConfigError: the model or rules cannot be resolved, the rules file is
             invalid (``fallback.rules.RulesError``: the bytes the rule worker will
             serve are checked, ``node.model.snapshot_rules``), the core plan is
@@ -96,16 +138,188 @@ class Node:
             endpoint is in use (the message names its holder). A start that
             fails removes the workers, cgroups, socket files and pidfile it made.
         SandboxError: ``sandbox = "required"`` and cgroups cannot be used.
+        NodeStartError: (``start`` only) a worker failed for good, or not every
+            worker was READY within ``start_wait_s``.
     """
 
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: NodeConfig, *, start_wait_s: float = START_WAIT_S) -> None:
         self.config = config
         self.run_dir = config.run_dir
         self.pidfile = self.run_dir / "edgenode.pid"
+        #: Where a client on this host connects (a wildcard bind becomes loopback).
+        self.frontend = connect_endpoint(config.frontend)
+        #: Where workers connect.
+        self.backend = connect_endpoint(config.backend)
+        self.start_wait_s = start_wait_s
         self._stop_requested = False
+        #: True for ``run`` (the CLI's node owns the process and its signals).
+        self._own_signals = False
+        #: Written to by ``stop`` (and, under ``run``, by the signal wakeup fd) to
+        #: wake the loop; made before the loop exists, so no stop is missed.
+        self._wake: tuple[socket.socket, socket.socket] | None = None
+        self._thread: threading.Thread | None = None
+        #: Set by the loop thread once every worker is READY, a worker failed for
+        #: good (``_start_failure``), or the thread ended.
+        self._started = threading.Event()
+        self._start_failure: str | None = None
+        self._error: BaseException | None = None
+        self._error_lock = threading.Lock()
+        #: The embedded node's pidfd watch, while its loop serves (``ExitWatch``).
+        self._exits: ExitWatch | None = None
+
+    # ------------------------------------------------------------------ embedded
+
+    def start(self) -> Node:
+        """Serve on a new thread; return once every worker is READY.
+
+        Raises:
+            RuntimeError: this node was started before (a ``Node`` starts once).
+            NodeStartError: a worker failed for good, or not all were READY in
+                ``start_wait_s`` seconds; the node is stopped first.
+            EdgeNodeError: what ``run`` raises (bad config, run directory in
+                use, endpoint taken, sandbox required): the loop thread's error,
+                raised here after everything it made is removed.
+        """
+        if self._thread is not None:
+            raise RuntimeError("a Node starts once; make a new Node to start again")
+        self._wake = _wake_pair()
+        self._thread = threading.Thread(target=self._thread_main, name="edgenode-node")
+        self._thread.start()
+        ready = self._started.wait(self.start_wait_s)
+        if ready and self._start_failure is None and self._thread.is_alive():
+            return self
+        why = self._start_failure or (
+            "the node stopped while starting"
+            if ready
+            else f"not every worker READY within {self.start_wait_s:g} s"
+        )
+        self.stop()  # raises the loop thread's own error, if it had one
+        raise NodeStartError(f"edgenode did not start: {why} (logs in {self.run_dir / 'logs'})")
+
+    def stop(self) -> None:
+        """Stop as SIGTERM stops the CLI's node (drain, answer the rest, stop the
+        workers, remove cgroups, sockets and pidfile) and join the loop thread.
+        Blocks at most about ``workers.stop_grace_ms`` twice plus a second.
+        Safe to call twice, or before ``start``; a Ctrl-C while it waits does not
+        abandon the stop (it is raised once the thread has ended).
+
+        Raises:
+            BaseException: whatever ended the loop thread (once; a second ``stop``
+                returns quietly).
+        """
+        self._stop_requested = True
+        wake = self._wake
+        if wake is not None:
+            with contextlib.suppress(OSError):  # closed: the loop is gone already
+                wake[1].send(b"\0")
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        interrupted: KeyboardInterrupt | None = None
+        while thread.is_alive():
+            try:
+                thread.join()
+            except KeyboardInterrupt as exc:  # finish the stop first: no leftovers
+                interrupted = exc
+        with self._error_lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+        if interrupted is not None:
+            raise interrupted
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop thread is serving (False before ``start`` and after it ended)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self) -> Node:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self.stop()
+        except BaseException as loop_error:
+            if exc is None:
+                raise
+            # The body's exception goes on (it says what the app was doing); the
+            # loop thread's is logged, whole, rather than lost.
+            log.error("edgenode loop thread failed", exc_info=loop_error)
+
+    async def __aenter__(self) -> Node:
+        """``start`` in an executor thread: the event loop is never blocked. A
+        cancelled ``__aenter__`` lets the start finish, then stops the node."""
+        starting = asyncio.ensure_future(asyncio.to_thread(self.start))
+        try:
+            return await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            await asyncio.wait([starting])
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.stop)
+            raise
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """``__exit__`` in an executor thread; a cancelled wait still finishes the stop."""
+        stopping = asyncio.ensure_future(asyncio.to_thread(self.__exit__, exc_type, exc, tb))
+        try:
+            await asyncio.shield(stopping)
+        except asyncio.CancelledError:
+            await asyncio.wait([stopping])
+            raise
+
+    def _thread_main(self) -> None:
+        """The loop thread: ``run``'s work without signals; its error is kept for ``stop``."""
+        try:
+            self._run(lock_fd=None)
+        except BaseException as exc:
+            with self._error_lock:
+                self._error = exc
+        finally:
+            self._started.set()
+
+    def _note_start(self, pool: WorkerPool) -> None:
+        """Tell ``start`` once every worker is READY, or one failed for good."""
+        if self._started.is_set():
+            return
+        failed = [p for p in pool.supervisor.status() if p["state"] == "failed"]
+        if failed:
+            self._start_failure = "; ".join(
+                f"{p['worker_id']} failed: {p['last_exit']}" for p in failed
+            )
+            self._started.set()
+        elif pool.supervisor.all_ready():
+            self._started.set()
+
+    # ------------------------------------------------------------------ CLI
 
     def run(self) -> int:
-        """Serve until SIGTERM/SIGINT; returns the exit code (0 on a clean stop)."""
+        """Serve until SIGTERM/SIGINT; returns the exit code (0 on a clean stop).
+        The CLI's node: it installs SIGTERM/SIGINT/SIGCHLD handlers and a wakeup fd."""
+        self._own_signals = True
+        self._wake = _wake_pair()
+        return self._run(inherited_lock_fd())
+
+    def _run(self, lock_fd: int | None) -> int:
+        """Check, lock, serve, clean up; ``lock_fd``: a lock handed over by a
+        background start (``node.pidfile.inherited_lock_fd``)."""
+        try:
+            return self._run_checked(lock_fd)
+        finally:
+            if self._wake is not None:
+                for sock in self._wake:
+                    sock.close()
+
+    def _run_checked(self, lock_fd: int | None) -> int:
         c = self.config
         raise_open_files_limit()
         model = str(resolve_model(c.model.path)) if c.workers.engine == "llama" else "test"
@@ -130,13 +344,14 @@ class Node:
         )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)
-        # From here a SIGTERM (``edgenode stop`` of a starting node) must take the
-        # clean path: the default action would leave the pidfile, later the cgroups.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
+        if self._own_signals:
+            # From here a SIGTERM (``edgenode stop`` of a starting node) must take the
+            # clean path: the default action would leave the pidfile, later the cgroups.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._on_signal)
         # One node per run directory, for this node's whole life; a background
         # start took the lock before spawning this process and handed it over.
-        with RunLock(self.run_dir, fd=inherited_lock_fd()):
+        with RunLock(self.run_dir, fd=lock_fd):
             write_pidfile(self.pidfile)
             try:
                 if rules is not None:
@@ -154,11 +369,16 @@ class Node:
             check_free(key, endpoint)  # nothing is made before this
         if self._stop_requested:  # stopped while starting: nothing to make, nothing to undo
             return 0
+        # An embedded node's sandbox may pin the app's threads (reserved cores):
+        # the cores they had come back at stop.
+        affinity = os.sched_getaffinity(0)
         try:
             pool.open()  # cgroups before any zmq thread exists
             return self._serve(pool, model)
         finally:
             pool.stop(c.workers.stop_grace_ms / 1000)  # after a clean stop: a no-op
+            if not self._own_signals and pool.plan.node:
+                _restore_affinity(affinity)
             # Free or stale when checked, under this node's lock: they are this node's.
             for name in ("frontend.sock", "workers/backend.sock"):
                 (self.run_dir / name).unlink(missing_ok=True)
@@ -201,6 +421,9 @@ class Node:
                 broker.set_cpu_pressure(cpu_level, now)
             if metrics is not None:
                 metrics.publish(now)
+            if self._exits is not None:
+                self._exits.sync(pool.supervisor.processes())
+            self._note_start(pool)
 
         metrics = _metrics(c, broker, pool)
         try:
@@ -221,9 +444,20 @@ class Node:
         the broker's effects."""
         c = self.config
         loop = self._bind(broker, pool, migration, on_tick, metrics)
-        wake_r, wake_w = self._install_signals(loop)
+        assert self._wake is not None  # made by run / start
+        wake_r = self._wake[0]
+        loop.add_fd(wake_r.fileno(), lambda: _drain_fd(wake_r))
+        exits: ExitWatch | None = None
+        if self._own_signals:
+            self._install_signals()
+            turn_s = 1.0  # SIGCHLD wakes the loop for an exit
+        else:
+            exits = self._exits = ExitWatch(loop)
+            turn_s = 1.0 if exits.available else EXIT_POLL_S
         try:
             pool.start(lambda wid, cause: broker.worker_exited(wid, cause, time.monotonic()))
+            if exits is not None:
+                exits.sync(pool.supervisor.processes())
             log.info(
                 "edgenode serving on %s (%d model workers x %d slots, mode %s, pid %d)",
                 c.frontend,
@@ -233,11 +467,11 @@ class Node:
                 os.getpid(),
             )
             while not self._stop_requested:
-                loop.turn()
+                loop.turn(max_wait_s=turn_s)
             self._drain(loop, broker, pool)
             self._stop_workers(loop, pool)
         finally:
-            self._close(loop, pool, migration, (wake_r, wake_w))
+            self._close(loop, pool, migration, exits)
         return 0
 
     def _bind(
@@ -289,7 +523,7 @@ class Node:
         loop: BrokerLoop,
         pool: WorkerPool,
         migration: MigrationLog,
-        wake: tuple[socket.socket, socket.socket],
+        exits: ExitWatch | None,
     ) -> None:
         """Close the sockets, stop what is left of the pool, remove the run files."""
         try:
@@ -300,9 +534,11 @@ class Node:
         finally:
             pool.stop(self.config.workers.stop_grace_ms / 1000)  # at once after _stop_workers
         migration.close()
-        signal.set_wakeup_fd(-1)
-        for sock in wake:
-            sock.close()
+        if exits is not None:
+            exits.close()
+            self._exits = None
+        if self._own_signals:
+            signal.set_wakeup_fd(-1)
         log.info("edgenode stopped")
 
     def _migration_log(self, pool: WorkerPool) -> MigrationLog:
@@ -326,18 +562,15 @@ class Node:
         own = 2 * parse_size(self.config.capacity.runtime_overhead)
         return one * self.config.workers.count + self.plan.shared_weights + own
 
-    def _install_signals(self, loop: BrokerLoop) -> tuple[socket.socket, socket.socket]:
-        """Route SIGTERM/SIGINT to a clean stop and wake the loop on any signal."""
-        wake_r, wake_w = socket.socketpair()
-        wake_r.setblocking(False)
-        wake_w.setblocking(False)
-        signal.set_wakeup_fd(wake_w.fileno())
+    def _install_signals(self) -> None:
+        """The CLI's node only: route SIGTERM/SIGINT to a clean stop and wake the
+        loop (through the wake socketpair) on any signal."""
+        assert self._wake is not None
+        signal.set_wakeup_fd(self._wake[1].fileno())
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         # SIGCHLD only needs to wake the loop so an exited worker is reaped at once.
         signal.signal(signal.SIGCHLD, lambda *_: None)
-        loop.add_fd(wake_r.fileno(), lambda: _drain_fd(wake_r))
-        return wake_r, wake_w
 
     def _drain(self, loop: BrokerLoop, broker: Broker, pool: WorkerPool) -> None:
         """No new work; let in-flight requests finish within the grace, answer the rest."""
@@ -405,6 +638,67 @@ class Node:
                 "worker_limits": describe(self.config.workers, self.plan),
             },
         }
+
+
+class ExitWatch:
+    """Wakes an embedded node's loop when a worker process exits, without SIGCHLD
+    (whose handler belongs to the app): one pidfd per unreaped worker process
+    (``os.pidfd_open``, Linux >= 5.3), registered with the loop. A pidfd turns
+    readable when its process exits; the turn it wakes reaps the process
+    (``Supervisor.tick``), and the next ``sync`` closes the pidfd. The process is
+    this node's child and unreaped while its pidfd is opened, so the pid cannot
+    name another process. Without pidfds (``available`` False) the node caps its
+    loop turns at ``EXIT_POLL_S`` instead.
+    """
+
+    def __init__(self, loop: BrokerLoop) -> None:
+        self.loop = loop
+        self._fds: dict[int, int] = {}  # pid -> pidfd
+        self.available = hasattr(os, "pidfd_open")
+
+    def sync(self, pids: set[int]) -> None:
+        """Watch exactly ``pids`` (the supervisor's unreaped processes)."""
+        for pid in [p for p in self._fds if p not in pids]:
+            fd = self._fds.pop(pid)
+            self.loop.remove_fd(fd)
+            os.close(fd)
+        if not self.available:
+            return
+        for pid in pids - self._fds.keys():
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue  # already reaped: tick has seen it
+            except OSError as exc:  # ENOSYS: a kernel before 5.3
+                log.warning("no pidfds (%s): worker exits are polled every %g s", exc, EXIT_POLL_S)
+                self.available = False
+                return
+            self._fds[pid] = fd
+            self.loop.add_fd(fd, _exited)
+
+    def close(self) -> None:
+        """Close every pidfd."""
+        self.sync(set())
+
+
+def _exited() -> None:
+    """A pidfd turned readable: nothing to read; the turn's tick reaps the process."""
+
+
+def _restore_affinity(cpus: set[int]) -> None:
+    """Give every thread of the app that embeds the node back the cores it had."""
+    try:
+        pin_all_threads(cpus)
+    except SandboxError as exc:
+        log.warning("cannot give the app's threads back their cores: %s", exc.message)
+
+
+def _wake_pair() -> tuple[socket.socket, socket.socket]:
+    """The loop's wake socketpair (reader, writer), both non-blocking."""
+    wake_r, wake_w = socket.socketpair()
+    wake_r.setblocking(False)
+    wake_w.setblocking(False)
+    return wake_r, wake_w
 
 
 def _layout() -> Layout | None:

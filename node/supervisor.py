@@ -341,6 +341,11 @@ class Supervisor:
             _killpg(pgid, signal.SIGTERM)
         return groups
 
+    def processes(self) -> set[int]:
+        """Pids of the worker processes not reaped yet (running, or exited and
+        waiting for ``tick``): the node watches them for exits."""
+        return {h.proc.pid for h in self.handles.values() if h.proc is not None}
+
     def unreaped(self) -> int:
         """How many worker processes ``tick`` has not reaped yet (running or exited)."""
         return sum(h.proc is not None for h in self.handles.values())

@@ -1,0 +1,203 @@
+"""An app that embeds a node, for tests/integration/test_embed.py.
+
+``python tests/embed_app.py CONFIG REPORT MODE`` (``PYTHONPATH`` = the repo):
+installs its own SIGTERM/SIGINT handlers, embeds a node from ``CONFIG`` with
+``with Node(config)`` (MODE ``sync``, ``raise``, ``rules``) or
+``async with Node(config)`` (MODE ``async``), serves requests through the sync
+Client, and writes what it saw to ``REPORT`` (JSON) before it exits: the
+worker pids, the node's cgroups and the app's own cgroup while serving, the
+replies, and whether its handlers were the same inside and after the block.
+Exit 0 when every check in here held, 3 when the with-body raised as asked
+(``raise``), 1 otherwise. The test checks from outside what the app leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from broker.client import Client
+from broker.errors import ConfigError
+from node.app import Node
+from node.config import load_config
+from node.testing import Collector, wait_for
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
+
+
+class BodyFailed(Exception):
+    """What the ``raise`` mode's with-body raises."""
+
+
+def on_signal(signum: int, _frame: FrameType | None) -> None:
+    """The app's own handler (never called here: it only has to stay installed)."""
+    print(f"app got signal {signum}", file=sys.stderr)
+
+
+def handlers() -> dict[str, str]:
+    """The app's current handlers, by signal name (``repr``, comparable across calls)."""
+    return {sig.name: repr(signal.getsignal(sig)) for sig in SIGNALS}
+
+
+def wakeup_fd() -> int:
+    """The current signal wakeup fd (-1: none); leaves it as it was."""
+    fd = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(fd)
+    return fd
+
+
+def own_cgroup() -> str:
+    return Path("/proc/self/cgroup").read_text()
+
+
+def node_cgroup_existed(status: dict[str, Any]) -> bool | None:
+    """Whether the node's cgroup directory (from its status) exists; None without one.
+    (``node.testing.node_cgroup_dirs`` starts from this process's own cgroup,
+    which while the node serves is the node's leaf: the test calls it from outside.)"""
+    cgroup = status["sandbox"]["cgroup"]
+    return None if cgroup is None else Path(cgroup).is_dir()
+
+
+def serve(node: Node, report: dict[str, Any], rules: bool) -> None:
+    """What the app does while the node serves; fills ``report``."""
+    report["handlers_inside"] = handlers()
+    report["wakeup_fd_inside"] = wakeup_fd()
+    report["cgroup_inside"] = own_cgroup()
+    with Client(node.frontend, wait_ms=10_000) as client:
+        status = client.status()
+        report["sandbox"] = status["sandbox"]
+        report["node_cgroup_existed"] = node_cgroup_existed(status)
+        report["workers"] = {p["worker_id"]: p["pid"] for p in status["processes"]}
+        if rules:
+            reply = client.generate("hello there", route="rules")
+            report["replies"] = [reply.text, reply.served_by]
+        else:
+            report["replies"] = [client.generate(f"hello {i}").text for i in range(3)]
+            report["kill9"] = kill9_busy_worker(node, client)
+            # Restarted workers are new processes: the test checks these too.
+            status = client.status()
+            report["workers_after_kill"] = {p["worker_id"]: p["pid"] for p in status["processes"]}
+    try:
+        Node(load_config(os.environ["EDGENODE_CONFIG"])).start()
+        report["second_node"] = "started"
+    except ConfigError as exc:
+        report["second_node"] = exc.message
+
+
+def kill9_busy_worker(node: Node, client: Client) -> dict[str, Any]:
+    """SIGKILL the worker busy with a slow request: it is made again elsewhere,
+    and the killed worker is restarted with its exit seen as SIGKILL."""
+    col = Collector(node.frontend)
+    try:
+        col.send(id="k", op="generate", prompt="!slow 100 a b c d e f g h", max_tokens=9)
+        busy = wait_for(lambda: next((w for w in client.status()["workers"] if w["active"]), None))
+        os.kill(busy["pid"], signal.SIGKILL)
+        col.collect(timeout=10)
+        final = col.final("k")
+
+        def restarted() -> dict[str, Any] | None:
+            status = client.status()
+            (p,) = [p for p in status["processes"] if p["worker_id"] == busy["worker_id"]]
+            return p if p["restarts"] == 1 and status["all_ready"] else None
+
+        process = wait_for(restarted, timeout=15)
+        return {
+            "status": final["status"],
+            "text": final.get("text"),
+            "victim": busy["worker_id"],
+            "served_by": final.get("worker"),
+            "last_exit": process["last_exit"],
+        }
+    finally:
+        col.close()
+
+
+def run_sync(config_path: str, report: dict[str, Any], mode: str) -> None:
+    config = load_config(config_path)
+    with Node(config) as node:
+        report["frontend"] = node.frontend
+        serve(node, report, rules=mode == "rules")
+        if mode == "raise":
+            raise BodyFailed("the app's body failed")
+        node.stop()  # stop twice (the with's exit is the third)
+        node.stop()
+        report["running_after_stop"] = node.running
+
+
+async def run_async(config_path: str, report: dict[str, Any]) -> None:
+    """``async with``, and the sync Client in executor threads; a ticker shows the
+    event loop kept running while the node started and stopped."""
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.005)
+            ticks += 1
+
+    tick_task = asyncio.create_task(ticker())
+    config = load_config(config_path)
+    loop = asyncio.get_running_loop()
+    async with Node(config) as node:
+        report["ticks_during_start"] = ticks
+        report["handlers_inside"] = handlers()
+        report["cgroup_inside"] = own_cgroup()
+
+        def ask(prompt: str) -> str:
+            with Client(node.frontend, wait_ms=10_000) as client:
+                return client.generate(prompt).text
+
+        report["replies"] = list(
+            await asyncio.gather(*(loop.run_in_executor(None, ask, f"a{i}") for i in range(3)))
+        )
+        with Client(node.frontend, wait_ms=10_000) as client:
+            status = await loop.run_in_executor(None, client.status)
+        report["workers"] = {p["worker_id"]: p["pid"] for p in status["processes"]}
+        report["sandbox"] = status["sandbox"]
+        report["node_cgroup_existed"] = node_cgroup_existed(status)
+        before_stop = ticks
+    report["ticks_during_stop"] = ticks - before_stop
+    tick_task.cancel()
+
+
+def main() -> int:
+    config_path, report_path, mode = sys.argv[1:4]
+    os.environ["EDGENODE_CONFIG"] = config_path
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    report: dict[str, Any] = {
+        "pid": os.getpid(),
+        "handlers_before": handlers(),
+        "wakeup_fd_before": wakeup_fd(),
+        "cgroup_before": own_cgroup(),
+    }
+    code = 0
+    try:
+        if mode == "async":
+            asyncio.run(run_async(config_path, report))
+        else:
+            run_sync(config_path, report, mode)
+    except BodyFailed as exc:
+        report["raised"] = str(exc)
+        code = 3
+    except BaseException:
+        report["error"] = traceback.format_exc()
+        code = 1
+    report["handlers_after"] = handlers()
+    report["wakeup_fd_after"] = wakeup_fd()
+    report["cgroup_after"] = own_cgroup()
+    report["ended_at"] = time.time()
+    Path(report_path).write_text(json.dumps(report, indent=1))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
