@@ -394,10 +394,12 @@ class Node:
             limit=lambda: None if layout is None else tightest_limit(layout=layout),
         )
         cpu = _cpu_monitor(c, pool)
+        # The model's engine: a rules-only node (workers.count = 0) has no tokens to count.
+        model_engine = next((s.engine for s in pool.specs if s.engine.kind != "rules"), None)
         broker = Broker(
             c.broker,
             status_hook=lambda: self._status_extra(pool, model, pressure, cpu),
-            count_tokens=_token_counter(pool.specs[0].engine) if pool.specs else None,
+            count_tokens=_token_counter(model_engine) if model_engine is not None else None,
             routing=c.routing,
             breaker=c.breaker,
         )

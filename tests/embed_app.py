@@ -2,7 +2,7 @@
 
 ``python tests/embed_app.py CONFIG REPORT MODE`` (``PYTHONPATH`` = the repo):
 installs its own SIGTERM/SIGINT handlers, embeds a node from ``CONFIG`` with
-``with Node(config)`` (MODE ``sync``, ``raise``, ``rules``) or
+``with Node(config)`` (MODE ``sync``, ``raise``, ``rules``, ``timeout``) or
 ``async with Node(config)`` (MODE ``async``), serves requests through the sync
 Client, and writes what it saw to ``REPORT`` (JSON) before it exits: the
 worker pids, the node's cgroups and the app's own cgroup while serving, the
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
@@ -26,7 +27,7 @@ from typing import Any
 
 from broker.client import Client
 from broker.errors import ConfigError
-from node.app import Node
+from node.app import Node, NodeStartError
 from node.config import load_config
 from node.testing import Collector, wait_for
 
@@ -66,7 +67,7 @@ def node_cgroup_existed(status: dict[str, Any]) -> bool | None:
     return None if cgroup is None else Path(cgroup).is_dir()
 
 
-def serve(node: Node, report: dict[str, Any], rules: bool) -> None:
+def serve(node: Node, report: dict[str, Any], rules: bool, kill9: bool) -> None:
     """What the app does while the node serves; fills ``report``."""
     report["handlers_inside"] = handlers()
     report["wakeup_fd_inside"] = wakeup_fd()
@@ -81,6 +82,7 @@ def serve(node: Node, report: dict[str, Any], rules: bool) -> None:
             report["replies"] = [reply.text, reply.served_by]
         else:
             report["replies"] = [client.generate(f"hello {i}").text for i in range(3)]
+        if kill9:
             report["kill9"] = kill9_busy_worker(node, client)
             # Restarted workers are new processes: the test checks these too.
             status = client.status()
@@ -122,9 +124,18 @@ def kill9_busy_worker(node: Node, client: Client) -> dict[str, Any]:
 
 def run_sync(config_path: str, report: dict[str, Any], mode: str) -> None:
     config = load_config(config_path)
+    if mode == "timeout":
+        # Workers spawn, but 0.3 s is too short for them to register: start
+        # stops what it made and says why.
+        try:
+            with Node(config, start_wait_s=0.3):
+                report["body_ran"] = True
+        except NodeStartError as exc:
+            report["start_error"] = exc.message
+        return
     with Node(config) as node:
         report["frontend"] = node.frontend
-        serve(node, report, rules=mode == "rules")
+        serve(node, report, rules=mode == "rules", kill9=mode == "sync")
         if mode == "raise":
             raise BodyFailed("the app's body failed")
         node.stop()  # stop twice (the with's exit is the third)
@@ -171,6 +182,7 @@ async def run_async(config_path: str, report: dict[str, Any]) -> None:
 def main() -> int:
     config_path, report_path, mode = sys.argv[1:4]
     os.environ["EDGENODE_CONFIG"] = config_path
+    logging.basicConfig(level="INFO", format="%(asctime)s %(threadName)s %(name)s %(message)s")
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     report: dict[str, Any] = {

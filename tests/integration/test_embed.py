@@ -1,0 +1,204 @@
+"""A node embedded in an app (``with Node(config)``, ``async with``) leaves nothing behind.
+
+Each test runs tests/embed_app.py as a real separate process: it installs its own
+SIGTERM/SIGINT handlers, embeds a node, serves requests through the sync Client
+and exits. The app checks from inside (its handlers while the node serves, its
+cgroup, a second node on the same run directory) and writes a report; this test
+then checks from outside that nothing is left: no worker process (by pid and by
+process group), no cgroup of the node, no socket file, no pidfile, and the app's
+handlers and cgroup as they were. Test engine, 100 ms heartbeats x 3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from node.model import RULES_SNAPSHOT
+from node.testing import REPO, leftover_processes, node_cgroup_dirs, toml_value
+
+APP = REPO / "tests" / "embed_app.py"
+
+GREETING_RULES = """\
+[[rule]]
+name = "greeting"
+any = ["hello"]
+text = "hi"
+confidence = 1
+"""
+
+
+class App:
+    """One run of tests/embed_app.py in a private run directory."""
+
+    def __init__(self, run_dir: Path, **sections: dict[str, Any]) -> None:
+        self.run_dir = run_dir
+        merged: dict[str, dict[str, Any]] = {
+            "node": {"run_dir": str(run_dir)},
+            "workers": {"engine": "test", "count": 2, "slots": 1, "threads": 1},
+            "broker": {
+                "heartbeat_interval_ms": 100,
+                "heartbeat_liveness": 3,
+                "stall_timeout_ms": 2000,
+                "cancel_grace_ms": 1000,
+            },
+            "fallback": {"rules": ""},
+            "pressure": {"cpu_warn_pct": 0.0},
+        }
+        for name, values in sections.items():
+            merged.setdefault(name, {}).update(values)
+        lines = []
+        for name, values in merged.items():
+            lines.append(f"[{name}]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
+        self.config = run_dir / "app.toml"
+        self.config.write_text("\n".join(lines) + "\n")
+        self.report_path = run_dir / "report.json"
+
+    def run(self, mode: str) -> tuple[int, dict[str, Any], str]:
+        """Run the app to its end: (exit code, its report, its stderr)."""
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env.pop("EDGENODE_RUN_DIR", None)  # the config's run_dir, not the harness's
+        done = subprocess.run(
+            [sys.executable, str(APP), str(self.config), str(self.report_path), mode],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=50,
+        )
+        report = json.loads(self.report_path.read_text())
+        return done.returncode, report, done.stderr
+
+    def assert_nothing_left(self, report: dict[str, Any]) -> None:
+        """No worker process (by pid, by process group), cgroup, socket file or
+        pidfile; the app's handlers and cgroup as they were."""
+        pids = set(report.get("workers", {}).values()) | set(
+            report.get("workers_after_kill", {}).values()
+        )
+        assert not [pid for pid in pids if _is_worker(pid)], pids
+        groups = [p.pid for p in psutil.process_iter() if _pgid(p.pid) in pids]
+        assert groups == [], f"processes left in the workers' groups: {groups}"
+        assert leftover_processes(self.run_dir) == []
+        assert node_cgroup_dirs(self.run_dir) == []
+        cgroup = report.get("sandbox", {}).get("cgroup")
+        assert cgroup is None or not Path(cgroup).exists()
+        for name in ("frontend.sock", "workers/backend.sock", "edgenode.pid", RULES_SNAPSHOT):
+            assert not (self.run_dir / name).exists(), name
+        assert not list(self.run_dir.rglob("*.sock"))
+        assert report["cgroup_after"] == report["cgroup_before"]
+        assert report["handlers_after"] == report["handlers_before"]
+        assert report["wakeup_fd_after"] == report["wakeup_fd_before"] == -1
+        assert "on_signal" in report["handlers_before"]["SIGTERM"]  # the app's own
+
+    def assert_served_from_its_cgroup(self, report: dict[str, Any]) -> None:
+        """The handlers were the app's while the node served; with a sandbox the
+        node had its cgroup and the app was in the node's leaf (documented)."""
+        assert report["handlers_inside"] == report["handlers_before"]
+        if report["sandbox"]["backend"] != "none":
+            assert report["node_cgroup_existed"] is True
+            assert report["cgroup_inside"] != report["cgroup_before"]
+            assert "/node\n" in report["cgroup_inside"]
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and "node.worker" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+@pytest.fixture
+def app_dir() -> Iterator[Path]:
+    """A short run directory (ipc paths are limited to ~107 bytes); whatever a
+    failed run left is killed and removed."""
+    run_dir = Path(tempfile.mkdtemp(prefix="en-"))
+    yield run_dir
+    for pid in leftover_processes(run_dir):
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_with_node_serves_and_leaves_nothing(app_dir: Path) -> None:
+    app = App(app_dir)
+    code, report, stderr = app.run("sync")
+    assert code == 0, report.get("error", stderr)
+    assert report["replies"] == ["echo: hello 0", "echo: hello 1", "echo: hello 2"]
+    assert report["frontend"] == f"ipc://{app_dir}/frontend.sock"
+    assert report["running_after_stop"] is False  # stopped twice in the body, once by with
+    # A SIGKILLed worker is noticed without SIGCHLD: re-dispatched, restarted.
+    kill9 = report["kill9"]
+    assert kill9["status"] == "ok" and kill9["text"] == "echo: !slow 100 a b c d e f"
+    assert kill9["served_by"] != kill9["victim"]
+    assert kill9["last_exit"] == "killed by SIGKILL"
+    assert report["workers_after_kill"][kill9["victim"]] != report["workers"][kill9["victim"]]
+    # One node per run directory: the second is refused, naming the app.
+    assert "is locked by another process" in report["second_node"]
+    assert f"pid {report['pid']}" in report["second_node"]
+    app.assert_served_from_its_cgroup(report)
+    app.assert_nothing_left(report)
+
+
+def test_a_body_that_raises_still_leaves_nothing(app_dir: Path) -> None:
+    app = App(app_dir)
+    code, report, stderr = app.run("raise")
+    assert code == 3, report.get("error", stderr)
+    assert report["raised"] == "the app's body failed"
+    assert report["replies"] == ["echo: hello 0", "echo: hello 1", "echo: hello 2"]
+    app.assert_served_from_its_cgroup(report)
+    app.assert_nothing_left(report)
+
+
+def test_with_node_rules_only(app_dir: Path) -> None:
+    rules = app_dir / "rules.toml"
+    rules.write_text(GREETING_RULES)
+    app = App(app_dir, workers={"count": 0}, fallback={"rules": str(rules)})
+    code, report, stderr = app.run("rules")
+    assert code == 0, report.get("error", stderr)
+    assert report["replies"] == ["hi", "rules"]
+    assert set(report["workers"]) == {"rules-0"}
+    app.assert_served_from_its_cgroup(report)
+    app.assert_nothing_left(report)
+
+
+def test_async_with_node_never_blocks_the_event_loop(app_dir: Path) -> None:
+    app = App(app_dir)
+    code, report, stderr = app.run("async")
+    assert code == 0, report.get("error", stderr)
+    assert report["replies"] == ["echo: a0", "echo: a1", "echo: a2"]
+    # The ticker (every 5 ms) kept running while the node started (its workers
+    # had to spawn and register) and while it stopped (they had to exit).
+    assert report["ticks_during_start"] >= 3
+    assert report["ticks_during_stop"] >= 1
+    app.assert_served_from_its_cgroup(report)
+    app.assert_nothing_left(report)
+
+
+def test_a_start_that_times_out_says_why_and_leaves_nothing(app_dir: Path) -> None:
+    # 5 s to load the test model: no worker is READY within the 0.3 s the app waits.
+    app = App(app_dir, workers={"test_load_ms": 5000})
+    code, report, stderr = app.run("timeout")
+    assert code == 0, report.get("error", stderr)
+    assert "body_ran" not in report
+    assert "not every worker READY within 0.3 s" in report["start_error"]
+    app.assert_nothing_left(report)
