@@ -120,8 +120,8 @@ class Node:
     - ``stop`` drains as SIGTERM does, joins the thread and re-raises an error
       that ended the loop thread; a second call does nothing.
     - No signal handler, wakeup fd or SIGCHLD handler is installed: the app's
-      stay as they were. ``edgenode stop`` on the run directory signals the
-      app's process (the pidfile names it); its own handler decides.
+      stay as they were. ``edgenode stop`` on the run directory refuses to
+      signal the app (``node.pidfile.ForeignHolderError``): the app stops its node.
     - Cgroups: the node's sandbox moves the whole process (the app with it) into
       the node's ``node`` leaf, as for the CLI's node (cgroup v2 allows no process
       in a cgroup that enables controllers), and ``stop`` moves it back to the
@@ -185,7 +185,12 @@ class Node:
         self._wake = _wake_pair()
         self._thread = threading.Thread(target=self._thread_main, name="edgenode-node")
         self._thread.start()
-        ready = self._started.wait(self.start_wait_s)
+        try:
+            ready = self._started.wait(self.start_wait_s)
+        except BaseException:  # a Ctrl-C while waiting: no node left running
+            with contextlib.suppress(Exception):
+                self.stop()
+            raise
         if ready and self._start_failure is None and self._thread.is_alive():
             return self
         why = self._start_failure or (
