@@ -292,6 +292,17 @@ class Node:
         finally:
             self._started.set()
 
+    def _stop_if_abandoned(self) -> None:
+        """An embedded node whose app's main thread ended without ``stop`` (the
+        interpreter is exiting; it waits for this thread) stops as if asked: a
+        forgotten ``stop`` must not leave the app hanging at exit, nor workers
+        and cgroups behind. Seen within one loop turn (at most 1 s)."""
+        if self._own_signals or self._stop_requested:
+            return
+        if not threading.main_thread().is_alive():
+            log.warning("the app's main thread ended without stopping its node: stopping it")
+            self._stop_requested = True
+
     def _note_start(self, pool: WorkerPool) -> None:
         """Tell ``start`` once every worker is READY, or one failed for good."""
         if self._started.is_set():
@@ -475,6 +486,7 @@ class Node:
             )
             while not self._stop_requested:
                 loop.turn(max_wait_s=turn_s)
+                self._stop_if_abandoned()
             self._drain(loop, broker, pool)
             self._stop_workers(loop, pool)
         finally:

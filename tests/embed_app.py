@@ -2,7 +2,8 @@
 
 ``python tests/embed_app.py CONFIG REPORT MODE`` (``PYTHONPATH`` = the repo):
 installs its own SIGTERM/SIGINT handlers, embeds a node from ``CONFIG`` with
-``with Node(config)`` (MODE ``sync``, ``raise``, ``rules``, ``timeout``) or
+``with Node(config)`` (MODE ``sync``, ``raise``, ``rules``, ``timeout``;
+``forget``: ``start`` without ``stop``) or
 ``async with Node(config)`` (MODE ``async``), serves requests through the sync
 Client, and writes what it saw to ``REPORT`` (JSON) before it exits: the
 worker pids, the node's cgroups and the app's own cgroup while serving, the
@@ -72,6 +73,7 @@ def serve(node: Node, report: dict[str, Any], rules: bool, kill9: bool) -> None:
     report["handlers_inside"] = handlers()
     report["wakeup_fd_inside"] = wakeup_fd()
     report["cgroup_inside"] = own_cgroup()
+    report["pidfile_inside"] = json.loads(node.pidfile.read_text())
     with Client(node.frontend, wait_ms=10_000) as client:
         status = client.status()
         report["sandbox"] = status["sandbox"]
@@ -124,6 +126,15 @@ def kill9_busy_worker(node: Node, client: Client) -> dict[str, Any]:
 
 def run_sync(config_path: str, report: dict[str, Any], mode: str) -> None:
     config = load_config(config_path)
+    if mode == "forget":
+        # Started, never stopped: the main thread ends, the node stops itself.
+        node = Node(config).start()
+        with Client(node.frontend, wait_ms=10_000) as client:
+            report["replies"] = [client.generate("hello").text]
+            status = client.status()
+        report["workers"] = {p["worker_id"]: p["pid"] for p in status["processes"]}
+        report["sandbox"] = status["sandbox"]
+        return
     if mode == "timeout":
         # Workers spawn, but 0.3 s is too short for them to register: start
         # stops what it made and says why.

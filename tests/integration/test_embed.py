@@ -81,9 +81,10 @@ class App:
         report = json.loads(self.report_path.read_text())
         return done.returncode, report, done.stderr
 
-    def assert_nothing_left(self, report: dict[str, Any]) -> None:
+    def assert_nothing_left(self, report: dict[str, Any], stopped_in_main: bool = True) -> None:
         """No worker process (by pid, by process group), cgroup, socket file or
-        pidfile; the app's handlers and cgroup as they were."""
+        pidfile; the app's handlers and cgroup as they were (the cgroup only when
+        the app's main stopped the node before writing its report)."""
         pids = set(report.get("workers", {}).values()) | set(
             report.get("workers_after_kill", {}).values()
         )
@@ -97,7 +98,8 @@ class App:
         for name in ("frontend.sock", "workers/backend.sock", "edgenode.pid", RULES_SNAPSHOT):
             assert not (self.run_dir / name).exists(), name
         assert not list(self.run_dir.rglob("*.sock"))
-        assert report["cgroup_after"] == report["cgroup_before"]
+        if stopped_in_main:
+            assert report["cgroup_after"] == report["cgroup_before"]
         assert report["handlers_after"] == report["handlers_before"]
         assert report["wakeup_fd_after"] == report["wakeup_fd_before"] == -1
         assert "on_signal" in report["handlers_before"]["SIGTERM"]  # the app's own
@@ -152,7 +154,9 @@ def test_with_node_serves_and_leaves_nothing(app_dir: Path) -> None:
     assert kill9["served_by"] != kill9["victim"]
     assert kill9["last_exit"] == "killed by SIGKILL"
     assert report["workers_after_kill"][kill9["victim"]] != report["workers"][kill9["victim"]]
-    # One node per run directory: the second is refused, naming the app.
+    # The pidfile names the app, as it names the CLI's node; one node per run
+    # directory: the second is refused, naming the app.
+    assert report["pidfile_inside"]["pid"] == report["pid"]
     assert "is locked by another process" in report["second_node"]
     assert f"pid {report['pid']}" in report["second_node"]
     app.assert_served_from_its_cgroup(report)
@@ -202,3 +206,15 @@ def test_a_start_that_times_out_says_why_and_leaves_nothing(app_dir: Path) -> No
     assert "body_ran" not in report
     assert "not every worker READY within 0.3 s" in report["start_error"]
     app.assert_nothing_left(report)
+
+
+def test_a_node_never_stopped_stops_when_the_app_ends(app_dir: Path) -> None:
+    # The app starts a node and returns from main without stop(): the interpreter
+    # waits for the loop thread, which sees the main thread gone and stops cleanly.
+    app = App(app_dir)
+    code, report, stderr = app.run("forget")
+    assert code == 0, report.get("error", stderr)
+    assert report["replies"] == ["echo: hello"]
+    assert "main thread ended without stopping its node" in stderr
+    assert "edgenode stopped" in stderr
+    app.assert_nothing_left(report, stopped_in_main=False)
