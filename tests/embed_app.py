@@ -1,15 +1,15 @@
 """An app that embeds a node, for tests/integration/test_embed.py.
 
-``python tests/embed_app.py CONFIG REPORT MODE`` (``PYTHONPATH`` = the repo):
-installs its own SIGTERM/SIGINT handlers, embeds a node from ``CONFIG`` with
-``with Node(config)`` (MODE ``sync``, ``raise``, ``rules``, ``timeout``;
-``forget``: ``start`` without ``stop``) or
-``async with Node(config)`` (MODE ``async``), serves requests through the sync
-Client, and writes what it saw to ``REPORT`` (JSON) before it exits: the
-worker pids, the node's cgroups and the app's own cgroup while serving, the
-replies, and whether its handlers were the same inside and after the block.
-Exit 0 when every check in here held, 3 when the with-body raised as asked
-(``raise``), 1 otherwise. The test checks from outside what the app leaves.
+``python tests/embed_app.py CONFIG REPORT MODE`` (``PYTHONPATH`` = the repo): installs
+its own SIGTERM/SIGINT handlers, embeds a node from ``CONFIG`` with ``with
+Node(config)`` and the sync Client (MODE ``sync``, ``raise``, ``rules``, ``timeout``;
+``forget``: ``start`` without ``stop``) or ``async with Node(config)`` and the
+AsyncClient (MODE ``async``), serves requests, and writes what it saw to ``REPORT``
+(JSON) before it exits: the worker pids, the node's cgroups and the app's own cgroup
+while serving, the replies, and whether its handlers were the same inside and after the
+block. Exit 0 when it ran through, 3 when the with-body raised as asked (``raise``), 1
+on any other error (its traceback is in the report). The test checks the report, and
+from outside what the app leaves.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from broker.client import Client
+from broker.client import AsyncClient, Client
 from broker.errors import ConfigError
 from node.app import Node, NodeStartError
 from node.config import load_config
@@ -155,8 +155,8 @@ def run_sync(config_path: str, report: dict[str, Any], mode: str) -> None:
 
 
 async def run_async(config_path: str, report: dict[str, Any]) -> None:
-    """``async with``, and the sync Client in executor threads; a ticker shows the
-    event loop kept running while the node started and stopped."""
+    """``async with``, and the AsyncClient; a ticker shows the event loop kept
+    running while the node started and stopped."""
     ticks = 0
 
     async def ticker() -> None:
@@ -167,21 +167,15 @@ async def run_async(config_path: str, report: dict[str, Any]) -> None:
 
     tick_task = asyncio.create_task(ticker())
     config = load_config(config_path)
-    loop = asyncio.get_running_loop()
     async with Node(config) as node:
         report["ticks_during_start"] = ticks
         report["handlers_inside"] = handlers()
         report["cgroup_inside"] = own_cgroup()
 
-        def ask(prompt: str) -> str:
-            with Client(node.frontend, wait_ms=10_000) as client:
-                return client.generate(prompt).text
-
-        report["replies"] = list(
-            await asyncio.gather(*(loop.run_in_executor(None, ask, f"a{i}") for i in range(3)))
-        )
-        with Client(node.frontend, wait_ms=10_000) as client:
-            status = await loop.run_in_executor(None, client.status)
+        async with AsyncClient(node.frontend, wait_ms=10_000) as client:
+            replies = await asyncio.gather(*(client.generate(f"a{i}") for i in range(3)))
+            report["replies"] = [r.text for r in replies]
+            status = await client.status()
         report["workers"] = {p["worker_id"]: p["pid"] for p in status["processes"]}
         report["sandbox"] = status["sandbox"]
         report["node_cgroup_existed"] = node_cgroup_existed(status)

@@ -1,12 +1,12 @@
 """A node embedded in an app (``with Node(config)``, ``async with``) leaves nothing behind.
 
 Each test runs tests/embed_app.py as a real separate process: it installs its own
-SIGTERM/SIGINT handlers, embeds a node, serves requests through the sync Client
-and exits. The app checks from inside (its handlers while the node serves, its
-cgroup, a second node on the same run directory) and writes a report; this test
-then checks from outside that nothing is left: no worker process (by pid and by
-process group), no cgroup of the node, no socket file, no pidfile, and the app's
-handlers and cgroup as they were. Test engine, 100 ms heartbeats x 3.
+SIGTERM/SIGINT handlers, embeds a node, serves requests through the sync Client (the
+AsyncClient under ``async with``) and exits. The app checks from inside (its handlers
+while the node serves, its cgroup, a second node on the same run directory) and writes a
+report; this test then checks from outside that nothing is left: no worker process (by
+pid and by process group), no cgroup of the node, no socket file, no pidfile, and the
+app's handlers and cgroup as they were. Test engine, 100 ms heartbeats x 3.
 """
 
 from __future__ import annotations
