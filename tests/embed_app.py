@@ -184,6 +184,21 @@ async def run_async(config_path: str, report: dict[str, Any]) -> None:
     tick_task.cancel()
 
 
+async def run_async_cancelled(config_path: str, report: dict[str, Any]) -> None:
+    """A task cancelled (by ``wait_for``) while its ``async with Node`` starts: the
+    start finishes in its thread, then the node is stopped; the body never runs."""
+    config = load_config(config_path)
+
+    async def body() -> None:
+        async with Node(config):
+            report["body_ran"] = True
+
+    try:
+        await asyncio.wait_for(body(), timeout=0.3)
+    except asyncio.TimeoutError:
+        report["cancelled"] = True
+
+
 def main() -> int:
     config_path, report_path, mode = sys.argv[1:4]
     os.environ["EDGENODE_CONFIG"] = config_path
@@ -200,6 +215,8 @@ def main() -> int:
     try:
         if mode == "async":
             asyncio.run(run_async(config_path, report))
+        elif mode == "async-cancel":
+            asyncio.run(run_async_cancelled(config_path, report))
         else:
             run_sync(config_path, report, mode)
     except BodyFailed as exc:

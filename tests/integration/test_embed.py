@@ -218,3 +218,15 @@ def test_a_node_never_stopped_stops_when_the_app_ends(app_dir: Path) -> None:
     assert "main thread ended without stopping its node" in stderr
     assert "edgenode stopped" in stderr
     app.assert_nothing_left(report, stopped_in_main=False)
+
+
+def test_a_task_cancelled_while_its_node_starts_leaves_nothing(app_dir: Path) -> None:
+    # wait_for cancels the task 0.3 s into a start that takes 2 s (the test model's
+    # load): __aenter__ lets the start finish in its thread, then stops the node.
+    app = App(app_dir, workers={"test_load_ms": 2000})
+    code, report, stderr = app.run("async-cancel")
+    assert code == 0, report.get("error", stderr)
+    assert report["cancelled"] is True
+    assert "body_ran" not in report
+    assert "edgenode stopped" in stderr
+    app.assert_nothing_left(report)
