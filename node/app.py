@@ -46,6 +46,8 @@ from node.pressure import CpuPressureMonitor, PressureMonitor, cpu_psi_file
 from node.sandbox.cgroupfs import Host
 from node.sandbox.layout import Layout, read_layout
 from node.security.keys import also_allow, curve_servers, local_key_file, local_keypair
+from node.service.notify import Notifier
+from node.service.reporter import ServiceReporter
 from node.units import parse_size
 
 log = logging.getLogger("edgenode.node")
@@ -103,6 +105,9 @@ class Node:
         self.run_dir = config.run_dir
         self.pidfile = self.run_dir / "edgenode.pid"
         self._stop_requested = False
+        # Read (and unset) first, before any child exists: workers must not
+        # inherit $NOTIFY_SOCKET and speak for the node.
+        self.notifier = Notifier.from_environ()
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; returns the exit code (0 on a clean stop)."""
@@ -181,8 +186,11 @@ class Node:
             routing=c.routing,
             breaker=c.breaker,
         )
+        # systemd's READY/STATUS/WATCHDOG/STOPPING, from this loop's own turn.
+        service = ServiceReporter(self.notifier, broker, pool.supervisor)
 
         def on_tick(now: float) -> None:
+            service.turn(now)
             pool.supervisor.tick(now)
             try:
                 level = pressure.poll(now)
@@ -232,12 +240,16 @@ class Node:
                 c.routing.mode,
                 os.getpid(),
             )
+            turn_s = min(1.0, self.notifier.max_wait_s or 1.0)  # watchdog pings on time
             while not self._stop_requested:
-                loop.turn()
+                loop.turn(max_wait_s=turn_s)
+            broker.draining = True
+            service.stopping(time.monotonic())
             self._drain(loop, broker, pool)
             self._stop_workers(loop, pool)
         finally:
             self._close(loop, pool, migration, (wake_r, wake_w))
+            self.notifier.close()
         return 0
 
     def _bind(
