@@ -13,6 +13,7 @@ an idle loop still turns often enough to ping on time.
 
 from __future__ import annotations
 
+import faulthandler
 from typing import Any
 
 from broker.core import Broker
@@ -41,6 +42,10 @@ class ServiceReporter:
         self.broker = broker
         self.supervisor = supervisor
         self._next_check = 0.0
+        if notifier.watchdog_s is not None:
+            # systemd ends a silent node with SIGABRT (WatchdogSignal=): the
+            # journal then shows every thread's Python stack, i.e. where it hung.
+            faulthandler.enable(all_threads=True)
 
     def state(self, now: float) -> dict[str, Any]:
         """The part of ``status`` that ``judge`` reads, without the status hook
