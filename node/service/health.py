@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from broker.breaker import BreakerState
 from node.pool import RULES_WORKER
 
 #: What ``judge`` concludes; only ``serving`` is ready.
@@ -61,14 +62,14 @@ def judge(status: Mapping[str, Any]) -> Health:
     """
     routing = status.get("routing") or {}
     mode = str(routing.get("mode", "degrade"))
-    breaker = str((routing.get("breaker") or {}).get("state", "closed"))
+    breaker = str((routing.get("breaker") or {}).get("state", BreakerState.CLOSED.value))
     registered = [w for w in status.get("workers") or [] if w.get("state") in REGISTERED]
     model_up = sum(1 for w in registered if w.get("kind") == "llm")
     rules_up = any(w.get("kind") == "rules" for w in registered)
     processes = list(status.get("processes") or [])
     model_total = sum(1 for p in processes if p.get("worker_id") != RULES_WORKER)
     has_rules = any(p.get("worker_id") == RULES_WORKER for p in processes)
-    model_serves = model_up > 0 and breaker != "open"
+    model_serves = model_up > 0 and breaker != BreakerState.OPEN.value
     if mode in ("shadow", "dual"):
         serves = rules_up
     elif mode == "full":
