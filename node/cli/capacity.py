@@ -35,7 +35,7 @@ from node.capacity.plan import (
     plan_slots,
 )
 from node.capacity.worker_limits import describe, is_auto
-from node.cli.context import config_path, wants_json
+from node.cli.context import add_global_options, config_path, wants_json
 from node.config import MAX_SLOTS, NodeConfig, is_auto_slots, load_config
 from node.sandbox.cores import worker_threads
 from node.units import parse_size
@@ -256,3 +256,8 @@ def _model_lines(plan: Plan, meta: ModelMeta) -> list[str]:
         f" = {s(plan.grammar)} per worker (a json_schema request's sampler peak;"
         " once, whatever the slots: they sample one at a time)",
     ]
+
+
+# The global options also when the command runs on its own (tests, embedding);
+# the edgenode group adds none twice (node.cli.context.add_global_options).
+add_global_options(capacity)

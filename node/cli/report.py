@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from node.cli.context import node_config, wants_json
+from node.cli.context import add_global_options, node_config, wants_json
 from node.migration.log import migration_log_path
 from node.migration.report import summarize
 from node.migration.report_view import format_report
@@ -47,3 +47,8 @@ def _run_dir(ctx: click.Context) -> Path:
     # Outside the ``edgenode`` group (tests, embedding) nobody set ctx.obj: built-in lookup.
     ctx.ensure_object(dict).setdefault("config", None)
     return node_config(ctx).run_dir
+
+
+# The global options also when the command runs on its own (tests, embedding);
+# the edgenode group adds none twice (node.cli.context.add_global_options).
+add_global_options(report)

@@ -19,7 +19,7 @@ import click
 from fallback.engine import RuleEngine
 from fallback.intents import INTENT_SCHEMA
 from fallback.rules import RulesError, RuleSet, load_rules
-from node.cli.context import wants_json
+from node.cli.context import add_global_options, wants_json
 
 
 def load_or_exit(path: str) -> RuleSet:
@@ -75,3 +75,8 @@ def test(ctx: click.Context, file: str, text: str, schema: bool) -> None:
     click.echo(f"rule: {answer['rule'] or '(none: no rule matched)'}")
     click.echo(f"confidence: {answer['confidence']:g}")
     click.echo(f"response: {answer['text']}")
+
+
+# The global options also when the command runs on its own (tests, embedding);
+# the edgenode group adds none twice (node.cli.context.add_global_options).
+add_global_options(rules)

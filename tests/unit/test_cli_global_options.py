@@ -66,8 +66,11 @@ def parse(argv: list[str]) -> click.Context:
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     # The options export what they are given (children inherit it): restored after each test.
-    monkeypatch.delenv("EDGENODE_CONFIG", raising=False)
-    monkeypatch.delenv("EDGENODE_RUN_DIR", raising=False)
+    # (set first: monkeypatch restores only what it saw, and an unset variable it
+    # merely "deletes" would stay set by the test after it)
+    for name in ("EDGENODE_CONFIG", "EDGENODE_RUN_DIR"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def test_every_command_is_covered() -> None:
