@@ -6,7 +6,7 @@ Rates are counter deltas between two refreshes over the time between them
 and answered by the rules as a fallback (every ``fallback_*``), per second. The
 node's ``status`` carries counters, not latency samples or token counts, so the
 view shows no TTFT/e2e percentiles and no tokens/s (it says so instead of
-inventing them; the Prometheus ``/metrics`` endpoint has the histograms). A
+inventing them). A
 counter that went down (the node restarted: another pid) starts the rates over.
 """
 
@@ -72,8 +72,7 @@ def rates_line(r: dict[str, float] | None, span_s: float) -> str:
     parts = ", ".join(f"{name} {value:.1f}" for name, value in r.items())
     return (
         f"rates over the last {span_s:.1f} s (req/s): {parts}\n"
-        "tokens/s, TTFT and e2e p50/p99: - (status carries no token counts or latency "
-        "samples; see [metrics])"
+        "tokens/s, TTFT and e2e p50/p99: - (status carries no token counts or latency samples)"
     )
 
 
