@@ -121,13 +121,17 @@ class Notifier:
             return False
 
     def ready(self, status: str) -> None:
-        """``READY=1`` with the state line, once; later calls only update it."""
+        """``READY=1`` once, with the state line unless that was the last one sent;
+        later calls only update the line (``status``)."""
         if self._ready:
             self.status(status)
             return
-        self._ready = self.send("READY=1", f"STATUS={status}")
+        line = status.replace("\n", " ")
+        # The line rides along only if it is news (it may have gone out just before).
+        fields = ["READY=1"] if line == self._status else ["READY=1", f"STATUS={line}"]
+        self._ready = self.send(*fields)
         if self._ready:
-            self._status = status
+            self._status = line
 
     def status(self, line: str) -> None:
         """``STATUS=line`` when it differs from the last one sent."""
