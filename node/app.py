@@ -212,7 +212,7 @@ class Node:
 
         metrics = _metrics(c, broker, pool)
         try:
-            return self._serve_with(broker, pool, migration, on_tick, metrics)
+            return self._serve_with(broker, pool, migration, on_tick, metrics, service)
         finally:
             if metrics is not None:
                 metrics.close()
@@ -224,9 +224,10 @@ class Node:
         migration: MigrationLog,
         on_tick: Callable[[float], None],
         metrics: MetricsServer | None,
+        service: ServiceReporter,
     ) -> int:
         """Bind the loop and serve until stopped; ``metrics`` (None: off) records
-        the broker's effects."""
+        the broker's effects; ``service`` tells systemd when the node stops."""
         c = self.config
         loop = self._bind(broker, pool, migration, on_tick, metrics)
         wake_r, wake_w = self._install_signals(loop)
