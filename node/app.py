@@ -57,6 +57,8 @@ from node.sandbox.cgroupfs import Host
 from node.sandbox.cores import pin_all_threads
 from node.sandbox.layout import Layout, read_layout
 from node.security.keys import also_allow, curve_servers, local_key_file, local_keypair
+from node.service.notify import Notifier
+from node.service.reporter import ServiceReporter
 from node.units import parse_size
 
 log = logging.getLogger("edgenode.node")
@@ -152,6 +154,10 @@ class Node:
         self.backend = connect_endpoint(config.backend)
         self.start_wait_s = start_wait_s
         self._stop_requested = False
+        #: systemd's notify socket: ``run`` (the CLI's node, a service's main
+        #: process) takes it from the environment; an embedded node never speaks
+        #: for the app that embeds it.
+        self.notifier = Notifier(None)
         #: True for ``run`` (the CLI's node owns the process and its signals).
         self._own_signals = False
         #: Written to by ``stop`` (and, under ``run``, by the signal wakeup fd) to
@@ -322,6 +328,9 @@ class Node:
         """Serve until SIGTERM/SIGINT; returns the exit code (0 on a clean stop).
         The CLI's node: it installs SIGTERM/SIGINT/SIGCHLD handlers and a wakeup fd."""
         self._own_signals = True
+        # Read (and unset) before any child exists: workers must not inherit
+        # $NOTIFY_SOCKET and speak for the node.
+        self.notifier = Notifier.from_environ()
         self._wake = _wake_pair()
         return self._run(inherited_lock_fd())
 
@@ -419,8 +428,11 @@ class Node:
             routing=c.routing,
             breaker=c.breaker,
         )
+        # systemd's READY/STATUS/WATCHDOG/STOPPING, from this loop's own turn.
+        service = ServiceReporter(self.notifier, broker, pool.supervisor)
 
         def on_tick(now: float) -> None:
+            service.turn(now)
             pool.supervisor.tick(now)
             try:
                 level = pressure.poll(now)
@@ -445,7 +457,7 @@ class Node:
 
         metrics = _metrics(c, broker, pool)
         try:
-            return self._serve_with(broker, pool, migration, on_tick, metrics)
+            return self._serve_with(broker, pool, migration, on_tick, metrics, service)
         finally:
             if metrics is not None:
                 metrics.close()
@@ -457,9 +469,10 @@ class Node:
         migration: MigrationLog,
         on_tick: Callable[[float], None],
         metrics: MetricsServer | None,
+        service: ServiceReporter,
     ) -> int:
         """Bind the loop and serve until stopped; ``metrics`` (None: off) records
-        the broker's effects."""
+        the broker's effects; ``service`` tells systemd when the node stops."""
         c = self.config
         loop = self._bind(broker, pool, migration, on_tick, metrics)
         assert self._wake is not None  # made by run / start
@@ -484,13 +497,17 @@ class Node:
                 c.routing.mode,
                 os.getpid(),
             )
+            turn_s = min(turn_s, self.notifier.max_wait_s or turn_s)  # watchdog pings on time
             while not self._stop_requested:
                 loop.turn(max_wait_s=turn_s)
                 self._stop_if_abandoned()
+            broker.draining = True
+            service.stopping(time.monotonic())
             self._drain(loop, broker, pool)
             self._stop_workers(loop, pool)
         finally:
             self._close(loop, pool, migration, exits)
+            self.notifier.close()
         return 0
 
     def _bind(

@@ -16,6 +16,7 @@ from node.bench.context import BenchEngine
 from node.bench.report import MissingExtraError, as_json, require_extras
 from node.bench.runner import SCENARIO_NAMES, parse_only
 from node.bench.runner import run as run_bench
+from node.cli.context import wants_json
 
 
 def _only(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str]:
@@ -56,18 +57,19 @@ def _only(ctx: click.Context, param: click.Parameter, value: str | None) -> list
     type=click.Path(dir_okay=False, path_type=Path),
     help="A llama-server binary: adds it as a baseline (throughput, start to ready).",
 )
-@click.option("--json", "as_json_out", is_flag=True, help="Print the results as JSON on stdout.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.pass_context
 def bench(
+    ctx: click.Context,
     out: Path,
     quick: bool,
     only: list[str],
     engine: str,
     llama_server: Path | None,
-    as_json_out: bool,
     no_progress: bool,
 ) -> None:
-    """Measure the node beside its baselines, in one run; write a Markdown report with plots."""
+    """Measure the node beside its baselines, in one run; write a Markdown report with plots
+    (the global ``--json``: also print the results as JSON on stdout)."""
     try:
         require_extras()
     except MissingExtraError as exc:
@@ -79,7 +81,7 @@ def bench(
     report, sections, header = run_bench(
         names, out, quick, chosen, llama_server, show_progress=not no_progress
     )
-    if as_json_out:
+    if wants_json(ctx):
         click.echo(json.dumps(as_json(sections, header), indent=1, default=str))
     else:
         click.echo(f"report: {report}")

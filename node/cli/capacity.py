@@ -35,6 +35,7 @@ from node.capacity.plan import (
     plan_slots,
 )
 from node.capacity.worker_limits import describe, is_auto
+from node.cli.context import add_global_options, config_path, wants_json
 from node.config import MAX_SLOTS, NodeConfig, is_auto_slots, load_config
 from node.sandbox.cores import worker_threads
 from node.units import parse_size
@@ -91,7 +92,6 @@ def _slots(ctx: click.Context, param: click.Parameter, value: str | None) -> int
 )
 @click.option("--n-ctx", type=click.IntRange(min=1), help="Context (default: model.n_ctx).")
 @click.option("--kv-type", type=click.Choice(list(KV_TYPES)), help="Default: model.kv_type.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def capacity(
     ctx: click.Context,
@@ -103,7 +103,6 @@ def capacity(
     slots: int | str | None,
     n_ctx: int | None,
     kv_type: str | None,
-    as_json: bool,
 ) -> None:
     """How many sequences fit in memory: total = weights + W x (S x KV + runtime + grammar)
     for W workers of S slots."""
@@ -112,7 +111,7 @@ def capacity(
     if weights is not None and (n_ctx is not None or kv_type is not None):
         raise click.UsageError("--n-ctx and --kv-type apply to the model, not to sizes by hand")
     try:
-        config = load_config((ctx.obj or {}).get("config"))
+        config = load_config(config_path(ctx))
         if weights is not None and kv_per_seq is not None:
             sizes = (weights, kv_per_seq)
             plan, meta = _manual(config, memory, reserve, sizes, workers, slots), None
@@ -128,7 +127,7 @@ def capacity(
             )
     except EdgeNodeError as exc:
         raise click.ClickException(exc.message) from exc
-    if as_json:
+    if wants_json(ctx):
         tips = [] if plan.fits else advice(plan, meta)
         data = plan.as_dict() | {"advice": tips, "worker_limits": describe(config.workers, plan)}
         click.echo(json.dumps(data, indent=2, sort_keys=True))
@@ -257,3 +256,8 @@ def _model_lines(plan: Plan, meta: ModelMeta) -> list[str]:
         f" = {s(plan.grammar)} per worker (a json_schema request's sampler peak;"
         " once, whatever the slots: they sample one at a time)",
     ]
+
+
+# The global options also when the command runs on its own (tests, embedding);
+# the edgenode group adds none twice (node.cli.context.add_global_options).
+add_global_options(capacity)

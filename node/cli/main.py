@@ -1,8 +1,9 @@
 """The ``edgenode`` command line: start, stop, status, ask (and rules, report, capacity,
 bench in modules of their own).
 
-Options given to the group apply to every command and are also read from the
-environment: ``--config``/``EDGENODE_CONFIG``, ``--run-dir``/``EDGENODE_RUN_DIR``.
+The global options apply to every command, before or after it
+(``node.cli.context``): ``-c/--config`` (or ``EDGENODE_CONFIG``), ``--run-dir``
+(or ``EDGENODE_RUN_DIR``) and ``--json``.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from node.app import Node, log_path
 from node.capacity.plan import check_fits
 from node.cli.bench import bench
 from node.cli.capacity import capacity
-from node.cli.context import node_config, unusable_dir_error
+from node.cli.context import add_global_options, node_config, unusable_dir_error, wants_json
 from node.cli.keys import keys
 from node.cli.report import report
 from node.cli.rules import load_or_exit, rules
 from node.cli.status_view import render_status
+from node.cli.watch import watch as watch_status
 from node.config import NodeConfig
 from node.endpoints import connect_endpoint
 from node.interpreter import module_command
@@ -51,9 +53,13 @@ from node.pidfile import (
 from node.pool import WorkerStatus
 from node.sandbox.cores import plan_workers
 from node.security.keys import client_keys
+from node.service.health import judge
 
 #: ``edgenode status`` exit code when no node runs (LSB init-script convention).
 EXIT_NOT_RUNNING = 3
+#: ``status --ready``: how long it waits for the node's answer (ms); an exec
+#: probe's timeout should allow this plus the interpreter's start (~0.5 s).
+READY_WAIT_MS = 1000
 #: Added to a stopping node's own grace (2 x workers.stop_grace_ms) before a failed
 #: start kills it (s): closing sockets and removing cgroups takes well under this.
 STOP_MARGIN_S = 10.0
@@ -65,7 +71,12 @@ START_LOCK_WAIT_S = 10.0
 
 class _Commands(click.Group):
     """The ``edgenode`` group: an unusable run or cache directory is a one-line
-    error naming it (exit 1), wherever in a command it turns up."""
+    error naming it (exit 1), wherever in a command it turns up; every command
+    added gets the global options (``node.cli.context.add_global_options``)."""
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        add_global_options(cmd)
+        super().add_command(cmd, name)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -78,30 +89,13 @@ class _Commands(click.Group):
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "-c",
-    "--config",
-    "config_path",
-    envvar="EDGENODE_CONFIG",
-    type=click.Path(),
-    help="TOML config file (default: /etc/edgenode/edgenode.toml if present, "
-    "else built-in defaults = etc/edgenode.toml).",
-)
-@click.option(
-    "--run-dir",
-    envvar="EDGENODE_RUN_DIR",
-    type=click.Path(),
-    help="Pidfile, sockets and logs (default: $XDG_RUNTIME_DIR/edgenode or /tmp/edgenode-<uid>).",
-)
 @click.pass_context
-def cli(ctx: click.Context, config_path: str | None, run_dir: str | None) -> None:
+def cli(ctx: click.Context) -> None:
     """edgenode: a small GGUF model served over ZeroMQ, fenced off from the host's workload."""
-    if run_dir:
-        os.environ["EDGENODE_RUN_DIR"] = str(Path(run_dir).resolve())  # children inherit it
-    if config_path:
-        config_path = str(Path(config_path).resolve())
-        os.environ["EDGENODE_CONFIG"] = config_path
-    ctx.obj = {"config": config_path}
+    ctx.ensure_object(dict)
+
+
+add_global_options(cli, group=True)
 
 
 @cli.command()
@@ -406,17 +400,49 @@ def _alive(proc: psutil.Process) -> bool:
 
 
 @cli.command()
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option(
+    "--ready",
+    is_flag=True,
+    help="Print nothing; exit 0 only if the node can serve now, 1 if it answers but "
+    "cannot (starting, stopping, no worker ready for its routing mode), 3 if none runs "
+    f"(for probes; at most {READY_WAIT_MS} ms).",
+)
+@click.option("--watch", is_flag=True, help="Refresh the view, with rates, until Ctrl-C.")
+@click.option(
+    "--interval",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="--watch: seconds between refreshes.",
+)
+@click.option("--count", type=click.IntRange(min=1), hidden=True, help="--watch: N refreshes.")
 @click.pass_context
-def status(ctx: click.Context, as_json: bool) -> None:
+def status(
+    ctx: click.Context, ready: bool, watch: bool, interval: float, count: int | None
+) -> None:
     """Show workers, queue and counters of the running node (exit 3 if none runs)."""
+    # --ready: node.service.health.judge's rule (README, "Health probes").
+    if ready and watch:
+        raise click.UsageError("--ready and --watch do not go together")
+    as_json = wants_json(ctx)
     config = node_config(ctx)
     address = connect_endpoint(config.frontend)
     secured = _keys(config)
-    try:
-        with Client(address, wait_ms=2000, **secured) as client:
-            node = client.status()
-    except EdgeNodeError:
+    if ready:
+        with Client(address, wait_ms=READY_WAIT_MS, **secured) as client:
+            try:
+                health = judge(client.status())
+            except EdgeNodeError:
+                sys.exit(EXIT_NOT_RUNNING)
+        sys.exit(0 if health.ready else 1)
+    with Client(address, wait_ms=2000, **secured) as client:
+        if watch:
+            answered = watch_status(
+                lambda: _status_or_none(client), render_status, interval, count, as_json
+            )
+            sys.exit(0 if answered else EXIT_NOT_RUNNING)
+        node = _status_or_none(client)
+    if node is None:
         if as_json:
             click.echo(json.dumps({"running": False, "frontend": config.frontend}))
         else:
@@ -428,13 +454,20 @@ def status(ctx: click.Context, as_json: bool) -> None:
     click.echo(render_status(node))
 
 
+def _status_or_none(client: Client) -> dict[str, Any] | None:
+    """The node's status map, or None when no node answers within the client's wait."""
+    try:
+        return client.status()
+    except EdgeNodeError:
+        return None
+
+
 @cli.command()
 @click.argument("text")
 @click.option("--stream", is_flag=True, help="Print tokens as they arrive.")
 @click.option("--max-tokens", default=128, show_default=True, type=int)
 @click.option("--timeout-ms", type=int, help="Request budget (default: the node's).")
 @click.option("--raw", is_flag=True, help="Plain completion of TEXT (no chat template).")
-@click.option("--json", "as_json", is_flag=True, help="Print the whole final reply as JSON.")
 @click.option(
     "--route",
     type=click.Choice(["auto", "llm", "rules"]),
@@ -457,11 +490,12 @@ def ask(
     max_tokens: int,
     timeout_ms: int | None,
     raw: bool,
-    as_json: bool,
     route: str,
     temperature: float | None,
 ) -> None:
-    """Ask the running node TEXT and print the answer with its usage counts."""
+    """Ask the running node TEXT and print the answer with its usage counts
+    (``--json``: the whole final reply as JSON)."""
+    as_json = wants_json(ctx)
     config = node_config(ctx)
     fields: dict[str, Any] = {"max_tokens": max_tokens, "route": route}
     if timeout_ms is not None:

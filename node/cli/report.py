@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from node.cli.context import node_config
+from node.cli.context import add_global_options, node_config, wants_json
 from node.migration.log import migration_log_path
 from node.migration.report import summarize
 from node.migration.report_view import format_report
@@ -29,16 +29,15 @@ from node.migration.report_view import format_report
     help="A migration log; its rotated backups (LOG.1, LOG.2, ...) are read too. Repeatable. "
     "Default: <run dir>/logs/migration.jsonl.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def report(ctx: click.Context, logs: tuple[Path, ...], as_json: bool) -> None:
+def report(ctx: click.Context, logs: tuple[Path, ...]) -> None:
     """Agreement, latency percentiles, fallbacks and memory peak per migration mode, with a
     hint whether to advance to the next stage."""
     paths = list(logs) or [migration_log_path(_run_dir(ctx))]
     summary = summarize(paths)
     if not summary["files"]:
         raise click.ClickException("no migration log at " + ", ".join(str(p) for p in paths))
-    if as_json:
+    if wants_json(ctx):
         click.echo(json.dumps(summary, indent=2, sort_keys=True))
         return
     click.echo(format_report(summary))
@@ -48,3 +47,8 @@ def _run_dir(ctx: click.Context) -> Path:
     # Outside the ``edgenode`` group (tests, embedding) nobody set ctx.obj: built-in lookup.
     ctx.ensure_object(dict).setdefault("config", None)
     return node_config(ctx).run_dir
+
+
+# The global options also when the command runs on its own (tests, embedding);
+# the edgenode group adds none twice (node.cli.context.add_global_options).
+add_global_options(report)

@@ -19,6 +19,7 @@ import click
 from fallback.engine import RuleEngine
 from fallback.intents import INTENT_SCHEMA
 from fallback.rules import RulesError, RuleSet, load_rules
+from node.cli.context import add_global_options, wants_json
 
 
 def load_or_exit(path: str) -> RuleSet:
@@ -60,17 +61,22 @@ def check(file: str) -> None:
     help="Answer as to a request carrying json_schema (the intent schema): JSON responses "
     "are preferred. --no-schema prefers a rule's text response.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the engine's whole answer as JSON.")
-def test(file: str, text: str, schema: bool, as_json: bool) -> None:
+@click.pass_context
+def test(ctx: click.Context, file: str, text: str, schema: bool) -> None:
     """Show which rule of FILE answers TEXT (a command, or telemetry as a JSON object)."""
     engine = RuleEngine(load_or_exit(file))
     request: dict[str, Any] = {"op": "generate", "prompt": text}
     if schema:
         request["json_schema"] = INTENT_SCHEMA
     answer = engine.answer(request)
-    if as_json:
+    if wants_json(ctx):  # the engine's whole answer
         click.echo(json.dumps(answer, ensure_ascii=False))
         return
     click.echo(f"rule: {answer['rule'] or '(none: no rule matched)'}")
     click.echo(f"confidence: {answer['confidence']:g}")
     click.echo(f"response: {answer['text']}")
+
+
+# The global options also when the command runs on its own (tests, embedding);
+# the edgenode group adds none twice (node.cli.context.add_global_options).
+add_global_options(rules)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from node.service.health import judge
 from node.units import format_size
 
 if TYPE_CHECKING:
@@ -12,12 +13,15 @@ if TYPE_CHECKING:
 
 
 def render_status(node: dict[str, Any]) -> str:
-    """Header lines (node, gate, breaker, sandbox), the worker table, counters."""
+    """Header lines (node, state, gate, breaker, sandbox), the worker table, counters.
+    The state line is ``node.service.health``'s (what ``status --ready`` and
+    systemd's STATUS= say)."""
     routing = node.get("routing", {})
     lines = [
         f"edgenode pid {node.get('pid')}  model {Path(str(node.get('model'))).name}  "
         f"engine {node.get('engine')}  mode {routing.get('mode', '-')}",
         f"frontend {node.get('endpoints', {}).get('frontend')}",
+        f"state: {judge(node).line}",
         _security_line(node.get("security"), node.get("refused")),
         _gate_line(node),
         _breaker_line(routing.get("breaker")),
