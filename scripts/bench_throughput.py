@@ -8,55 +8,9 @@ same prompts and greedy 128-token generations for every backend) is written once
 same measurement. This script adds what a study needs: layouts, rounds, pinning,
 repacking and flash attention per backend.
 
-Prompt caching is left at each backend's default (the node and llama-server reuse
-a slot's KV for a shared prefix, llama-cpp-python its last prompt's): the prompts
-differ from their first word on, so only a request landing on a slot that last
-served the same prompt reuses more than the BOS token; the JSON counts those
-(``reused_prompts``, from the node's ``cached_tokens`` and llama-server's
-``cache_n``). The warm-up uses a prompt of its own.
-
-The backends:
-
-* ``node WxS``: edgenode (``edgenode start --foreground`` in a private run dir,
-  ``node.testing.NodeProcess``) with W llama workers of S slots each
-  (``--layout WxS``, repeatable), ``workers.threads = --threads`` (the node caps it
-  at each worker's share of the cores: 2 workers on 2 cores get 1 thread each;
-  the report shows what the workers got), ``routing.mode = "full"`` and no rules, so
-  every answer is the model's; requests stream through ``broker.client``.
-* ``direct``: llama-cpp-python's ``Llama(model, n_ctx=2048, n_threads=T,
-  n_threads_batch=T, flash_attn=F)`` in a subprocess serving one request at a time
-  (``create_completion(stream=True)``): its high-level API cannot batch, so N
-  concurrent requests queue and their TTFT includes the wait, as behind
-  llama-cpp-python's server lock. ``direct -nr`` is the same without weight
-  repacking (``use_extra_bufts = false``, as the node's default ``model.repack =
-  false``); llama-cpp-python's default repacks.
-* ``llama-server``: llama.cpp's server built from the llama.cpp that
-  llama-cpp-python vendors, ``llama-server -m MODEL -t T -tb T --parallel N -c
-  N*2048``, restarted for every level N, streaming ``/completion`` with
-  ``n_predict`` 128. ``llama-server -nr`` adds ``--no-repack`` (llama-server
-  repacks by default; the node does not). ``--repack on|off|both`` picks the
-  variants of both baselines (default both).
-
-``--flash-attn on|off`` sets flash attention alike in every backend (the node's
-``model.flash_attn``, ``Llama(flash_attn=)``, ``llama-server -fa``), so ratios
-compare like with like; the default leaves each backend at its own default (the
-node and llama-cpp-python off, llama-server ``auto``, which is on for CPU).
-
-Every process is pinned to ``--cpus`` (default: every core this process may use):
-the baselines with ``taskset``, the node by starting it from a thread pinned there
-(its processes inherit the affinity, and the node places its workers within it);
-the report records each process's affinity as measured after start. Everything
-runs at ``--nice`` (default 0, for the node ``workers.nice``): the node's default
-nice 10 would let outside load fall on the node alone. Every backend is started,
-warmed up (8 tokens for every client and every node slot at once: a worker's
-first request pages the weights in), measured and stopped for each level of each
-round. Rounds are interleaved (round r: every level, every backend), and the
-report takes per level the median over rounds of each number and of each same-round
-ratio, so outside load falls on each backend alike. Outside load is measured too
-(CPU time on ``--cpus`` spent by neither this process nor the backend, in cores): a
-level is measured again, up to ``--retries`` times, when it exceeds
-``--max-outside-load``. It matters: llama.cpp's threads wait for each other at every
-step, so a 2-thread process on 2 cores beside one busy core can slow down 10-50x.
+Prompt caching, the backends (``node WxS``, ``direct``, ``llama-server`` and their
+``-nr`` variants), ``--flash-attn``, pinning to ``--cpus``, ``--nice``, warm-up,
+interleaved rounds and the outside-load retries are described there too.
 
 Output: Markdown tables on stdout and in ``--out`` (default
 ``docs/bench/throughput.md``), and every raw number in the same path with
