@@ -99,7 +99,7 @@ def test_dispatch_credit_spreads_by_free_credit_whatever_the_host() -> None:
 
 
 def test_an_unknown_dispatch_order_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="broker.dispatch must be one of local_first, credit"):
+    with pytest.raises(ConfigError, match=r"broker\.dispatch must be one of local_first, credit"):
         BrokerSettings(dispatch="nearest")  # type: ignore[arg-type]
 
 
