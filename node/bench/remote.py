@@ -30,7 +30,6 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from node.bench.backends import pinned
 from node.bench.context import BenchContext
 from node.bench.load import Run, closed_loop
 from node.bench.report import Goal, Section, Table
@@ -91,13 +90,12 @@ def measure(
     )
     agent: AgentProcess | None = None
     try:
-        with pinned(local):  # the broker stays off the agent's half
-            node.start(timeout=START_S)
+        # workers.cpus reserves each half; the broker joins its workers' (node.cpus = []).
+        node.start(timeout=START_S)
         workers = 1
         if remote is not None:
             agent = AgentProcess(backend, AGENT, {"workers": _workers(ctx, remote)})
-            with pinned(remote):
-                agent.start()
+            agent.start()
             agent.registered(node, 1, timeout=START_S)
             workers = 2
         in_flight = SLOTS * workers
