@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -340,13 +340,20 @@ class AgentProcess:
     private run dir (its own cgroups and pidfile), for a gateway ``NodeProcess``.
 
     ``sections`` are its config (``{"workers": {"engine": "test"}}``); ``name`` is
-    its worker ids' prefix. Like ``NodeProcess``, it gets SIGTERM when the
-    harness dies.
+    its worker ids' prefix; ``extra``: more ``edgenode worker`` options (``--key``,
+    ``--server-key``). Like ``NodeProcess``, it gets SIGTERM when the harness dies.
     """
 
-    def __init__(self, connect: str, name: str, sections: dict[str, dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        connect: str,
+        name: str,
+        sections: dict[str, dict[str, Any]],
+        extra: Sequence[str] = (),
+    ) -> None:
         self.connect = connect
         self.name = name
+        self.extra = list(extra)
         self.run_dir = Path(tempfile.mkdtemp(prefix="ea-"))
         self.config = self.run_dir / "agent.toml"
         lines = []
@@ -363,7 +370,7 @@ class AgentProcess:
             raise RuntimeError("start agents from the main thread (PR_SET_PDEATHSIG)")
         argv = module_command(
             "node.cli", "--run-dir", str(self.run_dir), "worker",
-            "--connect", self.connect, "--name", self.name, "-c", str(self.config),
+            "--connect", self.connect, "--name", self.name, "-c", str(self.config), *self.extra,
         )  # fmt: skip
         cmd = [sys.executable, "-c", DIE_WITH_HARNESS, str(os.getpid()), *argv]
         with open(self.log, "ab") as out:

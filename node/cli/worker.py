@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
@@ -11,7 +10,8 @@ import click
 
 from broker.errors import EdgeNodeError
 from node.cli.context import node_config
-from node.remote.agent import HostAgent, agent_config, agent_name
+from node.observe.logs import configure as configure_logs
+from node.remote.agent import AGENT_ROLE, HostAgent, agent_config, agent_keys, agent_name
 
 
 @click.command()
@@ -26,6 +26,17 @@ from node.remote.agent import HostAgent, agent_config, agent_name
     help="This agent's name, the prefix of its worker ids (NAME.llm-0) (default: the host name).",
 )
 @click.option(
+    "--key",
+    type=click.Path(dir_okay=False),
+    help="This agent's keypair (NAME.key_secret, mode 0600) for a CURVE backend; the "
+    "gateway allows its NAME.key with `edgenode keys allow --worker`.",
+)
+@click.option(
+    "--server-key",
+    type=click.Path(dir_okay=False),
+    help="The gateway's backend public key file (NAME.key of its backend_secret_key).",
+)
+@click.option(
     "-c",
     "--config",
     "config_path",
@@ -34,23 +45,29 @@ from node.remote.agent import HostAgent, agent_config, agent_name
     "the same as the group's --config.",
 )
 @click.pass_context
-def worker(ctx: click.Context, connect: str, name: str | None, config_path: str | None) -> None:
+def worker(
+    ctx: click.Context,
+    connect: str,
+    name: str | None,
+    key: str | None,
+    server_key: str | None,
+    config_path: str | None,
+) -> None:
     """Run this board's model workers (a host agent) for the node at --connect.
 
     The agent owns this board's cgroups, cores and capacity plan and supervises
     its workers (restarts with backoff); the workers register with the gateway's
-    broker as NAME.llm-N. It runs in the foreground until SIGTERM or Ctrl-C.
+    broker as NAME.llm-N, and with --key and --server-key prove this agent's key
+    to the gateway's CURVE backend. It runs in the foreground until SIGTERM or Ctrl-C.
     """
     if config_path:
         ctx.obj["config"] = str(Path(config_path).resolve())
         os.environ["EDGENODE_CONFIG"] = ctx.obj["config"]
     config = node_config(ctx)
-    logging.basicConfig(
-        level=config.node.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    configure_logs(config.node.log_level, config.logging.format, AGENT_ROLE)
     try:
-        agent = HostAgent(agent_config(config, connect), agent_name(name))
+        keys = agent_keys(key, server_key)
+        agent = HostAgent(agent_config(config, connect, keys), agent_name(name), keys)
         sys.exit(agent.run())
     except EdgeNodeError as exc:
         raise click.ClickException(exc.message) from exc

@@ -9,6 +9,13 @@ workers connect their DEALERs to the gateway's backend and register there as
 The gateway's broker then gives them credit like its own workers, after its own
 (``broker.dispatch = "local_first"``).
 
+On a gateway whose backend has CURVE (``[security] backend_secret_key``), the
+agent's workers prove the agent's keypair (``--key``, a ``NAME.key_secret`` whose
+public half the gateway allowed with ``edgenode keys allow --worker``) and check
+the gateway's backend public key (``--server-key``); without an allowed key a
+worker gets no connection at all. A plaintext link to an address other hosts
+can reach is refused unless ``security.allow_plaintext``, as on the gateway.
+
 What the agent does not have is the broker's word on its workers: there is no
 READY timeout (a worker whose link is down waits and re-registers when it comes
 back, ``node.worker.WorkerLoop``) and no kill verdict (a worker the gateway
@@ -26,6 +33,8 @@ import os
 import signal
 import socket
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from broker.errors import ConfigError
@@ -33,13 +42,16 @@ from broker.exits import ExitCause
 from broker.workers import HOST_NAME
 from node.capacity.plan import check_fits
 from node.config import NodeConfig
-from node.endpoints import parse_endpoint
+from node.endpoints import is_loopback, parse_endpoint
 from node.model import resolve_model
 from node.pidfile import RunLock, remove_pidfile, write_pidfile
 from node.pool import WorkerPool
+from node.security.keys import load_keypair, load_public
 
 log = logging.getLogger("edgenode.agent")
 
+#: The agent process's ``role`` in its log lines (``node.observe.logs``).
+AGENT_ROLE = "agent"
 #: How often the agent reaps exits and starts due restarts (s) when no signal wakes it.
 TICK_S = 0.1
 
@@ -57,16 +69,53 @@ def agent_name(name: str | None) -> str:
     return chosen
 
 
-def agent_config(config: NodeConfig, connect: str) -> NodeConfig:
+@dataclass(frozen=True)
+class AgentKeys:
+    """What the agent's workers need on a CURVE backend: the gateway backend's
+    public key (Z85, 40 bytes) and the file of the agent's keypair (``NAME.key_secret``,
+    mode 0600: each worker reads it, so the secret is never on a command line)."""
+
+    server_public: bytes
+    key_file: Path
+
+
+def agent_keys(key: str | None, server_key: str | None) -> AgentKeys | None:
+    """The agent's CURVE credentials from ``--key`` and ``--server-key``, or None
+    (a plaintext backend) when neither is given.
+
+    Raises:
+        ConfigError: only one of them is given, or a file is unusable (unreadable,
+            no secret in ``--key``, ``--key`` readable by group or others).
+    """
+    if (key is None) != (server_key is None):
+        raise ConfigError(
+            "worker --key and --server-key go together: this agent's keypair file "
+            "(NAME.key_secret) and the gateway's backend public key file (NAME.key)"
+        )
+    if key is None or server_key is None:
+        return None
+    load_keypair("worker --key", Path(key))  # refused now, not in every worker
+    return AgentKeys(load_public("worker --server-key", Path(server_key)), Path(key).resolve())
+
+
+def agent_config(config: NodeConfig, connect: str, keys: AgentKeys | None = None) -> NodeConfig:
     """``config`` with the workers' backend set to the gateway's ``connect`` endpoint.
 
     Raises:
         ConfigError: ``connect`` is not ``tcp://HOST:PORT`` (or ``ipc://PATH``, a
-            gateway on this host) with a host that resolves here.
+            gateway on this host) with a host that resolves here; or it is
+            reachable from other hosts, without ``keys`` and without
+            ``security.allow_plaintext`` (prompts would cross the network in clear).
     """
-    parse_endpoint("--connect", connect)
-    if connect.startswith("tcp://") and connect.partition("://")[2].startswith("*"):
+    endpoint = parse_endpoint("--connect", connect)
+    if endpoint.transport == "tcp" and endpoint.host == "*":
         raise ConfigError(f"--connect needs the gateway's address, not a wildcard: {connect!r}")
+    if keys is None and not config.security.allow_plaintext and not is_loopback(endpoint):
+        raise ConfigError(
+            f"--connect {connect} is reachable from other hosts without CURVE: give "
+            "--key and --server-key (edgenode keys generate), or set "
+            "security.allow_plaintext = true in this agent's config"
+        )
     # The frontend is unused (no broker here); it must only differ from the backend.
     return dataclasses.replace(config, node=dataclasses.replace(config.node, backend=connect))
 
@@ -79,6 +128,7 @@ class HostAgent:
             ``node.cpus``, ``node.run_dir`` for the pidfile, logs and the cgroup
             name); its ``node.backend`` is the gateway's (``agent_config``).
         name: the agent's name (``agent_name``), the prefix of its worker ids (``<name>.llm-N``).
+        keys: its CURVE credentials for a CURVE backend (``agent_keys``), or None.
 
     Raises (from ``run``):
         ConfigError: the model cannot be resolved, the plan does not fit this
@@ -86,9 +136,10 @@ class HostAgent:
         SandboxError: ``workers.sandbox = "required"`` and cgroups cannot be used.
     """
 
-    def __init__(self, config: NodeConfig, name: str) -> None:
+    def __init__(self, config: NodeConfig, name: str, keys: AgentKeys | None = None) -> None:
         self.config = config
         self.name = name
+        self.keys = keys
         self.run_dir = config.run_dir
         self._stop = False
 
@@ -97,7 +148,18 @@ class HostAgent:
         c = self.config
         model = str(resolve_model(c.model.path)) if c.workers.engine == "llama" else "test"
         plan = check_fits(c)
-        pool = WorkerPool(c, model, None, self.run_dir, plan, slots=plan.slots, host=self.name)
+        keys = self.keys
+        pool = WorkerPool(
+            c,
+            model,
+            None,
+            self.run_dir,
+            plan,
+            slots=plan.slots,
+            backend_key=b"" if keys is None else keys.server_public,
+            key_file=None if keys is None else keys.key_file,
+            host=self.name,
+        )
         # No broker here tells the agent a worker registered: never kill for that.
         pool.supervisor.ready_timeout_s = math.inf
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -128,11 +190,12 @@ class HostAgent:
         pool.open()  # cgroups before any zmq thread (the agent itself has none)
         pool.start(self._on_exit)
         log.info(
-            "host agent %s: %d model workers x %d slots -> %s (pid %d)",
+            "host agent %s: %d model workers x %d slots -> %s (%s, pid %d)",
             self.name,
             len(pool.specs),
             pool.slots,
             self.config.backend,
+            "plaintext" if self.keys is None else "curve",
             os.getpid(),
         )
         wake.settimeout(TICK_S)
