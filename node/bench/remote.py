@@ -48,6 +48,14 @@ LAYOUTS = ("local alone", "local + remote agent")
 START_S = 180.0
 
 
+def window_s(ctx: BenchContext) -> float:
+    """Seconds of closed-loop load per layout: 60 (quick: 15; the test engine, which
+    only checks the machinery, 4)."""
+    if ctx.quick and ctx.engine == "test":
+        return 4.0
+    return ctx.pick(15.0, 60.0)
+
+
 def steps(ctx: BenchContext) -> int:
     """Progress steps of ``run``: each layout once per round."""
     return len(LAYOUTS) * ctx.pick(1, 3)
@@ -104,7 +112,7 @@ def measure(
         closed_loop(node.frontend, True, {**body, "max_tokens": 8}, in_flight, 0.1)
         max_tokens = ctx.pick(32, 128)
         run = closed_loop(
-            node.frontend, True, {**body, "max_tokens": max_tokens}, in_flight, ctx.pick(15.0, 60.0)
+            node.frontend, True, {**body, "max_tokens": max_tokens}, in_flight, window_s(ctx)
         )
         return summarize(run)
     finally:
