@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
 
 import click
 
@@ -36,14 +34,6 @@ from node.remote.agent import AGENT_ROLE, HostAgent, agent_config, agent_keys, a
     type=click.Path(dir_okay=False),
     help="The gateway's backend public key file (NAME.key of its backend_secret_key).",
 )
-@click.option(
-    "-c",
-    "--config",
-    "config_path",
-    type=click.Path(),
-    help="This board's config (workers, model, capacity, node.cpus, node.run_dir); "
-    "the same as the group's --config.",
-)
 @click.pass_context
 def worker(
     ctx: click.Context,
@@ -51,7 +41,6 @@ def worker(
     name: str | None,
     key: str | None,
     server_key: str | None,
-    config_path: str | None,
 ) -> None:
     """Run this board's model workers (a host agent) for the node at --connect.
 
@@ -59,10 +48,9 @@ def worker(
     its workers (restarts with backoff); the workers register with the gateway's
     broker as NAME.llm-N, and with --key and --server-key prove this agent's key
     to the gateway's CURVE backend. It runs in the foreground until SIGTERM or Ctrl-C.
+    -c/--config is this board's config (workers, model, capacity, node.cpus,
+    node.run_dir, security.allow_plaintext).
     """
-    if config_path:
-        ctx.obj["config"] = str(Path(config_path).resolve())
-        os.environ["EDGENODE_CONFIG"] = ctx.obj["config"]
     config = node_config(ctx)
     configure_logs(config.node.log_level, config.logging.format, AGENT_ROLE)
     try:
