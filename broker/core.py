@@ -415,6 +415,7 @@ class Broker:
         try:
             worker = parse_ready(identity, body, now)
         except ProtocolError as exc:
+            self.stats.count("workers_refused")
             self.outbox.worker(identity, WorkerCommand.DISCONNECT, {"reason": exc.message})
             return
         stale = self.workers.by_worker_id(worker.worker_id)

@@ -63,7 +63,7 @@ class Dispatcher:
                 if not any(n > 0 for n in free.values()):
                     return
                 continue
-            worker = self.workers.pick(job.kind)
+            worker = self.workers.pick(job.kind, self.settings.dispatch)
             if worker is None:
                 continue  # another kind of worker may still take later requests
             self.queue.remove(job)

@@ -12,6 +12,13 @@ from typing import Literal, get_args
 EngineKind = Literal["llm", "rules"]
 ENGINE_KINDS: tuple[EngineKind, ...] = get_args(EngineKind)
 
+#: Which registered worker ``broker.workers.WorkerRegistry.pick`` prefers
+#: (``broker.dispatch``): ``local_first`` fills this host's workers' free credit
+#: before any remote host agent's (a remote slot costs a network hop each way and
+#: shares a link that may be lost); ``credit`` takes the most free credit anywhere.
+DispatchOrder = Literal["local_first", "credit"]
+DISPATCH_ORDERS: tuple[DispatchOrder, ...] = get_args(DispatchOrder)
+
 #: A request's class (``priority`` on the wire, docs/PROTOCOL.md §3).
 Priority = Literal["critical", "normal", "sheddable"]
 #: Dispatch order, highest first; eviction takes from the end.

@@ -15,7 +15,7 @@ from broker.breaker import Permit
 from broker.client_request import ClientRequest
 from broker.errors import ConfigError
 from broker.exits import ExitCause
-from broker.kinds import DegradeReason, EngineKind
+from broker.kinds import DISPATCH_ORDERS, DegradeReason, DispatchOrder, EngineKind
 
 #: ``BrokerSettings.service_estimate`` values.
 SERVICE_ESTIMATES = ("size", "mean")
@@ -43,6 +43,9 @@ class BrokerSettings:
     final replies kept for safe retry (``broker.reply_cache``): 30 s covers a
     client's own timeout plus a resend or two; 1024 replies and 8 MiB cap the
     memory, about 32 replies at the 256 KiB body limit, far more at usual sizes.
+    ``dispatch`` is which worker with free credit takes the next request
+    (``broker.kinds.DispatchOrder``): ``local_first`` (this host's workers
+    before remote host agents') or ``credit`` (the most free credit anywhere).
     """
 
     max_body_bytes: int = p.DEFAULT_MAX_BODY_BYTES
@@ -60,8 +63,14 @@ class BrokerSettings:
     retry_ttl_ms: int = 30_000
     retry_cache_entries: int = 1024
     retry_cache_bytes: int = 8 * 1024 * 1024
+    dispatch: DispatchOrder = "local_first"
 
     def __post_init__(self) -> None:
+        if self.dispatch not in DISPATCH_ORDERS:
+            raise ConfigError(
+                f"broker.dispatch must be one of {', '.join(DISPATCH_ORDERS)}, "
+                f"got {self.dispatch!r}"
+            )
         if self.service_estimate not in SERVICE_ESTIMATES:
             raise ConfigError(
                 f"broker.service_estimate must be one of {', '.join(SERVICE_ESTIMATES)}, "

@@ -7,12 +7,13 @@ judged by ``broker.liveness``). The registry picks who gets the next request.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from broker.errors import ProtocolError
-from broker.kinds import EngineKind
+from broker.kinds import DispatchOrder, EngineKind
 
 
 @dataclass
@@ -32,6 +33,8 @@ class WorkerState:
         started: requests this incarnation says it has started, from its last
             HEARTBEAT (its own count, not the broker's: what it really ran); None
             until a heartbeat carried one.
+        host: the remote host agent that runs it (READY's ``host``), or None for
+            a worker of this node's own pool; ``pick`` prefers local ones.
     """
 
     identity: bytes
@@ -45,6 +48,12 @@ class WorkerState:
     active: set[int] = field(default_factory=set)
     info: dict[str, Any] = field(default_factory=dict)
     started: int | None = None
+    host: str | None = None
+
+    @property
+    def remote(self) -> bool:
+        """Whether a remote host agent runs it (not this node's pool)."""
+        return self.host is not None
 
     def note_started(self, value: object) -> None:
         """A HEARTBEAT's ``started`` count; anything but a non-negative int is ignored."""
@@ -72,16 +81,30 @@ class WorkerState:
             "active": len(self.active),
             "started": self.started,
             "last_seen_ms": max(0, round((now - self.last_seen) * 1000)),
+            "host": self.host,
+            "remote": self.remote,
             **self.info,
         }
+
+
+#: A host agent's name in READY's ``host``: a host name's first label (no dot), at
+#: most 64 characters, so ``<host>.llm-0`` is a safe file and cgroup name on the
+#: agent's board and the dot alone separates the host.
+HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 
 def parse_ready(identity: bytes, body: dict[str, Any], now: float) -> WorkerState:
     """Build a ``WorkerState`` from a READY body.
 
+    A remote host agent's worker says ``host`` (its agent's name, ``HOST_NAME``)
+    and its ``worker_id`` must be ``<host>.<name>``: ids are unique across
+    hosts, and a remote worker can never take the place of one of the node's
+    own (a READY replaces the registered worker of the same id). A worker
+    without ``host`` is the node's own and its id has no ``.``.
+
     Raises:
         ProtocolError: a required field (``worker_id``, ``engine``, ``slots``) is
-            missing or mistyped.
+            missing or mistyped, or ``host`` and ``worker_id`` do not agree.
     """
     worker_id = body.get("worker_id")
     kind = body.get("engine")
@@ -92,6 +115,7 @@ def parse_ready(identity: bytes, body: dict[str, Any], now: float) -> WorkerStat
         raise ProtocolError("READY 'engine' must be llm, rules or test")
     if not isinstance(slots, int) or isinstance(slots, bool) or not 1 <= slots <= 256:
         raise ProtocolError("READY 'slots' must be an integer in [1, 256]")
+    host = _host(body.get("host"), worker_id)
     shown = ("pid", "model", "n_ctx", "cpus", "cgroup", "threads")
     info: dict[str, Any] = {k: body[k] for k in shown if k in body}
     return WorkerState(
@@ -103,7 +127,26 @@ def parse_ready(identity: bytes, body: dict[str, Any], now: float) -> WorkerStat
         last_seen=now,
         progress_at=now,
         info={"engine": kind, **info},
+        host=host,
     )
+
+
+def _host(host: object, worker_id: str) -> str | None:
+    """READY's ``host``, checked against ``worker_id`` (see ``parse_ready``).
+
+    Raises:
+        ProtocolError: a malformed host, or an id without (or with a foreign) prefix.
+    """
+    if host is None:
+        if "." in worker_id:
+            raise ProtocolError("READY 'worker_id' with '.' needs the 'host' that prefixes it")
+        return None
+    if not isinstance(host, str) or HOST_NAME.fullmatch(host) is None:
+        raise ProtocolError(f"READY 'host' must match {HOST_NAME.pattern}")
+    prefix, dot, name = worker_id.partition(".")
+    if not dot or not name or prefix != host:
+        raise ProtocolError(f"READY 'worker_id' of host {host!r} must be '{host}.<name>'")
+    return host
 
 
 class WorkerRegistry:
@@ -134,17 +177,22 @@ class WorkerRegistry:
         """Unregister and return the worker, or None if it was not registered."""
         return self._by_identity.pop(identity, None)
 
-    def pick(self, kind: str) -> WorkerState | None:
-        """The worker of ``kind`` with the most free credit, least recently used on ties.
+    def pick(self, kind: str, order: DispatchOrder = "local_first") -> WorkerState | None:
+        """The worker of ``kind`` that takes the next request.
 
+        ``local_first``: a local worker (not ``remote``) with free credit before
+        any remote one; among those, the most free credit, least recently used
+        on ties. ``credit``: the most free credit anywhere, then least recently used.
         Returns None when no worker of that kind has credit: the request waits.
         """
         best: WorkerState | None = None
+        best_key: tuple[bool, int, float] | None = None
         for w in self._by_identity.values():
             if w.kind != kind or w.credit == 0:
                 continue
-            if best is None or (w.credit, -w.last_dispatch) > (best.credit, -best.last_dispatch):
-                best = w
+            key = (order == "local_first" and not w.remote, w.credit, -w.last_dispatch)
+            if best_key is None or key > best_key:
+                best, best_key = w, key
         return best
 
     def of_kind(self, kind: str) -> list[WorkerState]:

@@ -769,8 +769,12 @@ def _on_effects(
 ) -> None:
     """Act on what the broker's outbox holds for the node: worker events for the
     supervisor, migration records for the log, the circuit breaker's transitions
-    for the node's log, observations and transitions for the metrics."""
+    for the node's log, observations and transitions for the metrics. A remote
+    host agent's worker (an id this pool does not own) is its agent's to
+    supervise: its events change nothing here."""
     for event in effects.events:
+        if event.worker_id not in pool.supervisor.handles:
+            continue
         if event.kind == "ready":
             pool.supervisor.worker_ready(event.worker_id, event.pid)
         elif event.kind == "lost":

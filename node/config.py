@@ -392,7 +392,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "logging.format": LOG_FORMATS,
 }
 #: Keys with a check of their own in ``validate`` (or, for ``[breaker]`` and
-#: ``broker.service_estimate``, in the section's ``__post_init__``).
+#: ``broker.service_estimate`` and ``broker.dispatch``, in the section's ``__post_init__``).
 CHECKED_APART = frozenset(
     {
         "node.run_dir",
@@ -407,6 +407,7 @@ CHECKED_APART = frozenset(
         "workers.cpu_quota",
         "workers.cpus",
         "broker.service_estimate",
+        "broker.dispatch",
         "broker.max_body_bytes",  # broker.protocol.message_limits
         "capacity.memory_budget",
         "capacity.reserve",

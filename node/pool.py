@@ -67,6 +67,9 @@ class WorkerPool:
         backend_key, key_file: a CURVE backend's server public key (Z85) and the
             file of the keypair the workers prove (``node.security.keys.local_keypair``);
             ``b""``: a plaintext backend.
+        host: a remote host agent's name (``node.remote.agent``): its model
+            workers are ``<host>.llm-N`` and say ``host`` in READY, so the broker
+            tells them from the node's own; None for the node's own pool.
 
     Raises:
         ConfigError: an impossible core reservation (before anything starts).
@@ -82,8 +85,10 @@ class WorkerPool:
         slots: int | None = None,
         backend_key: bytes = b"",
         key_file: Path | None = None,
+        host: str | None = None,
     ) -> None:
         self.config = config
+        self.host = host
         #: A CURVE backend's server public key (Z85) and the workers' keypair file.
         self._server_key = backend_key.decode()
         self._key_file = str(key_file) if backend_key and key_file else ""
@@ -132,7 +137,8 @@ class WorkerPool:
             )
             specs.append(
                 WorkerSpec(
-                    worker_id=f"llm-{placement.index}",
+                    worker_id=("" if self.host is None else f"{self.host}.")
+                    + f"llm-{placement.index}",
                     backend=connect_endpoint(c.backend),
                     engine=engine,
                     slots=self.slots,
@@ -143,6 +149,7 @@ class WorkerPool:
                     max_body_bytes=c.broker.max_body_bytes,
                     curve_server_key=self._server_key,
                     curve_key_file=self._key_file,
+                    info={} if self.host is None else {"host": self.host},
                 )
             )
         return specs

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -333,3 +333,110 @@ def grep_json(path: Path, needle: str) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if needle in line]
+
+
+class AgentProcess:
+    """A host agent (``edgenode worker --connect``) started as a real process, in a
+    private run dir (its own cgroups and pidfile), for a gateway ``NodeProcess``.
+
+    ``sections`` are its config (``{"workers": {"engine": "test"}}``); ``name`` is
+    its worker ids' prefix; ``extra``: more ``edgenode worker`` options (``--key``,
+    ``--server-key``). Like ``NodeProcess``, it gets SIGTERM when the harness dies.
+    """
+
+    def __init__(
+        self,
+        connect: str,
+        name: str,
+        sections: dict[str, dict[str, Any]],
+        extra: Sequence[str] = (),
+    ) -> None:
+        self.connect = connect
+        self.name = name
+        self.extra = list(extra)
+        self.run_dir = Path(tempfile.mkdtemp(prefix="ea-"))
+        self.config = self.run_dir / "agent.toml"
+        lines = []
+        for section, values in sections.items():
+            lines.append(f"[{section}]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
+        self.config.write_text("\n".join(lines) + "\n")
+        self.log = self.run_dir / "agent.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> AgentProcess:
+        """Start the agent (from the main thread, as ``NodeProcess.start``)."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("start agents from the main thread (PR_SET_PDEATHSIG)")
+        argv = module_command(
+            "node.cli", "--run-dir", str(self.run_dir), "worker",
+            "--connect", self.connect, "--name", self.name, "-c", str(self.config), *self.extra,
+        )  # fmt: skip
+        cmd = [sys.executable, "-c", DIE_WITH_HARNESS, str(os.getpid()), *argv]
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=out, cwd=REPO, start_new_session=True
+            )
+        return self
+
+    def registered(self, node: NodeProcess, count: int, timeout: float = 30) -> list[Any]:
+        """Wait until ``count`` of this agent's workers are registered with ``node``;
+        returns their status entries.
+
+        Raises:
+            RuntimeError: the agent exited meanwhile (its log's tail says why).
+        """
+
+        def mine() -> list[Any] | None:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"agent exited: {self.log.read_text()[-3000:]}")
+            found = [w for w in node.status()["workers"] if w.get("host") == self.name]
+            return found if len(found) >= count else None
+
+        result: list[Any] = wait_for(mine, timeout=timeout, every=0.05)
+        return result
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the agent's worker processes (its children)."""
+        if self.proc is None:
+            return []
+        with contextlib.suppress(psutil.Error):
+            return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+        return []
+
+    def kill9(self) -> None:
+        """SIGKILL the agent and every worker of it at once: a board losing power."""
+        assert self.proc is not None
+        victims = [self.proc.pid, *self.worker_pids()]
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM the agent and wait; returns its exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def cleanup(self) -> None:
+        """Kill anything left, remove the cgroups a killed agent left, and the run dir."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.stop()
+        for pid in leftover_processes(self.run_dir):
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+        for top in node_cgroup_dirs(self.run_dir):  # after kill -9: empty now, deepest first
+            for d in sorted(top.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+                if d.is_dir():
+                    with contextlib.suppress(OSError):
+                        d.rmdir()
+            with contextlib.suppress(OSError):
+                top.rmdir()
+        shutil.rmtree(self.run_dir, ignore_errors=True)

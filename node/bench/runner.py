@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from node.bench import faults, host, overhead, overload, startup, throughput
+from node.bench import faults, host, overhead, overload, remote, startup, throughput
 from node.bench.context import BenchContext, BenchEngine, NoProgress
 from node.bench.report import Section, require_extras, write
 
-ScenarioName = Literal["broker", "throughput", "overload", "faults", "host", "startup"]
+ScenarioName = Literal["broker", "throughput", "overload", "faults", "host", "startup", "remote"]
 SCENARIO_NAMES: tuple[ScenarioName, ...] = get_args(ScenarioName)
 
 
@@ -40,6 +40,7 @@ SCENARIOS: dict[ScenarioName, Scenario] = {
     "faults": Scenario(faults.steps, faults.run),
     "host": Scenario(host.steps, host.run),
     "startup": Scenario(startup.steps, startup.run),
+    "remote": Scenario(remote.steps, remote.run),
 }
 
 

@@ -34,6 +34,7 @@ from node.cli.report import report
 from node.cli.rules import load_or_exit, rules
 from node.cli.status_view import render_status
 from node.cli.watch import watch as watch_status
+from node.cli.worker import worker
 from node.config import NodeConfig
 from node.endpoints import connect_endpoint
 from node.interpreter import module_command
@@ -566,6 +567,7 @@ cli.add_command(report)
 cli.add_command(capacity)
 cli.add_command(bench)
 cli.add_command(keys)
+cli.add_command(worker)
 
 
 def main() -> None:

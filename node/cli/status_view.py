@@ -35,6 +35,9 @@ def render_status(node: dict[str, Any]) -> str:
     processes: list[WorkerStatus] = node.get("processes", [])
     for proc in processes:
         lines.append(_worker_line(proc, registered.get(proc["worker_id"])))
+    remote = [w for w in node.get("workers", []) if w.get("remote")]
+    if remote:
+        lines += ["", *_remote_lines(remote)]
     counters = node.get("counters", {})
     outcomes = {k: v for k, v in counters.items() if k not in DELIVERY_COUNTERS}
     if outcomes:
@@ -60,6 +63,24 @@ def _security_line(security: dict[str, str] | None, refused: dict[str, Any] | No
             text += f" (refused {keys} keys, {shakes} handshakes)"
         parts.append(text)
     return "security: " + ", ".join(parts)
+
+
+def _remote_lines(workers: list[dict[str, Any]]) -> list[str]:
+    """The registered workers that remote host agents run (``edgenode worker``):
+    the node does not supervise them, so they have no row among its processes."""
+    lines = [
+        f"{'REMOTE WORKER':<20} {'HOST':<12} {'STATE':<6} {'PID':>7} {'CREDIT':>6} "
+        f"{'CPUS':>5} {'THR':>3} {'SEEN':>7}"
+    ]
+    for w in sorted(workers, key=lambda w: str(w.get("worker_id"))):
+        cpus = w.get("cpus")
+        lines.append(
+            f"{w.get('worker_id')!s:<20} {w.get('host')!s:<12} {w.get('state')!s:<6} "
+            f"{w.get('pid', '-')!s:>7} {str(w.get('credit')) + '/' + str(w.get('slots')):>6} "
+            f"{len(cpus) if isinstance(cpus, list) else '-':>5} {w.get('threads', '-')!s:>3} "
+            f"{str(w.get('last_seen_ms')) + 'ms':>7}"
+        )
+    return lines
 
 
 #: The counters of what became of the messages sent to clients (broker.delivery),

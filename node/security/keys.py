@@ -108,6 +108,17 @@ def load_keypair(key: str, path: Path) -> Keypair:
     return Keypair(public, secret)
 
 
+def load_public(key: str, path: Path) -> bytes:
+    """The public key (Z85) in a key file (``NAME.key``, or a ``NAME.key_secret``)
+    named by config key or option ``key``: e.g. the gateway's backend key a host
+    agent's workers must find at the other end (``node.remote.agent``).
+
+    Raises:
+        ConfigError: unreadable, or not a key file.
+    """
+    return _load(key, path)[0]
+
+
 def load_allowed(key: str, directory: Path) -> frozenset[bytes]:
     """The public keys (Z85) of every ``*.key`` file in ``directory``.
 

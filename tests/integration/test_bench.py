@@ -83,3 +83,19 @@ def test_faults_detected_and_no_reply_lost(tmp_path: Path) -> None:
     assert goals["replies lost around faults"]["met"] is True
     assert goals["kill -9 detected (max)"]["measured"] == max(measures["detection, kill -9"])
     assert "| detection, SIGSTOP | 1 |" in report
+
+
+def test_remote_agent_beside_the_local_worker_alone(tmp_path: Path) -> None:
+    """The ``remote`` scenario: a gateway and a host agent as separate processes, each
+    on its half of the cores; both layouts measured, the agent served part of the load."""
+    report, data = bench(tmp_path, "remote")
+    assert table_header(report, "layout")[:3] == ["layout", "rounds", "tokens/s (median)"]
+    remote = data["scenarios"]["remote"]
+    alone, both = remote["runs"]["local alone"][0], remote["runs"]["local + remote agent"][0]
+    assert alone["tokens_per_s"] > 0 and both["tokens_per_s"] > 0
+    assert alone["errors"] == 0 and both["errors"] == 0
+    assert alone["remote_share_pct"] == 0 and both["remote_share_pct"] > 0
+    assert remote["ratios"] == [both["tokens_per_s"] / alone["tokens_per_s"]]
+    assert set(remote["local_cpus"]).isdisjoint(remote["remote_cpus"])
+    [goal] = data["goals"]
+    assert goal["measured"] == 100 * remote["ratios"][0]

@@ -30,7 +30,7 @@ PATHS = list(command_paths(cli))
 
 def required_args(path: tuple[str, ...]) -> list[str]:
     """What follows the options: placeholders for the command's required
-    arguments; for a group (options between it and its command), its first
+    options and arguments; for a group (options between it and its command), its first
     command and that one's."""
     cmd: click.Command = cli
     for name in path:
@@ -39,12 +39,20 @@ def required_args(path: tuple[str, ...]) -> list[str]:
     if isinstance(cmd, click.Group):
         first = sorted(cmd.commands)[0]
         return [first, *required_args((*path, first))]
-    return [
+    arguments = [
         "x"
         for p in cmd.params
         if isinstance(p, click.Argument) and p.required
         for _ in range(max(1, p.nargs))
     ]
+    # A required option (``worker --connect``) with a placeholder value.
+    options = [
+        x
+        for p in cmd.params
+        if isinstance(p, click.Option) and p.required
+        for x in (p.opts[0], "x")
+    ]
+    return [*options, *arguments]
 
 
 def parse(argv: list[str]) -> click.Context:

@@ -84,6 +84,7 @@ BAD: list[tuple[str, Any]] = [
     ("broker.cancel_grace_ms", -1),
     ("broker.max_in_flight_per_client", 0),
     ("broker.service_estimate", "guess"),
+    ("broker.dispatch", "nearest"),
     ("capacity.memory_budget", "much"),
     ("capacity.reserve", "-1G"),
     ("capacity.reserve", ""),

@@ -153,3 +153,48 @@ def test_the_security_line_shows_each_side_and_its_refusals() -> None:
         "security: frontend curve (refused 2 keys, 5 handshakes), backend plaintext"
         in render_status(status).splitlines()
     )
+
+
+def test_remote_workers_get_a_table_of_their_own_and_local_ones_stay_in_theirs() -> None:
+    status = {
+        "pid": 1,
+        "model": "/m/gemma.gguf",
+        "engine": "llama",
+        "queue_depth": 0,
+        "queue_bound": 16,
+        "in_flight": 1,
+        "credit": 4,
+        "processes": [_proc("llm-0", 10, 10)],
+        "workers": [
+            {"worker_id": "llm-0", "state": "ready", "credit": 1, "slots": 1, "remote": False},
+            {
+                "worker_id": "boardb.llm-0",
+                "host": "boardb",
+                "remote": True,
+                "state": "busy",
+                "pid": 777,
+                "credit": 3,
+                "slots": 4,
+                "cpus": [1, 2, 3],
+                "threads": 3,
+                "last_seen_ms": 120,
+            },
+        ],
+    }
+    lines = render_status(status).splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("REMOTE WORKER")))
+    assert lines[header + 1].split() == [
+        "boardb.llm-0",
+        "boardb",
+        "busy",
+        "777",
+        "3/4",
+        "3",
+        "3",
+        "120ms",
+    ]
+    assert not any(line.startswith("llm-0") for line in lines[header:])
+    assert sum(line.startswith("boardb.llm-0") for line in lines) == 1
+    # A node without remote workers shows no such table.
+    status["workers"] = status["workers"][:1]
+    assert not any(line.startswith("REMOTE") for line in render_status(status).splitlines())
