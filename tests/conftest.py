@@ -7,15 +7,7 @@ from typing import Any
 
 import pytest
 
-from node.testing import NodeProcess
-
-#: Fast heartbeats for tests (DESIGN.md: tests use ~100 ms).
-FAST_BROKER = {
-    "heartbeat_interval_ms": 100,
-    "heartbeat_liveness": 3,
-    "stall_timeout_ms": 2000,
-    "cancel_grace_ms": 1000,
-}
+from node.testing import FAST_BROKER, NodeProcess
 
 
 @pytest.fixture

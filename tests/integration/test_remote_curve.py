@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 
 from node.security.keys import generate
-from node.testing import AgentProcess, Collector, NodeProcess, wait_for
-from tests.conftest import FAST_BROKER
+from node.testing import FAST_BROKER, AgentProcess, Collector, NodeProcess, wait_for
 
 TEST_WORKERS = {"engine": "test", "count": 1, "slots": 1, "threads": 1, "test_token_ms": 10}
 

@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from node.testing import AgentProcess, Collector, NodeProcess, wait_for
-from tests.conftest import FAST_BROKER
+from node.testing import FAST_BROKER, AgentProcess, Collector, NodeProcess, wait_for
 
 AGENT = "boardb"
 REMOTE_ID = f"{AGENT}.llm-0"

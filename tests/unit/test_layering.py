@@ -222,3 +222,34 @@ def test_the_checker_sees_every_kind_of_import(tmp_path: Path) -> None:
     }
     loop = {"a": {"b"}, "b": {"a", "c"}, "c": set()}
     assert sorted(strongly_connected(loop)) == [["a", "b"], ["c"]]
+
+
+def test_tests_never_import_the_tests_directory_as_a_package() -> None:
+    """``tests`` is no package: ``from tests.conftest import X`` works only where the
+    repository happens to be on ``sys.path`` (a PYTHONPATH), never in CI. Shared test
+    values live in ``node.testing``; unit helpers are imported as ``brokerkit``."""
+    bad = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            if any(n == "tests" or n.startswith("tests.") for n in names):
+                bad.append(f"  {path.relative_to(REPO)}:{node.lineno}")
+    assert not bad, "imports of the tests directory:\n" + "\n".join(bad)
+
+
+def test_test_modules_have_unique_basenames() -> None:
+    """pytest imports test modules by basename (no ``__init__.py``): two
+    ``test_x.py`` in different tiers stop the whole suite at collection."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        if path.name == "conftest.py":
+            continue
+        if path.name in seen:
+            clashes.append(f"  {seen[path.name].relative_to(REPO)} and {path.relative_to(REPO)}")
+        seen[path.name] = path
+    assert not clashes, "same basename:\n" + "\n".join(clashes)

@@ -12,7 +12,7 @@ from broker.errors import ConfigError, ProtocolError
 from broker.protocol import WorkerCommand
 from broker.records import BrokerSettings
 from broker.workers import parse_ready
-from tests.unit.brokerkit import FAST, W1, W2, BrokerHarness, bodies, generate
+from brokerkit import FAST, W1, W2, BrokerHarness, bodies, generate
 
 LOCAL = W1
 REMOTE = W2
