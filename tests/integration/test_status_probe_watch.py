@@ -4,6 +4,7 @@ options after the command, ``--ready`` for probes (exit 0 / 1 / 3, quiet), and
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 from collections.abc import Callable
@@ -56,6 +57,15 @@ def test_not_ready_when_its_mode_needs_a_model_it_lacks(
     assert edgenode_after(degrade, "status", "--ready").returncode == 0
 
 
+def stacks(pid: int) -> str:
+    """Every thread's Python stack of ``pid`` (py-spy, where installed), for a failure message."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return "(py-spy not installed)"
+    done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True)
+    return done.stdout + done.stderr
+
+
 def watch_process(node: NodeProcess, *args: str) -> subprocess.Popen[str]:
     argv = module_command(
         "node.cli",
@@ -102,9 +112,17 @@ def test_watch_ends_cleanly_on_ctrl_c(make_node: Callable[..., NodeProcess]) -> 
     node = make_node(workers={"count": 1})
     proc = watch_process(node, "--interval", "0.2")
     assert proc.stdout is not None
-    wait_for(lambda: "WORKER" in proc.stdout.readline(), timeout=20)  # it is showing
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=20)
+    try:
+        wait_for(lambda: "WORKER" in proc.stdout.readline(), timeout=20)  # it is showing
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:  # say where it hangs (seen once in CI)
+            raise AssertionError(f"still running 20 s after SIGINT:\n{stacks(proc.pid)}") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "Aborted" not in err, err
 
