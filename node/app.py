@@ -26,16 +26,18 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import zmq
 
+from broker.breaker import BreakerState, Transition
 from broker.core import Broker
 from broker.delivery import ReplyKind
 from broker.errors import ConfigError, EdgeNodeError, SandboxError
+from broker.kinds import PRESSURE_LEVELS
 from broker.loop import BrokerLoop
 from broker.outbox import Effects
 from broker.token_count import TokenCounter
@@ -783,21 +785,29 @@ def _on_effects(
     for record in effects.records:
         migration.write(record)
     for t in effects.transitions:
-        fields = {"from": t.old.value, "to": t.new.value, "reason": t.reason}
-        log.info(
-            "circuit breaker %s -> %s: %s",
-            t.old.value,
-            t.new.value,
-            t.reason,
-            extra=event_extra("breaker_transition", fields),
-        )
+        log_breaker_transition(t)
     if metrics is not None:
         metrics.observe(effects)
     if log.isEnabledFor(logging.DEBUG):  # one line per step: formatted only when wanted
-        _log_paths(effects)
+        log_paths(effects)
 
 
-def _log_paths(effects: Effects) -> None:
+def log_breaker_transition(t: Transition) -> None:
+    """Log a circuit breaker's change of state as a ``breaker_transition`` event:
+    WARNING when it opens (from closed, or a failed half-open probe: the model is
+    off and its work goes to the rules or fails), INFO when it half-opens or closes."""
+    fields = {"from": t.old.value, "to": t.new.value, "reason": t.reason}
+    log.log(
+        logging.WARNING if t.new is BreakerState.OPEN else logging.INFO,
+        "circuit breaker %s -> %s: %s",
+        t.old.value,
+        t.new.value,
+        t.reason,
+        extra=event_extra("breaker_transition", fields),
+    )
+
+
+def log_paths(effects: Effects) -> None:
     """Log the steps of requests' paths (``broker.records.RequestTrace``) and
     their final replies, each with its ``request_id`` (``node.observe.logs``)."""
     for t in effects.traces:
@@ -829,23 +839,53 @@ def _log_paths(effects: Effects) -> None:
             "request %r replied %s",
             body.get("id"),
             said,
-            extra=about_request(
-                body.get("id"), out.client, step="replied", status=status, code=code, reason=reason
-            ),
+            extra=about_request(body.get("id"), out.client, **replied_fields(body)),
         )
 
 
+#: The longest ``message`` a ``replied`` line carries, in characters: an error's
+#: message is the node's own words (PROTOCOL §5), a line or two, never the prompt;
+#: the bound keeps a worker's long llama.cpp error from swelling the log.
+REPLIED_MESSAGE_MAX_CHARS = 200
+
+
+def replied_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of a request's ``replied`` line, from its FINAL reply's ``body``:
+    ``step``, ``status``; ``degraded`` and ``degrade_reason`` when the rules
+    answered for the model; ``code``, ``reason`` and ``message`` (at most
+    ``REPLIED_MESSAGE_MAX_CHARS``) of an error. Never the output or the prompt."""
+    fields: dict[str, Any] = {"step": "replied", "status": body.get("status")}
+    if body.get("degraded"):
+        fields["degraded"] = True
+        fields["degrade_reason"] = body.get("degrade_reason")
+    if body.get("status") == "error":
+        fields["code"], fields["reason"] = body.get("code"), body.get("reason")
+        message = body.get("message")
+        if isinstance(message, str):
+            cut = message[:REPLIED_MESSAGE_MAX_CHARS]
+            fields["message"] = cut if cut == message else cut + "…"
+    return fields
+
+
 def log_pressure_change(resource: str, old: str, new: str, reading: dict[str, Any]) -> None:
-    """Log a change of the memory pressure level as a ``pressure_change`` event."""
+    """Log a change of the memory pressure level as a ``pressure_change`` event:
+    WARNING when it rises (``high`` and ``critical`` shed work), INFO when it falls."""
     fields = {"resource": resource, "from": old, "to": new, "used_pct": reading.get("used_pct")}
+    rising = _rank(new) > _rank(old)
     log.log(
-        logging.INFO if new == "ok" else logging.WARNING,
+        logging.WARNING if rising else logging.INFO,
         "memory pressure %s -> %s (%s%% of the budget)",
         old,
         new,
         reading.get("used_pct"),
         extra=event_extra("pressure_change", fields),
     )
+
+
+def _rank(level: str) -> int:
+    """A memory level's place in ``PRESSURE_LEVELS`` (ok < high < critical); -1 if unknown."""
+    levels: tuple[str, ...] = PRESSURE_LEVELS
+    return levels.index(level) if level in levels else -1
 
 
 def _token_counter(engine: EngineSpec) -> TokenCounter | None:

@@ -256,7 +256,8 @@ class CpuPressureMonitor:
             return None
         fields = {"resource": "cpu", "from": self.level, "to": level, "some_avg10": self.some_avg10}
         self.level = level
-        log.info(
+        log.log(
+            logging.WARNING if level == "high" else logging.INFO,  # high sheds sheddable work
             "CPU pressure %s (some avg10 %s%%)",
             level,
             self.some_avg10,

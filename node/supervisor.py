@@ -269,7 +269,8 @@ class Supervisor:
             "oom_killed": cause.oom_killed,
             "reason": handle.last_exit,
         }
-        log.warning(
+        log.log(
+            exit_level(cause, self.stopping),
             "%s exited: %s",
             handle.spec.worker_id,
             handle.last_exit,
@@ -357,13 +358,27 @@ class Supervisor:
             _killpg(pgid, signal.SIGKILL)
 
 
+def exit_level(cause: ExitCause, stopping: bool) -> int:
+    """The level of a ``worker_exit`` line: INFO for a clean exit during a stop the
+    node asked for (exit 0, or the SIGTERM it sent), ERROR for a deterministic
+    exit (``cause.deterministic``: the model or config cannot load, so the worker
+    stays ``failed`` until someone fixes it), WARNING for any other exit (a crash,
+    a kill, an exit nobody asked for: it is restarted)."""
+    if cause.deterministic:
+        return logging.ERROR
+    clean = cause.code == 0 or (cause.signal == "SIGTERM" and not cause.oom_killed)
+    if stopping and cause.verdict is None and clean:
+        return logging.INFO
+    return logging.WARNING
+
+
 def verdict_event(worker_id: str, pid: int, cause: ExitCause) -> dict[str, object]:
     """``extra=`` of the line saying the node kills a worker on ``cause``'s verdict."""
     fields = {
         "worker": worker_id,
         "worker_pid": pid,
         "verdict": cause.verdict,
-        "at_limit": cause.at_limit,
+        "at_limit": bool(cause.at_limit),  # the words are in reason
         "reason": cause.describe(),
     }
     return event_extra("worker_verdict", fields)

@@ -4,7 +4,9 @@
 to stderr, with the standard library's ``logging`` and a small ``Formatter``
 (``JsonFormatter``): ``ts`` (RFC 3339, UTC, ms), ``level``, ``logger``, ``msg``,
 ``pid``, ``role`` (``broker``, or the worker's id: ``llm-0``), ``exc`` (a
-traceback, when there is one) and the line's own fields.
+traceback, when there is one) and the line's own fields. Lines are UTF-8, with
+non-ASCII text as is (``"request_id":"ünï"``, what a grep for the id looks for);
+anything that could break a line or the encoding is escaped (``_UNSAFE``).
 
 A line's own fields travel in ``extra={"fields": {...}}``, built by
 ``about_request`` (``request_id``, ``client``: on every line about one request,
@@ -19,9 +21,11 @@ say the same in words, as they always did.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping
@@ -114,8 +118,22 @@ class JsonFormatter(logging.Formatter):
             line["exc"] = self.formatException(record.exc_info)
         elif record.exc_text:
             line["exc"] = record.exc_text
-        # ensure_ascii: a line stays one line and plain ASCII whatever a message holds.
-        return json.dumps(line, default=str, separators=(",", ":"))
+        # UTF-8 as is, so `grep '"request_id":"ünï"'` finds it; json.dumps escapes
+        # C0 controls, quotes and backslashes; _UNSAFE names the rest.
+        text = json.dumps(line, default=str, separators=(",", ":"), ensure_ascii=False)
+        return _UNSAFE.sub(_escape, text)
+
+
+#: What ``json.dumps(ensure_ascii=False)`` leaves as is but a log line must not hold:
+#: DEL and the C1 controls (U+0085 NEL breaks lines for ``str.splitlines``), the
+#: line and paragraph separators U+2028/U+2029 (line breaks to ``splitlines`` and
+#: to JavaScript), and lone surrogates (from a JSON ``"\ud800"``), which are not
+#: UTF-8 at all. They only occur inside JSON strings, where ``\uXXXX`` is valid.
+_UNSAFE = re.compile("[\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
 
 
 def configure(
@@ -129,8 +147,13 @@ def configure(
     text (``text_format``) or JSON lines (``fmt``), to ``stream`` (stderr).
 
     Replaces any handler the root logger had, so calling it again (a worker once
-    its spec names it) changes the format rather than doubling every line.
+    its spec names it) changes the format rather than doubling every line. JSON
+    lines are UTF-8 whatever the locale says (a Latin-1 locale or
+    ``PYTHONIOENCODING=ascii`` would make ``ünï`` bytes or a ``\\xfc`` escape that
+    no grep for the id finds): stderr is reconfigured to UTF-8 when it is the stream.
     """
+    if fmt == "json" and stream is None and isinstance(sys.stderr, io.TextIOWrapper):
+        sys.stderr.reconfigure(encoding="utf-8", errors="backslashreplace")
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter(role))
