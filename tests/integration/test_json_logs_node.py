@@ -1,12 +1,15 @@
 """``[logging] format = "json"`` with real processes (test engine): one request is
-followed by its id through the broker's and the worker's logs, and breaker
-transitions, worker verdicts and exits, and pressure changes are event lines."""
+followed by its id through the broker's and the worker's logs (a non-ASCII id as
+UTF-8, as the README's grep looks for it), and breaker transitions, worker verdicts
+and exits, and pressure changes are event lines at their levels."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -16,8 +19,11 @@ from typing import Any
 import pytest
 
 from broker.errors import ProtocolError
-from node.observe.logs import LOG_EVENTS
+from node.engine import EngineSpec
+from node.observe.logs import LOG_EVENTS, JsonFormatter
+from node.supervisor import Supervisor
 from node.testing import NodeProcess, grep_json, wait_for
+from node.worker import WorkerSpec
 
 NodeFactory = Callable[..., NodeProcess]
 
@@ -153,15 +159,18 @@ def test_breaker_transitions_worker_verdicts_and_exits_are_typed_events(
         "dead",
     )
     assert verdict["level"] == "warning" and verdict["role"] == "broker"
+    assert verdict["at_limit"] is False  # a boolean, not ""
     exits = {e["worker"]: e for e in events(broker_log(node), "worker_exit")}
     assert (exits["llm-0"]["signal"], exits["llm-0"]["verdict"]) == ("SIGKILL", "dead")
     assert (exits["llm-1"]["signal"], exits["llm-1"]["verdict"]) == ("SIGKILL", None)
     assert exits["llm-1"]["worker_pid"] == pids["llm-1"]
+    assert {e["level"] for e in exits.values()} == {"warning"}  # nobody asked them to go
     opened = events(broker_log(node), "breaker_transition")[0]
-    assert (opened["from"], opened["to"]) == ("closed", "open")
+    assert (opened["from"], opened["to"], opened["level"]) == ("closed", "open", "warning")
     assert opened["reason"]
     (cpu,) = events(broker_log(node), "pressure_change")
     assert (cpu["resource"], cpu["from"], cpu["to"]) == ("cpu", "ok", "high")
+    assert cpu["level"] == "warning"  # high sheds sheddable work
 
 
 def test_a_worker_not_ready_in_time_is_a_verdict_event_logged_once_per_process(
@@ -183,3 +192,70 @@ def test_a_worker_not_ready_in_time_is_a_verdict_event_logged_once_per_process(
     first = exits[0]
     assert (first["worker"], first["verdict"], first["signal"]) == ("llm-0", "not_ready", "SIGKILL")
     assert first["worker_pid"] == killed[0]
+
+
+def test_a_non_ascii_id_is_found_by_the_readme_grep_in_the_broker_and_worker_logs(
+    make_node: NodeFactory,
+) -> None:
+    node = make_node(**JSON_DEBUG)
+    request_id = f"ünï-ドア-{uuid.uuid4().hex}"
+    with node.client(wait_ms=10_000) as c:
+        assert c.generate("hello", id=request_id, max_tokens=2).id == request_id
+    needle = f'"request_id":"{request_id}"'.encode()  # README: grep '"request_id":"ünï"'
+
+    def replied() -> bool:
+        return b'"step":"replied"' in b"".join(
+            line for line in broker_log(node).read_bytes().splitlines() if needle in line
+        )
+
+    wait_for(replied, timeout=10)
+    in_workers = [
+        path for path in (node.run_dir / "logs").glob("*.log") if needle in path.read_bytes()
+    ]
+    assert len(in_workers) == 1, in_workers  # the worker that ran it
+    for path in (broker_log(node), in_workers[0]):
+        path.read_bytes().decode("utf-8")  # the whole log is valid UTF-8
+        json_lines(path)
+
+
+def test_a_clean_stop_logs_the_worker_exits_at_info(make_node: NodeFactory) -> None:
+    node = make_node(logging={"format": "json"})
+    pids = {p["worker_id"]: p["pid"] for p in node.status()["processes"]}
+    assert node.stop() == 0
+    exits = {e["worker"]: e for e in events(broker_log(node), "worker_exit")}
+    assert set(exits) == set(pids), exits
+    for worker_id, line in exits.items():
+        assert line["worker_pid"] == pids[worker_id]
+        assert line["level"] == "info", line
+        assert line["code"] == 0 or line["signal"] == "SIGTERM", line
+
+
+def test_a_worker_that_cannot_load_is_an_error_event(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    bad = tmp_path / "rules.toml"
+    bad.write_text("garbage [[[\n")
+    spec = WorkerSpec(
+        worker_id="rules-0",
+        backend="tcp://127.0.0.1:1",  # never reached: the load fails first
+        engine=EngineSpec(kind="rules", model_path=str(bad), n_ctx=0, n_batch=0, threads=1),
+    )
+    sup = Supervisor([spec], tmp_path / "logs", ready_timeout_s=60, backoff_s=0, backoff_max_s=0)
+    try:
+        with caplog.at_level(logging.INFO, logger="edgenode.supervisor"):
+            sup.start()
+            handle = sup.handles["rules-0"]
+
+            def failed() -> bool:
+                sup.tick(time.monotonic())
+                return handle.state == "failed"
+
+            wait_for(failed, timeout=30)
+        (line,) = [
+            json.loads(JsonFormatter("broker").format(r))
+            for r in caplog.records
+            if getattr(r, "fields", {}).get("event") == "worker_exit"
+        ]
+        assert (line["level"], line["code"], line["worker"]) == ("error", 66, "rules-0")
+    finally:
+        sup.stop(grace_s=5)
