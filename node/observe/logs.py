@@ -36,10 +36,11 @@ from typing import IO, Any, Literal, get_args
 LogFormat = Literal["text", "json"]
 LOG_FORMATS: tuple[LogFormat, ...] = get_args(LogFormat)
 
-#: The events logged with a stable ``event`` field (README, "Logs"):
+#: The events logged with a stable ``event`` field (README, "Logs", which also
+#: gives each one's level):
 #: ``breaker_transition`` (the circuit breaker's state changed: from, to, reason),
 #: ``worker_verdict`` (the node gave up on a worker and kills it: worker,
-#: worker_pid, verdict, at_limit, reason; ``broker.exits.Verdict``),
+#: worker_pid, verdict, at_limit (a boolean), reason; ``broker.exits.Verdict``),
 #: ``worker_exit`` (a worker's process ended: worker, worker_pid, signal, code,
 #: verdict, oom_killed, reason) and
 #: ``pressure_change`` (the memory or CPU pressure level changed: resource, from, to).
