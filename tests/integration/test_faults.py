@@ -257,17 +257,20 @@ def test_broker_restart_workers_reregister(tmp_path: Path) -> None:
 
 
 def test_a_paused_node_kills_none_of_its_workers(make_node: NodeFactory) -> None:
-    # SIGSTOP of the node (broker) for 5 heartbeat livenesses: the workers give up
-    # on it and re-register; the broker, resumed, must not blame them for its pause.
+    # SIGSTOP of the node (broker) for 15 heartbeat livenesses, past the workers'
+    # link timeout (10 livenesses: node.worker.LINK_TIMEOUT_LIVENESSES): the workers
+    # give up on it and re-register; the broker, resumed, must not blame them for
+    # its pause: each old incarnation is replaced, none is killed.
     node = make_node()
     assert node.proc is not None
     before = healthy_again(node, 2)
     os.kill(node.proc.pid, signal.SIGSTOP)
-    time.sleep(1.5)
+    time.sleep(4.5)
     os.kill(node.proc.pid, signal.SIGCONT)
     time.sleep(1.0)  # time for a wrongful verdict, its kill and the reaping
     after = healthy_again(node, 2)
     assert restarts(after) == restarts(before)
+    assert after["counters"].get("workers_lost", 0) == 2, after["counters"]  # both replaced
     assert {p["pid"] for p in after["processes"]} == {p["pid"] for p in before["processes"]}
     assert after["routing"]["breaker"]["state"] == "closed"
     with Client(node.frontend, wait_ms=5000) as c:
@@ -297,6 +300,41 @@ def test_streams_in_flight_survive_a_pause_of_the_node(make_node: NodeFactory) -
     finally:
         col.close()
     assert all(r == (0, "") for r in restarts(node.status()).values())
+
+
+def test_requests_that_end_during_a_pause_of_the_node_run_once(make_node: NodeFactory) -> None:
+    # A user's report: a worker whose request ended while the node was stopped
+    # re-registered once idle (the broker silent past 3 x 100 ms) under a fresh
+    # identity. The resumed broker read that READY before the old identity's FINAL,
+    # took the request for lost and ran it again: the model did the work twice.
+    node = make_node(workers={"count": 2, "slots": 2})
+    assert node.proc is not None
+    col = Collector(node.frontend)
+    words = " ".join(f"w{i}" for i in range(8))
+    prompt = f"!slow 60 {words}"  # 9 tokens x 60 ms: each ends ~0.5 s into the pause
+    try:
+        for i in range(4):
+            col.send(id=f"r{i}", op="generate", prompt=prompt, max_tokens=200, timeout_ms=12000)
+        wait_for(lambda: sum(w["active"] for w in node.status()["workers"]) == 4)
+        os.kill(node.proc.pid, signal.SIGSTOP)
+        # Idle and unheard-from for ~1 s (> 3 x 100 ms), yet well inside the
+        # link timeout (10 x 3 x 100 ms) after which a worker gives a silent broker up.
+        time.sleep(1.5)
+        os.kill(node.proc.pid, signal.SIGCONT)
+        col.collect(timeout=15)
+        col.assert_exactly_one_final_each()
+        for i in range(4):
+            final = col.final(f"r{i}")
+            assert final["status"] == "ok", final
+            assert final["text"] == "echo: " + prompt
+    finally:
+        col.close()
+    time.sleep(0.3)  # a few heartbeats: their `started` counts are up to date
+    status = node.status()
+    # Each request taken into a slot exactly once, by the workers registered now.
+    assert sum(w["started"] for w in status["workers"]) == 4, status["workers"]
+    assert status["counters"].get("workers_lost", 0) == 0, status["counters"]
+    assert all(r == (0, "") for r in restarts(status).values())
 
 
 @pytest.mark.timeout(90)
