@@ -12,6 +12,11 @@ Requests run on engine threads, up to ``slots`` at once (credit = free slots):
 llama.cpp releases the GIL inside its C calls, so heartbeats keep flowing while
 the model computes. The model is loaded before the worker connects: a slow load
 can never look like a dead worker, and READY means "can serve now".
+
+A worker re-registers (new socket, new identity, READY once idle) only when the
+broker lost its identity: the broker said DISCONNECT, or the connection dropped
+(a restarted broker; a dead TCP peer, found by ZMTP heartbeats). A broker that is
+only silent (paused) keeps the worker's identity and gets its answers late.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 
 import zmq
 import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
 
 from broker import protocol as p
 from broker.errors import EdgeNodeError, ErrorCode, InternalError
@@ -64,6 +70,12 @@ EXIT_ENGINE_BUG = 70  # EX_SOFTWARE: a batch step failed; restarted like a crash
 DETERMINISTIC_EXITS = (EXIT_CONFIG, EXIT_MODEL_LOAD)
 #: How much of a worker's exit message (``--exit-message-file``) its status shows (bytes).
 EXIT_MESSAGE_MAX_BYTES = 512
+#: A connection to the broker whose ZMTP PINGs (one per heartbeat interval) go
+#: unanswered for this many heartbeat livenesses is given up (``ZMQ_HEARTBEAT_TIMEOUT``:
+#: 30 s by default): the last resort against a TCP link gone without a FIN. Far
+#: beyond the broker's own liveness, so a broker that is only paused (SIGSTOP, a
+#: VM or swap stall) keeps its workers' identities and their answers.
+LINK_TIMEOUT_LIVENESSES = 10
 
 
 def exit_meaning(code: int, kind: EngineName) -> str | None:
@@ -147,7 +159,6 @@ class WorkerLoop:
         #: by the I/O thread before the job is queued, read by the engine threads.
         self.request_ids: dict[int, str | int | None] = {}
         self._abandoned: set[int] = set()  # rids started under a previous connection
-        self.broker_seen = 0.0
         self._jobs: queue.Queue[tuple[int, dict[str, Any], threading.Event] | None] = queue.Queue()
         self._pipe_addr = f"inproc://engine-{uuid.uuid4().hex}"
         self._events = self.ctx.socket(zmq.PULL)
@@ -155,6 +166,10 @@ class WorkerLoop:
         self._stop = False
         self._want_ready = True
         self.dealer: zmq.Socket[bytes] | None = None
+        #: The dealer's socket monitor (handshakes and disconnects), and whether a
+        #: handshake with the broker succeeded on this dealer.
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._linked = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -187,14 +202,6 @@ class WorkerLoop:
             if now >= next_beat:
                 self._heartbeat()
                 next_beat = now + self.interval
-            # Busy, it keeps working: a broker that was only paused (SIGSTOP, a
-            # host stall) takes the answer on this same identity, while one that
-            # restarted says DISCONNECT "not registered" to the next heartbeat
-            # (test_faults.py::test_streams_in_flight_survive_a_pause_of_the_node).
-            silent = now - self.broker_seen > self.interval * self.spec.heartbeat_liveness
-            if silent and not self.running:
-                log.warning("broker silent for %.1fs: reconnecting", now - self.broker_seen)
-                self._reconnect()
             self._turn(max(0.0, next_beat - time.monotonic()))
         self._shutdown()
         return 0
@@ -217,9 +224,38 @@ class WorkerLoop:
                 except zmq.Again:
                     break
                 self._on_broker(frames)
+        # After the dealer's messages: those the broker sent before the link dropped.
+        if self._monitor is not None and self._monitor in ready:
+            self._on_link_events()
         if self._wake_r.fileno() in ready:
             with contextlib.suppress(BlockingIOError):
                 self._wake_r.recv(64)
+
+    def _on_link_events(self) -> None:
+        """Re-register when the connection the worker registered on is gone.
+
+        Only a dropped connection means the broker lost this identity: it closed
+        (a broker restarted, or killed: libzmq reconnects this socket to whatever
+        serves the endpoint next) or its PINGs went unanswered for
+        ``LINK_TIMEOUT_LIVENESSES`` (a dead TCP peer). Mere silence on a live
+        connection is a paused broker, which takes this identity's FINALs when it
+        resumes: re-registering then made it re-run them (test_faults.py::
+        test_requests_that_end_during_a_pause_of_the_node_run_once). A broker that
+        dropped this worker while connected says DISCONNECT (``_on_broker``)."""
+        assert self._monitor is not None
+        monitor = self._monitor
+        while monitor is self._monitor:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._linked = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED and self._linked:
+                # Before any handshake (a refused CURVE key, a broker not up yet)
+                # libzmq's own retries are enough: nothing was registered.
+                log.warning("connection to the broker lost: re-registering")
+                self._reconnect()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._stop = True
@@ -233,18 +269,30 @@ class WorkerLoop:
         self.dealer.setsockopt(zmq.SNDHWM, 1000)
         self.dealer.setsockopt(zmq.MAXMSGSIZE, self.limits.frame_bytes)
         self.dealer.setsockopt(zmq.IPV6, 1)  # a backend on an IPv6 address (PROTOCOL §2)
+        # ZMTP PINGs, answered by the broker's libzmq I/O thread: a dead TCP peer
+        # drops the connection (then ``_on_link_events`` re-registers).
+        interval_ms = self.spec.heartbeat_interval_ms
+        link_timeout_ms = min(
+            interval_ms * self.spec.heartbeat_liveness * LINK_TIMEOUT_LIVENESSES, MAX_POLL_MS
+        )  # a C int of ms, as the config's interval x liveness
+        self.dealer.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
+        self.dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, link_timeout_ms)
         if self.spec.curve_server_key:
             public, secret = zmq.auth.load_certificate(self.spec.curve_key_file)
             assert secret is not None  # node.security.keys.local_keypair wrote both
             self.dealer.setsockopt(zmq.CURVE_SERVERKEY, self.spec.curve_server_key.encode())
             self.dealer.setsockopt(zmq.CURVE_PUBLICKEY, public)
             self.dealer.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        self._monitor = self.dealer.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
+        self._linked = False
         self.dealer.connect(self.spec.backend)
         self._poller = zmq.Poller()
         self._poller.register(self.dealer, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._poller.register(self._events, zmq.POLLIN)
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
-        self.broker_seen = time.monotonic()
         self._want_ready = True
         self._send_ready_if_idle()
 
@@ -255,9 +303,16 @@ class WorkerLoop:
         for rid, cancelled in self.running.items():
             cancelled.set()  # nobody awaits its result any more
             self._abandoned.add(rid)  # and the new broker never knew it
-        assert self.dealer is not None
-        self.dealer.close(0)
+        self._close_dealer()
         self._connect()
+
+    def _close_dealer(self) -> None:
+        """Close the dealer and its monitor (LINGER 0: its unsent messages are dropped)."""
+        assert self.dealer is not None and self._monitor is not None
+        self.dealer.disable_monitor()
+        self._monitor.close(0)
+        self._monitor = None
+        self.dealer.close(0)
 
     def _send_ready_if_idle(self) -> None:
         if not self._want_ready or self.running:
@@ -296,7 +351,6 @@ class WorkerLoop:
         return self.progress + self.engine.steps
 
     def _on_broker(self, frames: list[bytes]) -> None:
-        self.broker_seen = time.monotonic()
         try:
             command, body = p.parse_worker_frames(frames)
         except EdgeNodeError as exc:
@@ -524,8 +578,7 @@ class WorkerLoop:
         for _ in self._threads:
             self._jobs.put(None)
         self._send(WorkerCommand.DISCONNECT, {"reason": "worker stopping"})
-        assert self.dealer is not None
-        self.dealer.close(0)
+        self._close_dealer()
         self._events.close(0)
         # Engine threads are daemons: a generation stuck in C cannot hold up
         # exit, so the context is only terminated once those threads are gone.

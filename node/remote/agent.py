@@ -17,9 +17,10 @@ worker gets no connection at all. A plaintext link to an address other hosts
 can reach is refused unless ``security.allow_plaintext``, as on the gateway.
 
 What the agent does not have is the broker's word on its workers: there is no
-READY timeout (a worker whose link is down waits and re-registers when it comes
-back, ``node.worker.WorkerLoop``) and no kill verdict (a worker the gateway
-declares dead gets DISCONNECT and re-registers under a fresh identity). An exit
+READY timeout (a worker whose link is down waits and re-registers once its
+connection dropped and came back, ``node.worker.WorkerLoop``) and no kill
+verdict (a worker the gateway declares dead gets DISCONNECT and re-registers
+under a fresh identity). An exit
 is restarted with the pool's backoff, as on the gateway.
 """
 
