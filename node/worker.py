@@ -237,7 +237,7 @@ class WorkerLoop:
         Only a dropped connection means the broker lost this identity: it closed
         (a broker restarted, or killed: libzmq reconnects this socket to whatever
         serves the endpoint next) or its PINGs went unanswered for
-        ``LINK_TIMEOUT_LIVENESSES`` (a dead TCP peer). Mere silence on a live
+        ``LINK_TIMEOUT_LIVENESSES`` heartbeat livenesses (a dead TCP peer). Mere silence on a live
         connection is a paused broker, which takes this identity's FINALs when it
         resumes: re-registering then made it re-run them (test_faults.py::
         test_requests_that_end_during_a_pause_of_the_node_run_once). A broker that
