@@ -55,3 +55,18 @@ class BenchContext:
     def pick(self, quick: T, full: T) -> T:
         """``quick`` in a quick run, ``full`` otherwise."""
         return quick if self.quick else full
+
+
+def split_list(text: str, what: str = "name") -> list[str]:
+    """A comma-separated option (``"a, b"``) as its items, spaces stripped.
+
+    Raises:
+        ValueError: the list is empty or blank, or has an empty item (``"a,"``, ``"a,,b"``):
+            a typo there would otherwise widen or narrow the run silently.
+    """
+    items = [item.strip() for item in text.split(",")]
+    if not any(items):
+        raise ValueError(f"no {what} given")
+    if "" in items:
+        raise ValueError(f"an empty {what} in {text!r} (a stray comma?)")
+    return items
