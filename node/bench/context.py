@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar
@@ -70,3 +72,20 @@ def split_list(text: str, what: str = "name") -> list[str]:
     if "" in items:
         raise ValueError(f"an empty {what} in {text!r} (a stray comma?)")
     return items
+
+
+def list_type(what: str, item: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """An argparse ``type=`` for a comma-separated option of the bench scripts: ``split_list``,
+    then ``item`` on each (e.g. ``int``).
+
+    The returned function raises argparse.ArgumentTypeError (argparse prints it and exits 2)
+    for what ``split_list`` refuses or ``item`` cannot convert.
+    """
+
+    def parse(text: str) -> list[T]:
+        try:
+            return [item(x) for x in split_list(text, what)]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    return parse

@@ -314,3 +314,30 @@ def test_the_report_says_the_sigstop_goal_is_missed_by_design() -> None:
     assert faults.sigstop_bound_ms(BrokerSettings(heartbeat_liveness=liveness + 1)) > goal
     met = faults.sigstop_note(BrokerSettings(heartbeat_interval_ms=interval))
     assert "inside the 2000 ms goal" in met and "missed" not in met
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        ("bench_throughput.py", ["--levels", "1,,4"], "--levels: an empty level in '1,,4'"),
+        ("bench_throughput.py", ["--backends", "node,"], "--backends: an empty backend"),
+        ("bench_overhead.py", ["--inflight", " , "], "--inflight: no level given"),
+        ("bench_overhead.py", ["--stream", ""], "--stream: no level given"),
+        ("bench_grammar.py", ["--cases", ""], "--cases: no case given"),
+        ("bench_load.py", ["--estimates", "mean,,size"], "--estimates: an empty estimate"),
+    ],
+)
+def test_the_bench_scripts_list_options_are_checked_alike(
+    script: str, args: list[str], message: str
+) -> None:
+    """``split_list`` through argparse (``list_type``): refused before anything runs."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / script), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"error: argument {message}" in done.stderr
