@@ -321,17 +321,19 @@ def section(
             " ms",
         ),
     ]
+    beats = BrokerSettings()  # the node runs with the defaults (node_sections)
     text = (
-        f"Engine `{ctx.engine}`, {COUNT} one-slot workers, default heartbeats (1000 ms x 3). "
+        f"Engine `{ctx.engine}`, {COUNT} one-slot workers, default heartbeats "
+        f"({beats.heartbeat_interval_ms} ms x {beats.heartbeat_liveness}). "
         f"Around each fault {1 + NEIGHBOURS} requests were in flight or queued; "
         f"replies lost: {lost}; false deaths (restarts beyond one per signal): {false_deaths}.\n\n"
-        + sigstop_note(BrokerSettings())
+        + sigstop_note(beats)
     )
     data = {
         "engine": ctx.engine,
         "measures": {k: v for k, (v, _goal) in measures.items()},
         "lost": lost,
         "false_deaths": false_deaths,
-        "sigstop_bound_ms": sigstop_bound_ms(BrokerSettings()),
+        "sigstop_bound_ms": sigstop_bound_ms(beats),
     }
     return Section("faults", "Faults and deadlines", text, [table], goals, [], data)
