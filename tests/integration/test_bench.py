@@ -127,8 +127,15 @@ def test_ctrl_c_writes_the_finished_scenarios_and_stops_every_node(tmp_path: Pat
             if b"faults: " in progress:
                 reached.set()
 
-    reader = threading.Thread(target=read_progress, daemon=True)
-    reader.start()
+    stdout = bench.stdout
+    printed: list[bytes] = []
+    # Each pipe has one reader (communicate() would race read_progress for stderr).
+    readers = [
+        threading.Thread(target=read_progress, daemon=True),
+        threading.Thread(target=lambda: printed.append(stdout.read()), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
     try:
         assert reached.wait(45), progress.decode(errors="replace")[-3000:]
         # Into the scenario: its node and 2 workers run (their own session: a Ctrl-C
@@ -140,15 +147,18 @@ def test_ctrl_c_writes_the_finished_scenarios_and_stops_every_node(tmp_path: Pat
             started = psutil.Process(bench.pid).children(recursive=True)
         assert len(started) >= 3, started
         os.killpg(bench.pid, signal.SIGINT)
-        out, _ = bench.communicate(timeout=30)
+        bench.wait(timeout=30)
     finally:
         if bench.poll() is None:
             os.killpg(bench.pid, signal.SIGKILL)
             bench.wait()
-    reader.join(5)
+    for reader in readers:
+        reader.join(10)
+    stdout.close()
+    err.close()
     assert bench.returncode == 130, progress.decode(errors="replace")[-3000:]
     assert b"interrupted during faults" in progress
-    data = json.loads(out)
+    data = json.loads(b"".join(printed))
     assert data == json.loads((tmp_path / "report.json").read_text())
     assert list(data["scenarios"]) == ["broker"]
     assert data["scenarios"]["broker"]["node"]["8"]["req_per_s"] > 0
