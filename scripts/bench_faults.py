@@ -17,7 +17,11 @@ from node.bench.report import markdown_table
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 deadline runs, 2 faults each")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{faults.QUICK.describe()}; without it {faults.FULL.describe()}",
+    )
     parser.add_argument("--engine", choices=("llama", "test"), default="llama")
     args = parser.parse_args()
     ctx = BenchContext(args.quick, args.engine, None, NoProgress())

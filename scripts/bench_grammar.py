@@ -49,6 +49,7 @@ import psutil
 
 from broker.errors import EdgeNodeError
 from fallback.intents import INTENT_SCHEMA
+from node.bench.context import list_type
 from node.capacity.plan import Plan, config_plan
 from node.config import load_config
 from node.sandbox.cgroupfs import read_int
@@ -280,7 +281,9 @@ def report(results: dict[str, dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    parser.add_argument(
+        "--cases", type=list_type("case", str), help="comma-separated case names (default: all)"
+    )
     parser.add_argument("--n-ctx", type=int, default=2048)
     parser.add_argument(
         "--slots", type=int, default=1, help="slots of the worker: that many requests at once"
@@ -291,7 +294,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=240.0, help="node start timeout (s)")
     args = parser.parse_args()
     every = cases()
-    names = args.cases.split(",") if args.cases else list(every)
+    names: list[str] = args.cases or list(every)
     unknown = [n for n in names if n not in every]
     if unknown:
         parser.error(f"unknown case(s) {unknown}; known: {', '.join(every)}")

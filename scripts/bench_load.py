@@ -30,6 +30,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from node.bench.context import list_type
 from node.bench.stats import median
 from node.testing import NodeProcess
 
@@ -175,10 +176,10 @@ def print_burst(rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--estimates", default="mean,size")
+    parser.add_argument("--estimates", type=list_type("estimate", str), default=["mean", "size"])
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
-    for estimate in args.estimates.split(","):
+    for estimate in args.estimates:
         rows.append(burst(estimate, rows[0]["budget_ms"] if rows else None))
     print_burst(rows)
 

@@ -49,6 +49,7 @@ from typing import Any
 import psutil
 
 from broker.client import Client
+from node.bench.context import split_list
 from node.capacity.plan import Plan, config_plan
 from node.config import MAX_SLOTS, load_config
 from node.model import resolve_model
@@ -69,8 +70,8 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
         ValueError: a layout that is not ``W`` or ``WxS`` with W >= 1, S in [1, 64].
     """
     layouts = []
-    for item in text.split(","):
-        workers, _, slots = item.strip().lower().partition("x")
+    for item in split_list(text, "layout"):
+        workers, _, slots = item.lower().partition("x")
         w, s = int(workers), int(slots or 1)
         if w < 1 or not 1 <= s <= MAX_SLOTS:
             raise ValueError(f"layout {item!r}: need workers >= 1 and slots in [1, {MAX_SLOTS}]")

@@ -51,6 +51,7 @@ import msgpack
 import psutil
 import zmq
 
+from node.bench.context import list_type
 from node.testing import NodeProcess
 
 #: The relay and its worker, run as separate processes (``python -c``).
@@ -318,17 +319,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--inflight", default="1,8")
+    parser.add_argument("--inflight", type=list_type("level", int), default=[1, 8])
     parser.add_argument("--profile", type=Path, help="py-spy the node's process into DIR")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--before", type=Path, help="also run a node from this source tree")
-    parser.add_argument("--stream", default="", help="streamed requests in flight, e.g. 1,4")
+    parser.add_argument(
+        "--stream",
+        type=list_type("level", int),
+        default=[],
+        help="streamed requests in flight, e.g. 1,4 (default none)",
+    )
     args = parser.parse_args()
-    levels = [int(k) for k in args.inflight.split(",") if k]
+    levels: list[int] = args.inflight
     run_dir = Path(tempfile.mkdtemp(prefix="ov-"))
     relay_procs, relay_front = start_relay(run_dir)
     sections = {name: dict(values) for name, values in NODE_SECTIONS.items()}
-    streams = [int(k) for k in args.stream.split(",") if k]
+    streams: list[int] = args.stream
     sections["workers"]["slots"] = max(levels + streams)
     nodes = {"node": NodeProcess(sections).start()}
     if args.before is not None:

@@ -54,6 +54,7 @@ from typing import Any
 import zmq
 
 from node.bench.backends import Backend, DirectBackend, NodeBackend, ServerBackend, cpu_list
+from node.bench.context import list_type
 from node.bench.throughput import (
     MAX_TOKENS,
     PERCENTILE_METHOD,
@@ -93,7 +94,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layout", type=layout, action="append", help="node WxS (repeatable)")
     parser.add_argument("--threads", type=int, help="threads (default: one per core of --cpus)")
     parser.add_argument("--cpus", type=cores, help="cores, e.g. 0,1 (default: all allowed)")
-    parser.add_argument("--levels", help="concurrency levels, e.g. 1,2,4,8 (the default)")
+    parser.add_argument(
+        "--levels",
+        type=list_type("level", int),
+        help="concurrency levels, e.g. 1,2,4,8 (the default)",
+    )
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3)")
     parser.add_argument("--nice", type=int, default=0, help="nice level of every backend")
     parser.add_argument(
@@ -117,7 +122,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--llama-server-arg", action="append", default=[], help="extra llama-server argument"
     )
-    parser.add_argument("--backends", default="node,direct,llama-server")
+    parser.add_argument(
+        "--backends",
+        type=list_type("backend", str),
+        default=["node", "direct", "llama-server"],
+        help="comma-separated (default node,direct,llama-server)",
+    )
     parser.add_argument("--quick", action="store_true", help="1 round, levels 1 and 4, fewer")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "throughput.md")
     return parser.parse_args(argv)
@@ -164,12 +174,12 @@ def main() -> None:
     cpus: list[int] = args.cpus or allowed
     threads: int = args.threads or len(cpus)
     default_levels = QUICK_LEVELS if args.quick else tuple(REQUESTS_PER_CLIENT)
-    levels = [int(x) for x in args.levels.split(",")] if args.levels else list(default_levels)
+    levels: list[int] = args.levels or list(default_levels)
     per_client = {lv: REQUESTS_PER_CLIENT.get(lv, max(1, 16 // lv)) for lv in levels}
     if args.quick:  # a third of the requests
         per_client = {lv: max(1, n // 3) for lv, n in per_client.items()}
     rounds: int = args.rounds or (1 if args.quick else 3)
-    wanted = args.backends.split(",")
+    wanted: list[str] = args.backends
     variants = {"on": [True], "off": [False], "both": [True, False]}[args.repack]
     model = resolve_model("default")
     lengths = prompt_tokens(model)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar
@@ -55,3 +57,35 @@ class BenchContext:
     def pick(self, quick: T, full: T) -> T:
         """``quick`` in a quick run, ``full`` otherwise."""
         return quick if self.quick else full
+
+
+def split_list(text: str, what: str = "name") -> list[str]:
+    """A comma-separated option (``"a, b"``) as its items, spaces stripped.
+
+    Raises:
+        ValueError: the list is empty or blank, or has an empty item (``"a,"``, ``"a,,b"``):
+            a typo there would otherwise widen or narrow the run silently.
+    """
+    items = [item.strip() for item in text.split(",")]
+    if not any(items):
+        raise ValueError(f"no {what} given")
+    if "" in items:
+        raise ValueError(f"an empty {what} in {text!r} (a stray comma?)")
+    return items
+
+
+def list_type(what: str, item: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """An argparse ``type=`` for a comma-separated option of the bench scripts: ``split_list``,
+    then ``item`` on each (e.g. ``int``).
+
+    The returned function raises argparse.ArgumentTypeError (argparse prints it and exits 2)
+    for what ``split_list`` refuses or ``item`` cannot convert.
+    """
+
+    def parse(text: str) -> list[T]:
+        try:
+            return [item(x) for x in split_list(text, what)]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    return parse

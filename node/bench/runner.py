@@ -11,6 +11,7 @@ import importlib.metadata
 import os
 import platform
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from node.bench import faults, host, overhead, overload, remote, startup, throughput
-from node.bench.context import BenchContext, BenchEngine, NoProgress
+from node.bench.context import BenchContext, BenchEngine, NoProgress, split_list
 from node.bench.report import Section, require_extras, write
 
 ScenarioName = Literal["broker", "throughput", "overload", "faults", "host", "startup", "remote"]
@@ -48,15 +49,17 @@ def parse_only(text: str) -> list[ScenarioName]:
     """``broker,faults`` -> those scenarios, in ``SCENARIOS`` order.
 
     Raises:
-        ValueError: an unknown name (the message lists the known ones).
+        ValueError: an unknown name, an empty or blank list, an empty item (``split_list``);
+            the message lists the known names.
     """
-    wanted = {w.strip() for w in text.split(",") if w.strip()}
+    known = f"known: {', '.join(SCENARIO_NAMES)}"
+    try:
+        wanted = set(split_list(text, "scenario"))
+    except ValueError as exc:
+        raise ValueError(f"{exc}; {known}") from exc
     unknown = wanted - set(SCENARIO_NAMES)
-    if unknown or not wanted:
-        raise ValueError(
-            f"unknown scenario(s) {', '.join(sorted(unknown)) or '(none given)'}; "
-            f"known: {', '.join(SCENARIO_NAMES)}"
-        )
+    if unknown:
+        raise ValueError(f"unknown scenario(s) {', '.join(sorted(unknown))}; {known}")
     return [n for n in SCENARIO_NAMES if n in wanted]
 
 
@@ -77,6 +80,23 @@ def meta(names: Sequence[ScenarioName], ctx: BenchContext, started: float) -> di
     }
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What a run left.
+
+    ``report``: report.md's path (in ``--out``, or in a fallback directory when ``--out``
+    could not be written: ``problem`` then says so), or None when it could be written
+    nowhere (the caller prints it). ``interrupted``: the scenario a Ctrl-C stopped (the
+    report then holds the scenarios finished before it), else None.
+    """
+
+    report: Path | None
+    sections: list[Section]
+    header: dict[str, Any]
+    problem: str = ""
+    interrupted: ScenarioName | None = None
+
+
 def run(
     names: Sequence[ScenarioName],
     out: Path,
@@ -84,9 +104,12 @@ def run(
     engine: BenchEngine,
     llama_server: Path | None,
     show_progress: bool = True,
-) -> tuple[Path, list[Section], dict[str, Any]]:
-    """Run ``names`` and write the report into ``out``; returns the report's path, the
-    sections and the header.
+) -> Outcome:
+    """Run ``names`` and write the report into ``out`` (``save``).
+
+    A Ctrl-C (KeyboardInterrupt) stops the run after the scenario it hit has cleaned up
+    (each stops its own processes in a ``finally``); the scenarios finished before it are
+    written, the header marked ``interrupted``, and ``Outcome.interrupted`` names it.
 
     Raises:
         MissingExtraError: the ``bench`` extra is missing (checked before anything runs).
@@ -99,12 +122,38 @@ def run(
 
     started = time.monotonic()
     sections: list[Section] = []
+    interrupted: ScenarioName | None = None
     ctx = BenchContext(quick, engine, llama_server, NoProgress())
     total = sum(SCENARIOS[n].steps(ctx) for n in names)
     with tqdm(total=total, unit="step", disable=not show_progress, file=sys.stderr) as bar:
         ctx.bar = bar
-        for name in names:
-            sections.append(SCENARIOS[name].run(ctx))
+        try:
+            for name in names:
+                sections.append(SCENARIOS[name].run(ctx))
+        except KeyboardInterrupt:
+            interrupted = names[len(sections)]
         bar.set_postfix_str("writing the report")
     header = meta(names, ctx, started)
-    return write(out, sections, header), sections, header
+    if interrupted is not None:
+        finished = ", ".join(s.name for s in sections) or "none"
+        header["interrupted"] = f"by Ctrl-C during {interrupted}; finished: {finished}"
+    report, problem = save(out, sections, header)
+    return Outcome(report, sections, header, problem, interrupted)
+
+
+def save(out: Path, sections: Sequence[Section], header: dict[str, Any]) -> tuple[Path | None, str]:
+    """Write the report into ``out``; if that fails (the disk filled, the directory went
+    away), into a new temporary directory: measurements are never lost to a bad ``--out``.
+
+    Returns:
+        (report.md's path, or None if it could be written nowhere; what went wrong, or "").
+    """
+    try:
+        return write(out, sections, header), ""
+    except OSError as exc:
+        problem = f"could not write the report into {out} ({exc})"
+    try:
+        fallback = Path(tempfile.mkdtemp(prefix="edgenode-bench-"))
+        return write(fallback, sections, header), f"{problem}; wrote it into {fallback} instead"
+    except OSError as exc:
+        return None, f"{problem}, nor into a temporary directory ({exc})"

@@ -1,8 +1,11 @@
 """``edgenode bench``: run the benchmark scenarios and write the report (README, "Benchmark").
 
 It starts its own nodes (private run directories), never the configured one: ``-c`` and
-``--run-dir`` do not apply. Exit status 1 when the ``bench`` extra is missing or a
-scenario fails; a goal missed is reported, not an error.
+``--run-dir`` do not apply. Exit status 2 for a bad option, ``--out`` included (checked and
+claimed before anything runs: ``node.bench.outdir``); 1 when the ``bench`` extra is missing
+or a scenario fails or the report could not be written into ``--out`` (it is then written
+elsewhere, or printed, and the message says where); 130 on Ctrl-C, after writing the
+scenarios finished. A goal missed is reported, not an error.
 """
 
 from __future__ import annotations
@@ -12,17 +15,19 @@ from pathlib import Path
 
 import click
 
+from node.bench import outdir
 from node.bench.context import BenchEngine
-from node.bench.report import MissingExtraError, as_json, require_extras
+from node.bench.report import MissingExtraError, as_json, render, require_extras
 from node.bench.runner import SCENARIO_NAMES, parse_only
 from node.bench.runner import run as run_bench
 from node.cli.context import wants_json
 
 
 def _only(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str]:
-    """Click callback: ``--only a,b`` as scenario names."""
+    """Click callback: ``--only a,b`` as scenario names (not given: all of them; given but
+    empty or blank, or with an empty item: an error, not every scenario)."""
     try:
-        return list(parse_only(value)) if value else list(SCENARIO_NAMES)
+        return list(SCENARIO_NAMES) if value is None else list(parse_only(value))
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
 
@@ -34,8 +39,11 @@ def _only(ctx: click.Context, param: click.Parameter, value: str | None) -> list
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("bench-report"),
     show_default=True,
-    help="Directory of the report (report.md, report.json and the PNG plots).",
+    help="Directory of the report (report.md, report.json and the PNG plots); made and "
+    "test-written before anything runs. One that already holds a report is refused "
+    "unless --force.",
 )
+@click.option("--force", is_flag=True, help="Replace a report already in --out.")
 @click.option("--quick", is_flag=True, help="Fewer, shorter measurements: about 2 minutes.")
 @click.option(
     "--only",
@@ -62,6 +70,7 @@ def _only(ctx: click.Context, param: click.Parameter, value: str | None) -> list
 def bench(
     ctx: click.Context,
     out: Path,
+    force: bool,
     quick: bool,
     only: list[str],
     engine: str,
@@ -77,14 +86,36 @@ def bench(
     if llama_server is not None and not llama_server.is_file():
         raise click.BadParameter(f"{llama_server}: no such file", param_hint="--llama-server")
     names = parse_only(",".join(only))
+    try:
+        claim = outdir.claim(out, force)
+    except outdir.OutDirError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--out'") from exc
     chosen: BenchEngine = "test" if engine == "test" else "llama"
-    report, sections, header = run_bench(
-        names, out, quick, chosen, llama_server, show_progress=not no_progress
-    )
+    try:
+        done = run_bench(names, out, quick, chosen, llama_server, show_progress=not no_progress)
+    finally:
+        claim.release()
     if wants_json(ctx):
-        click.echo(json.dumps(as_json(sections, header), indent=1, default=str))
-    else:
-        click.echo(f"report: {report}")
-        missed = [g.name for s in sections for g in s.goals if g.met is False]
-        if missed:
-            click.echo(f"goals missed: {'; '.join(missed)}")
+        click.echo(json.dumps(as_json(done.sections, done.header), indent=1, default=str))
+    elif done.report is None:
+        click.echo(render(done.sections, done.header), nl=False)
+    if done.problem:
+        where = "the JSON above" if wants_json(ctx) else "the report above"
+        click.echo(
+            f"Error: {done.problem}" + ("" if done.report else f"; {where} is its only copy"),
+            err=True,
+        )
+    if not wants_json(ctx) and done.report is not None:
+        click.echo(f"report: {done.report}")
+    missed = [g.name for s in done.sections for g in s.goals if g.met is False]
+    if missed and not wants_json(ctx):
+        click.echo(f"goals missed: {'; '.join(missed)}")
+    if done.interrupted is not None:
+        click.echo(
+            f"interrupted during {done.interrupted}: "
+            "the report holds the scenarios finished before it",
+            err=True,
+        )
+        ctx.exit(130)
+    if done.problem:
+        ctx.exit(1)

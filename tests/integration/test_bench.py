@@ -9,9 +9,15 @@ baseline were measured, that no reply was lost and that the report says so.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from node.interpreter import module_command
 from node.testing import REPO
@@ -99,3 +105,74 @@ def test_remote_agent_beside_the_local_worker_alone(tmp_path: Path) -> None:
     assert set(remote["local_cpus"]).isdisjoint(remote["remote_cpus"])
     [goal] = data["goals"]
     assert goal["measured"] == 100 * remote["ratios"][0]
+
+
+def test_ctrl_c_writes_the_finished_scenarios_and_stops_every_node(tmp_path: Path) -> None:
+    """A Ctrl-C (SIGINT to the foreground process group, as a terminal sends it) while the
+    second scenario runs: exit 130, the first scenario's figures in the report marked
+    interrupted, and no process of the run left behind."""
+    argv = module_command("node.cli", "bench", "--quick", "--only", "broker,faults")
+    argv += ["--engine", "test", "--out", str(tmp_path), "--json"]
+    bench = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, start_new_session=True
+    )
+    assert bench.stderr is not None and bench.stdout is not None
+    err = bench.stderr
+    progress = bytearray()
+    reached = threading.Event()
+
+    def read_progress() -> None:  # the bar (on stderr) says which scenario runs
+        while chunk := os.read(err.fileno(), 4096):
+            progress.extend(chunk)
+            if b"faults: " in progress:
+                reached.set()
+
+    stdout = bench.stdout
+    printed: list[bytes] = []
+    # Each pipe has one reader (communicate() would race read_progress for stderr).
+    readers = [
+        threading.Thread(target=read_progress, daemon=True),
+        threading.Thread(target=lambda: printed.append(stdout.read()), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        assert reached.wait(45), progress.decode(errors="replace")[-3000:]
+        # Into the scenario: its node and 2 workers run (their own session: a Ctrl-C
+        # reaches only the bench, which must stop them).
+        started: list[psutil.Process] = []
+        give_up = time.monotonic() + 30
+        while len(started) < 3 and time.monotonic() < give_up:
+            time.sleep(0.05)
+            started = psutil.Process(bench.pid).children(recursive=True)
+        assert len(started) >= 3, started
+        os.killpg(bench.pid, signal.SIGINT)
+        bench.wait(timeout=30)
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait()
+    for reader in readers:
+        reader.join(10)
+    stdout.close()
+    err.close()
+    assert bench.returncode == 130, progress.decode(errors="replace")[-3000:]
+    assert b"interrupted during faults" in progress
+    data = json.loads(b"".join(printed))
+    assert data == json.loads((tmp_path / "report.json").read_text())
+    assert list(data["scenarios"]) == ["broker"]
+    assert data["scenarios"]["broker"]["node"]["8"]["req_per_s"] > 0
+    assert data["meta"]["interrupted"] == "by Ctrl-C during faults; finished: broker"
+    report = (tmp_path / "report.md").read_text()
+    assert "- interrupted: by Ctrl-C during faults; finished: broker" in report
+    assert "## Broker overhead" in report and "## Faults" not in report
+    assert not (tmp_path / ".bench.lock").exists()
+    assert [p.pid for p in started if not gone(p)] == []
+
+
+def gone(proc: psutil.Process) -> bool:
+    """Exited (a zombie counts: its parent, the bench, has exited too)."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

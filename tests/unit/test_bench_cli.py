@@ -1,0 +1,343 @@
+"""``edgenode bench``'s checks before anything runs (``--out``, ``--only``), its refusal of
+a taken ``--out``, and what it keeps when the run is cut short: a Ctrl-C, or a report that
+cannot be written where asked. The scenarios themselves are not run here
+(tests/integration/test_bench.py runs them); where the command would start one, the runner
+is replaced by ``NotRun``, which fails the test if it is called when it must not be.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from broker.records import BrokerSettings
+from node.bench import faults, outdir, runner
+from node.bench.context import BenchContext, NoProgress, split_list
+from node.bench.report import Goal, Section
+from node.bench.runner import Outcome, Scenario, parse_only, save
+from node.cli import bench as bench_cli
+from node.cli.main import cli
+from node.testing import REPO
+
+
+class NotRun:
+    """Stands in for the runner: records its calls; ``allowed=False`` fails the test if the
+    command gets as far as running a scenario."""
+
+    def __init__(self, allowed: bool = False) -> None:
+        self.allowed = allowed
+        self.calls: list[tuple[Any, ...]] = []
+
+    def __call__(self, names: list[str], out: Path, *rest: Any, **kw: Any) -> Outcome:
+        self.calls.append((names, out))
+        assert self.allowed, f"the bench started running {names} into {out}"
+        header = {"scenarios": ", ".join(names)}
+        section = Section("broker", "Broker overhead", "measured", goals=[Goal("g", 1.0, 0, "==")])
+        return Outcome(out / "report.md", [section], header)
+
+
+@pytest.fixture
+def not_run(monkeypatch: pytest.MonkeyPatch) -> NotRun:
+    fake = NotRun()
+    monkeypatch.setattr(bench_cli, "run_bench", fake)
+    return fake
+
+
+def invoke(*args: str) -> Any:
+    return CliRunner().invoke(cli, ["bench", "--engine", "test", "--no-progress", *args])
+
+
+def error_line(output: str) -> str:
+    [line] = [x for x in output.splitlines() if x.startswith("Error:")]
+    return line
+
+
+# ----------------------------------------------------------------------------- --out
+
+
+@pytest.mark.parametrize(
+    "where", ["under-a-file", "/proc/edgenode-bench-x", "/sys/edgenode-bench-x", "a-file"]
+)
+def test_an_unwritable_out_is_refused_before_anything_runs(
+    tmp_path: Path, not_run: NotRun, where: str
+) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    out = {
+        "under-a-file": tmp_path / "a-file" / "report",
+        "a-file": tmp_path / "a-file",
+    }.get(where, Path(where))
+    result = invoke("--only", "broker", "--out", str(out))
+    assert result.exit_code == 2, result.output
+    line = error_line(result.output)
+    assert line.startswith("Error: Invalid value for '--out':"), line
+    if where != "a-file":  # that one click's own Path check finds ("is a file")
+        assert f"{out}: cannot write the report there (" in line
+    assert "Traceback" not in result.output
+    assert not_run.calls == []
+    assert not out.exists() or where == "a-file"
+
+
+def test_out_is_made_and_test_written_then_released(tmp_path: Path, not_run: NotRun) -> None:
+    not_run.allowed = True
+    out = tmp_path / "deep" / "report"
+    result = invoke("--only", "broker", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert not_run.calls == [(["broker"], out)]
+    assert out.is_dir()
+    assert not (out / outdir.LOCK_NAME).exists()  # released after the run
+
+
+@pytest.mark.parametrize("existing", ["report.md", "report.json"])
+def test_an_out_holding_a_report_is_refused_unless_force(
+    tmp_path: Path, not_run: NotRun, existing: str
+) -> None:
+    (tmp_path / existing).write_text("the other run's report")
+    result = invoke("--only", "broker", "--out", str(tmp_path))
+    assert result.exit_code == 2, result.output
+    assert f"already holds a report ({existing})" in error_line(result.output)
+    assert "--force" in error_line(result.output)
+    assert not_run.calls == []
+    assert (tmp_path / existing).read_text() == "the other run's report"
+    not_run.allowed = True
+    result = invoke("--only", "broker", "--out", str(tmp_path), "--force")
+    assert result.exit_code == 0, result.output
+    assert not_run.calls == [(["broker"], tmp_path)]
+
+
+def test_a_bench_writing_into_out_keeps_the_second_out_even_with_force(
+    tmp_path: Path, not_run: NotRun
+) -> None:
+    """Another process holds ``--out`` (a bench still running: no report there yet)."""
+    hold = (
+        "import sys, pathlib; from node.bench import outdir; "
+        "c = outdir.claim(pathlib.Path(sys.argv[1]), False); print('held', flush=True); "
+        "sys.stdin.read(); c.release()"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with subprocess.Popen(
+        [sys.executable, "-c", hold, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as other:
+        assert other.stdout is not None and other.stdin is not None
+        assert other.stdout.readline() == "held\n"
+        result = invoke("--only", "broker", "--out", str(tmp_path), "--force")
+        assert result.exit_code == 2, result.output
+        assert f"another edgenode bench (pid {other.pid})" in error_line(result.output)
+        other.stdin.close()
+        assert other.wait(timeout=30) == 0
+    assert not_run.calls == []
+    # Once it is done, the directory is free again (and a lock left by a killed bench
+    # would not block either: the lock goes with its process).
+    held = outdir.claim(tmp_path, False)
+    held.release()
+
+
+# ----------------------------------------------------------------------------- --only
+
+
+@pytest.mark.parametrize(
+    ("only", "message"),
+    [
+        ("", "no scenario given"),
+        ("  ", "no scenario given"),
+        (" , ", "no scenario given"),
+        ("faults,", "an empty scenario in 'faults,'"),
+        ("faults,,broker", "an empty scenario in 'faults,,broker'"),
+        (",faults", "an empty scenario in ',faults'"),
+    ],
+)
+def test_an_empty_only_or_an_empty_item_is_an_error(
+    tmp_path: Path, not_run: NotRun, only: str, message: str
+) -> None:
+    result = invoke("--only", only, "--out", str(tmp_path))
+    assert result.exit_code == 2, result.output
+    line = error_line(result.output)
+    assert line.startswith("Error: Invalid value for '--only':")
+    assert message in line and "known: broker," in line
+    assert not_run.calls == []
+    assert list(tmp_path.iterdir()) == []  # --out is not even touched
+
+
+def test_only_strips_spaces_and_keeps_run_order(tmp_path: Path, not_run: NotRun) -> None:
+    assert parse_only(" faults ,broker") == ["broker", "faults"]
+    assert split_list(" a, b ") == ["a", "b"]
+    not_run.allowed = True
+    result = invoke("--only", " faults", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert not_run.calls == [(["faults"], tmp_path)]
+
+
+# ------------------------------------------------------------ what a cut-short run keeps
+
+
+def section(name: str) -> Section:
+    return Section(name, f"Scenario {name}", f"{name} was measured", data={"figure": name})
+
+
+def test_ctrl_c_keeps_the_scenarios_finished_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """runner.run: the second scenario is interrupted (after its own cleanup, which a
+    ``finally`` runs as the KeyboardInterrupt goes through it)."""
+    cleaned: list[str] = []
+
+    def interrupted(ctx: BenchContext) -> Section:
+        try:
+            raise KeyboardInterrupt
+        finally:
+            cleaned.append("faults")
+
+    def never(ctx: BenchContext) -> Section:
+        raise AssertionError("a scenario after the interrupted one ran")
+
+    monkeypatch.setattr(
+        runner,
+        "SCENARIOS",
+        {
+            "broker": Scenario(lambda ctx: 1, lambda ctx: section("broker")),
+            "faults": Scenario(lambda ctx: 1, interrupted),
+            "host": Scenario(lambda ctx: 1, never),
+        },
+    )
+    done = runner.run(["broker", "faults", "host"], tmp_path, True, "test", None, False)
+    assert done.interrupted == "faults" and cleaned == ["faults"]
+    assert done.report == tmp_path / "report.md" and done.problem == ""
+    assert [s.name for s in done.sections] == ["broker"]
+    text = (tmp_path / "report.md").read_text()
+    assert "- interrupted: by Ctrl-C during faults; finished: broker" in text
+    assert "broker was measured" in text
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert list(data["scenarios"]) == ["broker"]
+    assert data["meta"]["interrupted"] == "by Ctrl-C during faults; finished: broker"
+
+
+def test_the_cli_exits_130_on_ctrl_c_after_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def cut(names: list[str], out: Path, *rest: Any, **kw: Any) -> Outcome:
+        path = save(out, [section("broker")], {"interrupted": "by Ctrl-C during faults"})[0]
+        return Outcome(path, [section("broker")], {}, "", "faults")
+
+    monkeypatch.setattr(bench_cli, "run_bench", cut)
+    result = invoke("--only", "broker,faults", "--out", str(tmp_path))
+    assert result.exit_code == 130, result.output
+    assert f"report: {tmp_path / 'report.md'}" in result.output
+    assert "interrupted during faults" in result.output
+    assert (tmp_path / "report.md").exists()
+    assert not (tmp_path / outdir.LOCK_NAME).exists()
+
+
+def test_a_report_that_cannot_go_into_out_goes_to_a_temporary_directory(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "report"
+    path, problem = save(out, [section("broker")], {"engine": "test"})
+    assert path is not None and path.parent != out
+    assert path.parent.name.startswith("edgenode-bench-")
+    assert "broker was measured" in path.read_text()
+    assert json.loads((path.parent / "report.json").read_text())["meta"] == {"engine": "test"}
+    assert problem.startswith(f"could not write the report into {out} (")
+    assert problem.endswith(f"wrote it into {path.parent} instead")
+
+
+def test_a_report_that_can_be_written_nowhere_is_printed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    nowhere = tmp_path / "a-file" / "x"
+    monkeypatch.setattr(runner.tempfile, "mkdtemp", lambda prefix: str(nowhere))
+    path, problem = save(nowhere, [section("broker")], {"engine": "test"})
+    assert path is None
+    assert "nor into a temporary directory" in problem
+
+    def unwritten(names: list[str], out: Path, *rest: Any, **kw: Any) -> Outcome:
+        return Outcome(None, [section("broker")], {"engine": "test"}, problem)
+
+    monkeypatch.setattr(bench_cli, "run_bench", unwritten)
+    result = invoke("--only", "broker", "--out", str(tmp_path / "out"))
+    assert result.exit_code == 1, result.output
+    assert "## Scenario broker" in result.output and "broker was measured" in result.output
+    assert "the report above is its only copy" in result.output
+
+
+# ------------------------------------------------------------------- faults: the docs
+
+
+def test_bench_faults_help_says_the_counts_the_code_uses() -> None:
+    script = REPO / "scripts" / "bench_faults.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, str(script), "--help"], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
+    ctx = BenchContext(True, "test", None, NoProgress())
+    deadlines, fault_count = faults.QUICK
+    assert faults.steps(ctx) == 1 + 2 * deadlines + 2 * fault_count
+    assert f"--quick {deadlines} deadline runs per kind" in text
+    assert f"{fault_count} fault per signal" in text
+    assert f"without it {faults.FULL.deadlines} deadline runs" in text
+
+
+def test_the_report_says_the_sigstop_goal_is_missed_by_design() -> None:
+    defaults = BrokerSettings()
+    bound = faults.sigstop_bound_ms(defaults)
+    assert bound == defaults.heartbeat_interval_ms * defaults.heartbeat_liveness == 3000
+    assert bound > faults.GOALS_MS["sigstop"]  # the goal stays; the defaults miss it
+    ctx = BenchContext(True, "test", None, NoProgress())
+    kill = {"detected_ms": 30.0, "recovered_ms": 900.0, "lost": 0}
+    stop = {"detected_ms": 2400.0, "recovered_ms": 3300.0, "lost": 0}
+    report = faults.section(ctx, [(1.0, 15.0)], [(2.0, 18.0)], [kill], [stop], 0)
+    note = faults.sigstop_note(defaults)
+    assert note in report.text
+    assert "the detection bound is 3 s" in note and "missed by design" in note
+    assert report.data["sigstop_bound_ms"] == 3000
+    # The settings it names do meet the goal, and nothing looser would.
+    interval = int(re.findall(r"heartbeat_interval_ms` <= (\d+)", note)[0])
+    liveness = int(re.findall(r"heartbeat_liveness` <= (\d+)", note)[0])
+    goal = faults.GOALS_MS["sigstop"]
+    assert faults.sigstop_bound_ms(BrokerSettings(heartbeat_interval_ms=interval)) <= goal
+    assert faults.sigstop_bound_ms(BrokerSettings(heartbeat_interval_ms=interval + 1)) > goal
+    assert faults.sigstop_bound_ms(BrokerSettings(heartbeat_liveness=liveness)) <= goal
+    assert faults.sigstop_bound_ms(BrokerSettings(heartbeat_liveness=liveness + 1)) > goal
+    met = faults.sigstop_note(BrokerSettings(heartbeat_interval_ms=interval))
+    assert "inside the 2000 ms goal" in met and "missed" not in met
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        ("bench_throughput.py", ["--levels", "1,,4"], "--levels: an empty level in '1,,4'"),
+        ("bench_throughput.py", ["--backends", "node,"], "--backends: an empty backend"),
+        ("bench_overhead.py", ["--inflight", " , "], "--inflight: no level given"),
+        ("bench_overhead.py", ["--stream", ""], "--stream: no level given"),
+        ("bench_grammar.py", ["--cases", ""], "--cases: no case given"),
+        ("bench_load.py", ["--estimates", "mean,,size"], "--estimates: an empty estimate"),
+    ],
+)
+def test_the_bench_scripts_list_options_are_checked_alike(
+    script: str, args: list[str], message: str
+) -> None:
+    """``split_list`` through argparse (``list_type``): refused before anything runs."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / script), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"error: argument {message}" in done.stderr
