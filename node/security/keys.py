@@ -74,12 +74,14 @@ def generate(directory: Path, name: str) -> tuple[Path, Path]:
 
 
 def allow(public_file: Path, directory: Path) -> Path:
-    """Copy the public key file into the allowlist ``directory``; returns the copy.
+    """Copy the public key file into the allowlist ``directory`` (made 0755 if
+    missing; the copy is 0644); returns the copy.
 
     Raises:
         ConfigError: the file is unreadable or not a key file, holds a secret key
-            (hand out ``NAME.key``, never ``NAME.key_secret``), or a different key
-            of that name is already allowed.
+            (hand out ``NAME.key``, never ``NAME.key_secret``), a different key
+            of that name is already allowed, or the directory is one the node
+            would refuse (writable by others, another user's: ``load_allowed``).
     """
     public, secret = _load("edgenode keys allow", public_file)
     if secret is not None:
@@ -87,12 +89,15 @@ def allow(public_file: Path, directory: Path) -> Path:
             f"{public_file} holds a secret key; allow the public file (NAME.key) instead"
         )
     target = directory / public_file.name
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+    # The node would refuse this allowlist at start (``load_allowed``): say so now.
+    _check_private("edgenode keys allow", directory, "chmod go-w")
     if target.exists():
         if _load("edgenode keys allow", target)[0] == public:
             return target
         raise ConfigError(f"{target} already allows another key; rename {public_file.name}")
-    directory.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(public_file, target)
+    os.chmod(target, 0o644)  # whatever the umask: others may read it, never write it
     return target
 
 

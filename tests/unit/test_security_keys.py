@@ -294,3 +294,22 @@ def test_an_empty_client_allowlist_starts_with_a_warning(
     with caplog.at_level(logging.WARNING, logger="node.security.keys"):
         curve_servers(config)
     assert not [r for r in caplog.records if "security.client_keys" in r.getMessage()]
+
+
+def test_allow_refuses_a_directory_others_can_write_to_and_copies_0644_whatever_the_umask(
+    tmp_path: Path,
+) -> None:
+    public, _ = generate(tmp_path / "alice", "alice")
+    old = os.umask(0)
+    try:
+        copy = allow(public, tmp_path / "clients")
+    finally:
+        os.umask(old)
+    assert mode(copy) == 0o644 and mode(tmp_path / "clients") == 0o755
+    load_allowed("security.client_keys", tmp_path / "clients")  # the node takes it
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o777)
+    with pytest.raises(ConfigError, match="chmod go-w"):
+        allow(public, loose)
+    assert list(loose.iterdir()) == []
