@@ -18,8 +18,10 @@ handler that says yes or no (``ZapHandler``) is pyzmq's ``zmq.auth``
 so authentication runs on the broker's one thread, between turns, with no
 lock and no second thread (``zmq.auth.thread.ThreadAuthenticator`` would add
 both). Refused handshakes are counted from the socket monitors
-(``Stats.refuse``); an accepted client's key reaches the core with each of its
-messages (the ``User-Id`` message property ZAP set), as its ``principal``.
+(``Stats.refuse``), every one; refused keys are logged within a bound
+(``broker.refusal_log``: a flood must not fill the disk); an accepted
+client's key reaches the core with each of its messages (the ``User-Id``
+message property ZAP set), as its ``principal``.
 """
 
 from __future__ import annotations
