@@ -18,8 +18,10 @@ handler that says yes or no (``ZapHandler``) is pyzmq's ``zmq.auth``
 so authentication runs on the broker's one thread, between turns, with no
 lock and no second thread (``zmq.auth.thread.ThreadAuthenticator`` would add
 both). Refused handshakes are counted from the socket monitors
-(``Stats.refuse``); an accepted client's key reaches the core with each of its
-messages (the ``User-Id`` message property ZAP set), as its ``principal``.
+(``Stats.refuse``), every one; refused keys are logged within a bound
+(``broker.refusal_log``: a flood must not fill the disk); an accepted
+client's key reaches the core with each of its messages (the ``User-Id``
+message property ZAP set), as its ``principal``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from broker.core import Broker
 from broker.delivery import Fate, GoneCause, Offer, Outgoing
 from broker.kinds import Refusal, Side
 from broker.outbox import Effects
+from broker.refusal_log import RefusalLog
 from broker.security import CurveServer
 
 log = logging.getLogger(__name__)
@@ -145,16 +148,28 @@ def watch_connections(
 class _Allowlist:
     """A ``zmq.auth`` credentials provider: one side's allowed keys."""
 
-    def __init__(self, side: Side, server: CurveServer) -> None:
+    def __init__(
+        self, side: Side, server: CurveServer, refusals: RefusalLog, clock: Callable[[], float]
+    ) -> None:
         self.side = side
         self.server = server
+        self.refusals = refusals
+        self.clock = clock
 
     def callback(self, domain: str, key: bytes) -> bool:
-        """Whether ``key`` (Z85) may connect; a refusal is logged with the key (the
-        monitor counts it). A refused peer does not retry (libzmq stops on ZAP 400)."""
+        """Whether ``key`` (Z85) may connect; a refusal is logged with the key if
+        ``refusals`` says so (the monitor counts every one). A refused peer does not
+        retry (libzmq stops on ZAP 400)."""
         if self.server.allows(key):
             return True
-        log.warning("%s: refused a CURVE key not in the allowlist: %s", self.side, key.decode())
+        if self.refusals.refused(key, self.clock()):
+            log.warning(
+                "%s: refused a CURVE key not in the allowlist: %s (further refusals within %.0f s"
+                " are counted and summed up, not logged one by one)",
+                self.side,
+                key.decode(),
+                self.refusals.window_s,
+            )
         return False
 
 
@@ -164,21 +179,33 @@ class ZapHandler:
     pyzmq's ``Authenticator`` with one credentials provider per side's ZAP
     domain (``zap_domain``). Its ``handle_zap_message`` is a coroutine in
     pyzmq >= 25 that never waits on anything with a plain provider; a private
-    event loop runs it to completion on the broker's thread.
+    event loop runs it to completion on the broker's thread. Refused keys are
+    logged within ``broker.refusal_log``'s bound (one ``RefusalLog`` for both
+    sides), the rest summed up once a window is over (``tick``).
+
+    Args:
+        clock: monotonic seconds (the loop's).
     """
 
     def __init__(
-        self, ctx: zmq.Context[zmq.Socket[bytes]], servers: dict[Side, CurveServer]
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        servers: dict[Side, CurveServer],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._auth = Authenticator(ctx, log=logging.getLogger("edgenode.zap"))
         self._auth.start()  # bound before any CURVE socket: none accepts a peer unjudged
+        self.clock = clock
+        self.refusals = RefusalLog()
         for side, server in servers.items():
-            self._auth.configure_curve_callback(zap_domain(side), _Allowlist(side, server))
+            provider = _Allowlist(side, server, self.refusals, clock)
+            self._auth.configure_curve_callback(zap_domain(side), provider)
         self._aio = asyncio.new_event_loop()
         self.socket: zmq.Socket[bytes] = self._auth.zap_socket
 
     def handle(self) -> None:
         """Answer every ZAP request waiting (each gets exactly one reply)."""
+        self.tick(self.clock())  # a window over is summed up before a new one starts
         while True:
             try:
                 msg = self.socket.recv_multipart(zmq.NOBLOCK)
@@ -187,6 +214,19 @@ class ZapHandler:
             result = self._auth.handle_zap_message(msg)
             if inspect.isawaitable(result):  # pyzmq >= 25; before, it ran already
                 self._aio.run_until_complete(result)
+
+    def tick(self, now: float) -> None:
+        """Log the summary of a window over at ``now`` (s) if refusals went unlogged."""
+        summary = self.refusals.summary(now)
+        if summary is not None:
+            unlogged, refusals = summary
+            log.warning(
+                "%d CURVE key refusal(s) in the last %.0f s not logged (%d in all; status"
+                " counts every one)",
+                unlogged,
+                self.refusals.window_s,
+                refusals,
+            )
 
     def close(self) -> None:
         """Close the ZAP socket and the private event loop."""
@@ -234,7 +274,7 @@ class BrokerLoop:
             servers["frontend"] = frontend_curve
         if backend_curve is not None:
             servers["backend"] = backend_curve
-        self.zap = ZapHandler(self.ctx, servers) if servers else None
+        self.zap = ZapHandler(self.ctx, servers, clock) if servers else None
         self.curve_frontend = frontend_curve is not None
         self.frontend = make_router(self.ctx, frontend, max_msg, frontend_curve, "frontend")
         self.connections = Connections()
@@ -317,6 +357,8 @@ class BrokerLoop:
                 callback()
         now = self.clock()
         self.broker.tick(now)
+        if self.zap is not None:
+            self.zap.tick(now)
         if self._on_tick is not None:
             self._on_tick(now)
         writable = bool(ready.get(self.frontend, 0) & zmq.POLLOUT)

@@ -656,6 +656,13 @@ class Node:
                 "frontend": "curve" if self._curve[0] is not None else "plaintext",
                 "backend": "curve" if self._curve[1] is not None else "plaintext",
             },
+            # Keys the operator allowed per CURVE side (the local key not counted):
+            # 0 on the frontend means only this host's own processes get in.
+            "allowed_keys": {
+                side: len(server.allowed)
+                for side, server in zip(("frontend", "backend"), self._curve, strict=True)
+                if server is not None
+            },
             "run_dir": str(self.run_dir),
             "processes": pool.status(),
             "all_ready": pool.supervisor.all_ready(),

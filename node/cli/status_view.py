@@ -22,7 +22,7 @@ def render_status(node: dict[str, Any]) -> str:
         f"engine {node.get('engine')}  mode {routing.get('mode', '-')}",
         f"frontend {node.get('endpoints', {}).get('frontend')}",
         f"state: {judge(node).line}",
-        _security_line(node.get("security"), node.get("refused")),
+        _security_line(node.get("security"), node.get("refused"), node.get("allowed_keys")),
         _gate_line(node),
         _breaker_line(routing.get("breaker")),
         _sandbox_line(node.get("sandbox")),
@@ -49,9 +49,15 @@ def render_status(node: dict[str, Any]) -> str:
     return "\n".join(line for line in lines if line is not None)
 
 
-def _security_line(security: dict[str, str] | None, refused: dict[str, Any] | None) -> str | None:
+def _security_line(
+    security: dict[str, str] | None,
+    refused: dict[str, Any] | None,
+    allowed: dict[str, int] | None = None,
+) -> str | None:
     """``security: frontend curve (refused 2 keys, 5 handshakes), backend plaintext``;
-    None from a node without ``[security]`` in its status."""
+    a CURVE frontend whose allowlist is empty (``allowed`` 0; a node before this
+    count says nothing) adds ``no client key allowed: only this host``. None from
+    a node without ``[security]`` in its status."""
     if not security:
         return None
     parts = []
@@ -59,8 +65,13 @@ def _security_line(security: dict[str, str] | None, refused: dict[str, Any] | No
         text = f"{side} {security.get(side, '-')}"
         counts = (refused or {}).get(side, {})
         keys, shakes = counts.get("key_not_allowed", 0), counts.get("handshake_failed", 0)
+        notes = []
+        if side == "frontend" and (allowed or {}).get(side) == 0:
+            notes.append("no client key allowed: only this host")
         if keys or shakes:
-            text += f" (refused {keys} keys, {shakes} handshakes)"
+            notes.append(f"refused {keys} keys, {shakes} handshakes")
+        if notes:
+            text += f" ({'; '.join(notes)})"
         parts.append(text)
     return "security: " + ", ".join(parts)
 

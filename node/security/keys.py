@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import shutil
 import stat
@@ -36,6 +37,8 @@ from node.config import NodeConfig, SecuritySection
 LOCAL_KEY = "local"
 #: A secret key file's mode: owner read/write only (as ssh demands of its keys).
 SECRET_MODE = 0o600
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,12 +74,14 @@ def generate(directory: Path, name: str) -> tuple[Path, Path]:
 
 
 def allow(public_file: Path, directory: Path) -> Path:
-    """Copy the public key file into the allowlist ``directory``; returns the copy.
+    """Copy the public key file into the allowlist ``directory`` (made 0755 if
+    missing; the copy is 0644); returns the copy.
 
     Raises:
         ConfigError: the file is unreadable or not a key file, holds a secret key
-            (hand out ``NAME.key``, never ``NAME.key_secret``), or a different key
-            of that name is already allowed.
+            (hand out ``NAME.key``, never ``NAME.key_secret``), a different key
+            of that name is already allowed, or the directory is one the node
+            would refuse (writable by others, another user's: ``load_allowed``).
     """
     public, secret = _load("edgenode keys allow", public_file)
     if secret is not None:
@@ -84,12 +89,15 @@ def allow(public_file: Path, directory: Path) -> Path:
             f"{public_file} holds a secret key; allow the public file (NAME.key) instead"
         )
     target = directory / public_file.name
+    directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+    # The node would refuse this allowlist at start (``load_allowed``): say so now.
+    _check_private("edgenode keys allow", directory, "chmod go-w")
     if target.exists():
         if _load("edgenode keys allow", target)[0] == public:
             return target
         raise ConfigError(f"{target} already allows another key; rename {public_file.name}")
-    directory.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(public_file, target)
+    os.chmod(target, 0o644)  # whatever the umask: others may read it, never write it
     return target
 
 
@@ -122,16 +130,58 @@ def load_public(key: str, path: Path) -> bytes:
 def load_allowed(key: str, directory: Path) -> frozenset[bytes]:
     """The public keys (Z85) of every ``*.key`` file in ``directory``.
 
+    The allowlist decides who gets in, so it must be as private as a secret
+    key file (the checks ssh makes of ``authorized_keys``): the directory and
+    each key file owned by this user or root and writable by nobody else.
+
     Raises:
-        ConfigError: the directory is missing or unreadable.
+        ConfigError: the directory is missing or unreadable; it or a key file
+            in it is writable by group or others, or owned by another user
+            (anyone could then allow a key); a ``*.key`` file holds a secret key
+            (it leaks that secret to whoever reads the directory). The message
+            names ``key``, the file and the fix.
     """
     if not directory.is_dir():
         raise ConfigError(f"{key}: {directory} is not a directory of public key files")
+    _check_private(key, directory, "chmod go-w")
     try:
-        found = zmq.auth.load_certificates(directory)
-    except (OSError, ValueError) as exc:
+        files = sorted(directory.glob("*.key"))  # what zmq.auth.load_certificates reads
+    except OSError as exc:
         raise ConfigError(f"{key}: cannot read the keys in {directory}: {exc}") from exc
+    found = set()
+    for path in files:
+        if not path.is_file():
+            continue
+        _check_private(key, path, "chmod 644")
+        public, secret = _load(key, path)
+        if secret is not None:
+            raise ConfigError(
+                f"{key}: {path} holds a secret key: an allowlist takes public keys only"
+                " (NAME.key); remove it, and make a new keypair if others could read it"
+            )
+        found.add(public)
     return frozenset(found)
+
+
+def _check_private(key: str, path: Path, fix: str) -> None:
+    """Refuse ``path`` (an allowlist directory or key file) if anyone but its
+    owner could change it, or its owner is neither this user nor root.
+
+    Raises:
+        ConfigError: naming ``key``, ``path``, its mode or owner, and the fix.
+    """
+    info = path.stat()
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o022:
+        raise ConfigError(
+            f"{key}: {path} is writable by group or others (mode {mode:o}), so they could"
+            f" allow a key of their own; {fix} it"
+        )
+    if info.st_uid not in (0, os.geteuid()):
+        raise ConfigError(
+            f"{key}: {path} is owned by another user (uid {info.st_uid}), who could allow a"
+            f" key of their own; chown it to the node's user (uid {os.geteuid()}) or root"
+        )
 
 
 def local_keypair(run_dir: Path) -> Keypair:
@@ -166,10 +216,13 @@ def also_allow(server: CurveServer | None, key: Keypair) -> CurveServer | None:
 
 def curve_servers(config: NodeConfig) -> tuple[CurveServer | None, CurveServer | None]:
     """The frontend's and the backend's CURVE keys and allowlists from
-    ``[security]`` (None for a plaintext side).
+    ``[security]`` (None for a plaintext side). An allowlist directory with no
+    key in it logs a WARNING: only this host's own processes (the local key)
+    can then connect on that side.
 
     Raises:
-        ConfigError: a key file or allowlist directory that cannot be used.
+        ConfigError: a key file or allowlist directory that cannot be used
+            (``load_keypair``, ``load_allowed``).
     """
     s = config.security
     extra: frozenset[bytes] = frozenset()
@@ -177,6 +230,12 @@ def curve_servers(config: NodeConfig) -> tuple[CurveServer | None, CurveServer |
     if s.server_secret_key:
         pair = load_keypair("security.server_secret_key", Path(s.server_secret_key))
         allowed = load_allowed("security.client_keys", Path(s.client_keys))
+        if not allowed:
+            log.warning(
+                "security.client_keys: %s is empty: no client key allowed: only this host's"
+                " own processes can connect (edgenode keys allow NAME.key)",
+                s.client_keys,
+            )
         frontend = CurveServer(pair.public, pair.secret, allowed | extra)
     if s.backend_secret_key:
         pair = load_keypair("security.backend_secret_key", Path(s.backend_secret_key))
@@ -185,6 +244,12 @@ def curve_servers(config: NodeConfig) -> tuple[CurveServer | None, CurveServer |
             if s.worker_keys
             else frozenset()
         )
+        if s.worker_keys and not allowed:
+            log.warning(
+                "security.worker_keys: %s allows no key: only this host's own workers"
+                " can register (edgenode keys allow --worker NAME.key)",
+                s.worker_keys,
+            )
         backend = CurveServer(pair.public, pair.secret, allowed | extra)
     return frontend, backend
 

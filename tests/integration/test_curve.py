@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 import zmq.auth
 
 from broker import protocol as p
 from broker.client import Client
 from broker.errors import Overloaded, Unavailable
+from broker.refusal_log import FIRST_KEYS
 from node.engine import EngineSpec
 from node.interpreter import module_command
 from node.security.keys import generate
@@ -94,10 +96,15 @@ def keys(tmp_path: Path) -> Iterator[Keys]:
 
 
 def curve_node(
-    make_node: NodeFactory, keys: Keys, tmp_path: Path, **sections: dict[str, Any]
+    make_node: NodeFactory,
+    keys: Keys,
+    tmp_path: Path,
+    start: bool = True,
+    **sections: dict[str, Any],
 ) -> NodeProcess:
     """A node with CURVE on a loopback TCP frontend and backend; alice and bob are
-    allowed clients, agent an allowed worker (allowed with ``edgenode keys allow``)."""
+    allowed clients, agent an allowed worker (allowed with ``edgenode keys allow``);
+    started unless ``start`` is False."""
     security = {
         "server_secret_key": str(keys.root / "node.key_secret"),
         "client_keys": str(tmp_path / "clients"),
@@ -117,7 +124,7 @@ def curve_node(
     for name, flag in (("alice", ()), ("bob", ()), ("agent", ("--worker",))):
         allowed = node.cli("keys", "allow", str(keys.root / f"{name}.key"), *flag)
         assert allowed.returncode == 0, allowed.stderr
-    return node.start()
+    return node.start() if start else node
 
 
 def client(node: NodeProcess, keys: Keys, name: str, server: str = "node", **kw: Any) -> Client:
@@ -221,6 +228,92 @@ def test_two_connections_with_one_key_share_its_in_flight_cap(
         # Her request ended: her key may send again, on the other connection.
         assert second.generate("now", max_tokens=2).text == "echo: now"
     assert node.status()["counters"]["shed_client_cap"] == 1
+
+
+def refused_start(node: NodeProcess) -> str:
+    """``edgenode start``'s error (it must fail and leave no node behind)."""
+    started = node.cli("start", "--wait-s", "30")
+    assert started.returncode == 1, started.stdout + started.stderr
+    assert not (node.run_dir / "edgenode.pid").exists()
+    return started.stderr
+
+
+@pytest.mark.parametrize(
+    ("spoil", "expected"),
+    [
+        (lambda clients, keys: clients.chmod(0o777), "writable by group or others"),
+        (lambda clients, keys: (clients / "alice.key").chmod(0o666), "chmod 644"),
+        (lambda clients, keys: os.chown(clients, 65534, 65534), "owned by another user"),
+        (
+            lambda clients, keys: (clients / "bad.key").write_bytes(
+                (keys.root / "mallory.key_secret").read_bytes()
+            ),
+            "holds a secret key",
+        ),
+    ],
+    ids=["dir-0777", "key-0666", "dir-of-nobody", "secret-renamed"],
+)
+def test_a_client_allowlist_others_could_change_or_holding_a_secret_refuses_the_start(
+    make_node: NodeFactory,
+    keys: Keys,
+    tmp_path: Path,
+    spoil: Callable[[Path, Keys], object],
+    expected: str,
+) -> None:
+    if os.geteuid() != 0 and "nobody" in expected:
+        pytest.skip("chown to another user needs root")
+    node = curve_node(make_node, keys, tmp_path, start=False)
+    spoil(tmp_path / "clients", keys)
+    error = refused_start(node)
+    assert "security.client_keys" in error and expected in error, error
+
+
+def test_an_empty_client_allowlist_starts_with_a_warning_in_the_log_and_status(
+    make_node: NodeFactory, keys: Keys, tmp_path: Path
+) -> None:
+    node = curve_node(make_node, keys, tmp_path, start=False)
+    for key in (tmp_path / "clients").iterdir():
+        key.unlink()
+    node.start()
+    assert "no client key allowed: only this host's own processes can connect" in (
+        node.log.read_text()
+    )
+    shown = node.cli("status")
+    assert shown.returncode == 0, shown.stderr
+    assert "security: frontend curve (no client key allowed: only this host)" in shown.stdout
+
+
+#: Strangers in ``test_a_flood_of_strangers_is_counted_exactly_and_logged_within_a_bound``.
+FLOOD = 300
+
+
+def test_a_flood_of_strangers_is_counted_exactly_and_logged_within_a_bound(
+    make_node: NodeFactory, keys: Keys, tmp_path: Path
+) -> None:
+    node = curve_node(make_node, keys, tmp_path)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    strangers = []
+    try:
+        for _ in range(FLOOD):  # each a new key, as a scanner or a fuzzer would
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            public, secret = zmq.curve_keypair()
+            sock.curve_serverkey = keys.public("node")
+            sock.curve_publickey, sock.curve_secretkey = public, secret
+            sock.connect(node.frontend)
+            strangers.append(sock)
+        assert wait_for(lambda: refused(node, "frontend", "key_not_allowed") >= FLOOD, timeout=30)
+        time.sleep(0.5)  # a refused peer does not retry: the count stays exact
+        assert refused(node, "frontend", "key_not_allowed") == FLOOD
+    finally:
+        for sock in strangers:
+            sock.close(0)
+        ctx.term()
+    named = [line for line in node.log.read_text().splitlines() if "refused a CURVE key" in line]
+    assert len(named) == FIRST_KEYS  # not one line per stranger
+    # The node still serves an allowed client.
+    with client(node, keys, "alice", wait_ms=5000) as alice:
+        assert alice.generate("still here", max_tokens=4).text == "echo: still here"
 
 
 def foreign_worker(node: NodeProcess, keys: Keys, name: str, worker_id: str) -> list[str]:

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 import stat
 import threading
 from pathlib import Path
@@ -203,3 +206,110 @@ def test_curve_lifts_the_plaintext_refusal_side_by_side() -> None:
 def test_keys_come_with_their_allowlist(security: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         cfg.validate(from_dict({"security": security}))
+
+
+def an_allowlist(tmp_path: Path) -> tuple[Path, Path]:
+    """An allowlist directory with alice's public key allowed; (directory, key file)."""
+    public, _ = generate(tmp_path / "alice", "alice")
+    copy = allow(public, tmp_path / "clients")
+    return tmp_path / "clients", copy
+
+
+@pytest.mark.parametrize("dir_mode", [0o777, 0o775, 0o757, 0o1777])
+def test_an_allowlist_directory_others_can_write_to_is_refused(
+    tmp_path: Path, dir_mode: int
+) -> None:
+    directory, _ = an_allowlist(tmp_path)
+    directory.chmod(dir_mode)
+    with pytest.raises(ConfigError) as refused:
+        load_allowed("security.client_keys", directory)
+    message = refused.value.message
+    assert "security.client_keys" in message and str(directory) in message
+    assert "writable by group or others" in message and "chmod go-w" in message
+    directory.chmod(0o755)
+    assert len(load_allowed("security.client_keys", directory)) == 1
+
+
+@pytest.mark.parametrize("file_mode", [0o666, 0o646, 0o664])
+def test_a_key_file_others_can_write_to_is_refused(tmp_path: Path, file_mode: int) -> None:
+    directory, key = an_allowlist(tmp_path)
+    key.chmod(file_mode)
+    with pytest.raises(ConfigError) as refused:
+        load_allowed("security.worker_keys", directory)
+    message = refused.value.message
+    assert "security.worker_keys" in message and str(key) in message and "chmod 644" in message
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+@pytest.mark.parametrize("which", ["directory", "key"])
+def test_an_allowlist_owned_by_another_user_is_refused(tmp_path: Path, which: str) -> None:
+    directory, key = an_allowlist(tmp_path)
+    path = directory if which == "directory" else key
+    os.chown(path, 65534, 65534)  # nobody
+    with pytest.raises(ConfigError) as refused:
+        load_allowed("security.client_keys", directory)
+    message = refused.value.message
+    assert str(path) in message and "owned by another user (uid 65534)" in message
+    assert "chown" in message
+
+
+def test_a_secret_key_file_in_an_allowlist_is_refused(tmp_path: Path) -> None:
+    directory, _ = an_allowlist(tmp_path)
+    _, secret = generate(tmp_path / "bad", "bad")
+    shutil.copyfile(secret, directory / "bad.key")  # a secret renamed as a public key
+    with pytest.raises(ConfigError) as refused:
+        load_allowed("security.client_keys", directory)
+    message = refused.value.message
+    assert str(directory / "bad.key") in message and "holds a secret key" in message
+
+
+def test_an_empty_client_allowlist_starts_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, node_secret = generate(tmp_path, "node")
+    (tmp_path / "clients").mkdir()
+    (tmp_path / "workers").mkdir()
+    _, backend_secret = generate(tmp_path, "backend")
+    config = from_dict(
+        {
+            "security": {
+                "server_secret_key": str(node_secret),
+                "client_keys": str(tmp_path / "clients"),
+                "backend_secret_key": str(backend_secret),
+                "worker_keys": str(tmp_path / "workers"),
+            }
+        }
+    )
+    with caplog.at_level(logging.WARNING, logger="node.security.keys"):
+        frontend, backend = curve_servers(config)
+    assert frontend is not None and frontend.allowed == frozenset()
+    assert backend is not None and backend.allowed == frozenset()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
+    assert "no client key allowed: only this host's own processes can connect" in warnings[0]
+    assert "security.worker_keys" in warnings[1]
+    # One allowed key: no warning.
+    allow(generate(tmp_path / "alice", "alice")[0], tmp_path / "clients")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="node.security.keys"):
+        curve_servers(config)
+    assert not [r for r in caplog.records if "security.client_keys" in r.getMessage()]
+
+
+def test_allow_refuses_a_directory_others_can_write_to_and_copies_0644_whatever_the_umask(
+    tmp_path: Path,
+) -> None:
+    public, _ = generate(tmp_path / "alice", "alice")
+    old = os.umask(0)
+    try:
+        copy = allow(public, tmp_path / "clients")
+    finally:
+        os.umask(old)
+    assert mode(copy) == 0o644 and mode(tmp_path / "clients") == 0o755
+    load_allowed("security.client_keys", tmp_path / "clients")  # the node takes it
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o777)
+    with pytest.raises(ConfigError, match="chmod go-w"):
+        allow(public, loose)
+    assert list(loose.iterdir()) == []

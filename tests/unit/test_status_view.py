@@ -198,3 +198,18 @@ def test_remote_workers_get_a_table_of_their_own_and_local_ones_stay_in_theirs()
     # A node without remote workers shows no such table.
     status["workers"] = status["workers"][:1]
     assert not any(line.startswith("REMOTE") for line in render_status(status).splitlines())
+
+
+def test_the_security_line_says_when_no_client_key_is_allowed() -> None:
+    status = _capacity(workers=1, slots=1, sequences=1)
+    status["security"] = {"frontend": "curve", "backend": "curve"}
+    status["refused"] = {"frontend": {"key_not_allowed": 3, "handshake_failed": 0}}
+    status["allowed_keys"] = {"frontend": 0, "backend": 0}
+    assert (
+        "security: frontend curve (no client key allowed: only this host; refused 3 keys,"
+        " 0 handshakes), backend curve" in render_status(status).splitlines()
+    )
+    status["allowed_keys"] = {"frontend": 2, "backend": 0}
+    assert "security: frontend curve (refused 3 keys, 0 handshakes), backend curve" in (
+        render_status(status).splitlines()
+    )
