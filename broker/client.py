@@ -46,19 +46,26 @@ import asyncio
 import math
 import time
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
+from zmq.utils.z85 import Z85CHARS
 
 from broker import protocol as p
 from broker.breaker import BreakerSettings
 from broker.client_call import Call
-from broker.client_conversation import REPLY_SLACK_MS, Conversation, RequestId, dropped_partials
+from broker.client_conversation import (
+    REPLY_SLACK_MS,
+    Conversation,
+    RequestId,
+    Sent,
+    dropped_partials,
+)
 from broker.client_guard import LocalFallback, make_guard
-from broker.errors import ConfigError, EdgeNodeError
+from broker.errors import ClientClosed, ConfigError, EdgeNodeError, NoReply
 
 
 @dataclass(frozen=True)
@@ -176,6 +183,30 @@ def end_now(call: Call) -> None:
     call.end(time.monotonic())
 
 
+#: The length of a z85-encoded CURVE key (bytes): 32 bytes of key, 5 characters per 4.
+Z85_KEY_BYTES = 40
+
+
+def check_key(name: str, key: object) -> bytes:
+    """``key`` if it is a z85-encoded CURVE key (40 bytes of the z85 alphabet).
+
+    Raises:
+        ConfigError: naming ``name``, for a ``str`` (pass ``key.encode()``), None, another
+            type, another length or a character outside z85.
+    """
+    if not isinstance(key, bytes):
+        hint = " (encode it: key.encode())" if isinstance(key, str) else ""
+        raise ConfigError(
+            f"{name} must be a z85 CURVE key as bytes (40), not {type(key).__name__}{hint}"
+        )
+    if len(key) != Z85_KEY_BYTES or not set(key) <= set(Z85CHARS):
+        raise ConfigError(
+            f"{name} must be a z85 CURVE key: {Z85_KEY_BYTES} bytes of the z85 alphabet, "
+            f"as zmq.auth.load_certificate returns (got {len(key)} bytes)"
+        )
+    return key
+
+
 def client_socket(
     ctx: zmq.Context[Any],
     endpoint: str,
@@ -185,17 +216,30 @@ def client_socket(
 ) -> Any:
     """A DEALER of ``ctx`` connected to ``endpoint``, with CURVE if ``server_public_key``.
 
-    Keys are z85 (40 bytes), as ``zmq.auth.load_certificate`` returns them; without
-    ``client_keypair`` the client makes an ephemeral pair (a server with an allowlist
-    refuses it). ``immediate``: queue messages only on a completed connection
+    Keys are z85 (40 bytes), as ``zmq.auth.load_certificate`` returns them. Without
+    ``client_keypair`` the client makes an ephemeral pair: valid CURVE (encrypted) for a
+    server that accepts any client key (``zmq.auth``'s ``CURVE_ALLOW_ANY``, the guide's
+    "Stonehouse"), but an edgenode node allows only listed keys ("Ironhouse") and
+    never answers it (``NoReply``). ``immediate``: queue messages only on a completed connection
     (ZMQ_IMMEDIATE), so a defensive client sees at once that the node is not there
     instead of queueing requests the node would run on its return.
 
     Raises:
-        ConfigError: ``client_keypair`` without ``server_public_key``.
+        ConfigError: ``client_keypair`` without ``server_public_key``, or a key that is
+            not z85 bytes of 40 (``check_key``; the message names the argument), or a
+            ``client_keypair`` that is not a (public, secret) pair.
     """
     if client_keypair is not None and server_public_key is None:
         raise ConfigError("client_keypair needs server_public_key (the node's CURVE public key)")
+    if server_public_key is not None:
+        server_public_key = check_key("server_public_key", server_public_key)
+    if client_keypair is not None:
+        if not isinstance(client_keypair, tuple) or len(client_keypair) != 2:
+            raise ConfigError("client_keypair must be a (public, secret) tuple of z85 keys")
+        client_keypair = (
+            check_key("client_keypair[0] (public)", client_keypair[0]),
+            check_key("client_keypair[1] (secret)", client_keypair[1]),
+        )
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:PORT and names that resolve to IPv6
@@ -224,6 +268,7 @@ class _Base:
     ) -> None:
         self.endpoint = endpoint
         self.guard = make_guard(fallback, breaker, timeout_ms)
+        self.closed = False
         guarded = self.guard is not None
         self._conv = Conversation(
             timeout_ms=timeout_ms,
@@ -232,9 +277,25 @@ class _Base:
             slack_ms=0 if guarded else REPLY_SLACK_MS,
         )
 
+    def _check_open(self) -> None:
+        """Raises ``ClientClosed`` once ``close`` was called."""
+        if self.closed:
+            raise ClientClosed(f"the client of {self.endpoint} is closed", reason="client_closed")
+
+    def _no_send(self, sent: Sent) -> NoReply:
+        """The ``NoReply`` of a request the socket did not take within its wait."""
+        return NoReply(
+            f"could not send to {self.endpoint} within {sent.wait_ms} ms (is the node running?)"
+        )
+
     def _begin(self, body: dict[str, Any], guarded: bool) -> Call:
         """A ``Call`` for ``body``, not sent yet. ``guarded``: a ``generate``/``chat``
-        that a guard may answer locally (it takes the breaker's permit now; None: open)."""
+        that a guard may answer locally (it takes the breaker's permit now; None: open).
+
+        Raises:
+            ClientClosed: the client is closed.
+        """
+        self._check_open()
         now = time.monotonic()
         if self.guard is None or not guarded:
             sent = self._conv.prepare(body)
@@ -265,10 +326,18 @@ class Client(_Base):
             requires CURVE (``[security]``); None: plain connection.
         client_keypair: this client's CURVE ``(public, secret)`` (z85, as
             ``zmq.auth.load_certificate`` returns); its public key must be in the node's
-            allowed keys. None with a server key: an ephemeral pair.
+            allowed keys. None with a server key: an ephemeral pair, which a node
+            (it allows only listed keys) never answers; only a server that accepts any
+            key (``zmq.auth.CURVE_ALLOW_ANY``) would.
         fallback: answers ``generate``/``chat`` locally when the node does not within
             the request's ``timeout_ms`` or the breaker is open (``broker.client_guard``;
-            e.g. ``fallback.engine.RuleEngine.from_file(rules)``). Needs ``timeout_ms``.
+            e.g. ``fallback.engine.RuleEngine.from_file(rules)``). Needs ``timeout_ms``,
+            which must exceed the node's own latency budget plus transport: a node's
+            degraded answer comes at its ``routing.ttft_budget_ms`` (default 200) plus a
+            few ms, so a client with ``timeout_ms`` equal to it always times out and
+            opens its breaker against a healthy node (e.g. node 150 ms, client 200 ms).
+            The fallback is warmed up here and its answer time kept out of the node's
+            share of the budget (``NodeGuard.reserve_ms``).
         breaker: the client's breaker over the node (default
             ``broker.client_guard.CLIENT_BREAKER``); only with ``fallback``.
 
@@ -280,9 +349,14 @@ class Client(_Base):
     is still in flight on this client raises ``ProtocolError`` with ``reason``
     ``"duplicate_id"`` before anything is sent.
 
+    Every call waits for the socket to take its request at most its budget
+    (``timeout_ms``, else ``wait_ms``) and raises ``NoReply`` past it: with a fallback
+    the socket sends only on a live connection, so a node that is missing or frozen is
+    seen at once. After ``close`` every call raises ``ClientClosed`` (a ``Cancelled``).
+
     Raises:
-        ConfigError: keys or fallback settings that do not go together (``client_socket``,
-            ``make_guard``).
+        ConfigError: keys or fallback settings that do not go together, or a key that
+            is not 40 bytes of z85 (``client_socket``, ``make_guard``).
     """
 
     def __init__(
@@ -310,7 +384,14 @@ class Client(_Base):
         self.close()
 
     def close(self) -> None:
-        """Close the socket (pending replies are dropped; requests still run on the node)."""
+        """Close the socket (pending replies are dropped; requests still run on the node).
+
+        Idempotent. Afterwards every call, and the iteration of a stream still open,
+        raises ``ClientClosed``.
+        """
+        if self.closed:
+            return
+        self.closed = True
         self._sock.close(0)
         self._conv.clear()
 
@@ -375,9 +456,13 @@ class Client(_Base):
 
         Raises:
             TooLarge: the packed body is over ``max_body_bytes`` (nothing is sent).
+            NoReply: the socket did not take it within its wait (no connection).
+            ClientClosed: the client is closed.
         """
+        self._check_open()
         sent = self._conv.prepare(body, keep=False)
-        self._sock.send_multipart(sent.frames())
+        if not self._post(sent, time.monotonic() + sent.wait_ms / 1000):
+            raise self._no_send(sent)
         return sent.id, sent.wait_ms
 
     def request(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -415,21 +500,32 @@ class Client(_Base):
         return self._course(call, first)
 
     def _send(self, call: Call) -> list[dict[str, Any]]:
-        """Send the request; the bodies to hand out at once (a local answer) if not."""
-        if call.guard is None:
-            self._sock.send_multipart(call.sent.frames())
-            return []
-        if call.permit is None:
+        """Send the request; the bodies to hand out at once (a local answer) if not.
+
+        Raises:
+            NoReply: an unguarded call the socket did not take within its budget.
+        """
+        if call.guard is not None and call.permit is None:
             return call.local("breaker_open", time.monotonic())
-        # Wait for a connection only as long as the budget lasts (ZMQ_IMMEDIATE).
-        left_ms = max(0, math.ceil((call.deadline(0) - time.monotonic()) * 1000))
+        if self._post(call.sent, call.send_deadline()):
+            return []
+        if call.guard is None:
+            raise self._no_send(call.sent)
+        return call.unreachable(time.monotonic())
+
+    def _post(self, sent: Sent, until: float) -> bool:
+        """Send ``sent`` once the socket takes it, waiting until ``until`` (monotonic s)
+        at most; False if it did not. A blocking send could wait forever: a guarded
+        socket queues only on a live connection (ZMQ_IMMEDIATE), any socket stops at
+        its high-water mark."""
+        left_ms = max(0, math.ceil((until - time.monotonic()) * 1000))
         try:
             if self._sock.poll(left_ms, zmq.POLLOUT):
-                self._sock.send_multipart(call.sent.frames(), zmq.NOBLOCK)
-                return []
+                self._sock.send_multipart(sent.frames(), zmq.NOBLOCK)
+                return True
         except zmq.Again:
             pass
-        return call.unreachable(time.monotonic())
+        return False
 
     def _course(self, call: Call, first: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         try:
@@ -450,7 +546,12 @@ class Client(_Base):
 
     def _next(self, call: Call) -> dict[str, Any] | None:
         """The next reply of ``call``, reading the socket until one arrives; None at its
-        deadline (replies for other ids do not count)."""
+        deadline (replies for other ids do not count).
+
+        Raises:
+            ClientClosed: the client was closed (a stream read after ``close``).
+        """
+        self._check_open()
         deadline = call.deadline(time.monotonic())
         while (reply := self._conv.take(call.sent)) is None:
             left_ms = math.ceil((deadline - time.monotonic()) * 1000)
@@ -471,6 +572,11 @@ class AsyncClient(_Base):
 
     Use it from one event loop; ``async with AsyncClient(...) as node`` closes it. A
     task of its own reads the socket and files each reply under its request's id.
+
+    ``close()`` is a plain method (it needs no await; ``async with`` calls it):
+    every task still waiting for a reply, or for the socket to take its request,
+    raises ``ClientClosed`` at its next turn of the loop, and every later call raises
+    it too. ``aclose()`` closes and also waits for the reader task to end.
     """
 
     def __init__(
@@ -495,6 +601,8 @@ class AsyncClient(_Base):
         self._now_sock: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
         self._arrived: dict[RequestId, asyncio.Event] = {}
         self._reader: asyncio.Task[None] | None = None
+        # Set by ``close``: wakes the calls waiting for the socket to take a request.
+        self._closing = asyncio.Event()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -504,12 +612,28 @@ class AsyncClient(_Base):
 
     def close(self) -> None:
         """Stop reading and close the socket (pending replies are dropped; requests
-        still run on the node)."""
+        still run on the node).
+
+        Idempotent; not a coroutine. Every task awaiting a reply of this client (or
+        iterating its stream) raises ``ClientClosed`` at once, as does every later call.
+        """
+        if self.closed:
+            return
+        self.closed = True
         if self._reader is not None:
             self._reader.cancel()
-            self._reader = None
+        self._closing.set()
+        for arrived in self._arrived.values():
+            arrived.set()  # the waiting call sees ``closed`` and raises
         self._sock.close(0)
         self._conv.clear()
+
+    async def aclose(self) -> None:
+        """``close``, then wait for the reader task to end (asyncio's ``aclose``)."""
+        reader = self._reader
+        self.close()
+        if reader is not None:
+            await asyncio.wait({reader})
 
     # ------------------------------------------------------------------ ops
 
@@ -584,22 +708,46 @@ class AsyncClient(_Base):
         return self._course(call, first, arrived)
 
     async def _send(self, call: Call) -> list[dict[str, Any]]:
-        """As ``Client._send``."""
+        """As ``Client._send``.
+
+        Raises:
+            ClientClosed: the client was closed while the call waited to send.
+        """
         self._start_reader()
-        if call.guard is None:
-            await self._sock.send_multipart(call.sent.frames())
-            return []
-        if call.permit is None:
+        if call.guard is not None and call.permit is None:
             return call.local("breaker_open", time.monotonic())
-        left_ms = max(0, math.ceil((call.deadline(0) - time.monotonic()) * 1000))
-        try:
-            # pyzmq's stub lacks the flags argument its asyncio poll has.
-            if await self._sock.poll(left_ms, zmq.POLLOUT):  # type: ignore[call-arg]
-                self._now_sock.send_multipart(call.sent.frames(), zmq.NOBLOCK)
-                return []
-        except zmq.Again:
-            pass
+        if await self._post(call.sent, call.send_deadline()):
+            return []
+        if call.guard is None:
+            raise self._no_send(call.sent)
         return call.unreachable(time.monotonic())
+
+    async def _post(self, sent: Sent, until: float) -> bool:
+        """As ``Client._post``; ``close`` ends the wait (``ClientClosed``).
+
+        The wait is bounded by ``asyncio.wait``'s timeout, not only by the poll's own,
+        so the call is back on time whatever the poller does."""
+        left = max(0.0, until - time.monotonic())
+        # pyzmq's stub lacks the flags argument its asyncio poll has, and types the
+        # result as the Poller's.
+        polled = self._sock.poll(math.ceil(left * 1000), zmq.POLLOUT)  # type: ignore[call-arg]
+        poll = asyncio.ensure_future(cast("Awaitable[int]", polled))
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            waits: set[asyncio.Future[Any]] = {poll, closing}
+            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            poll.cancel()
+            closing.cancel()
+        writable = poll.done() and not poll.cancelled() and poll.exception() is None
+        self._check_open()
+        if not (writable and poll.result()):
+            return False
+        try:
+            self._now_sock.send_multipart(sent.frames(), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     async def _course(
         self, call: Call, first: list[dict[str, Any]], arrived: asyncio.Event
@@ -623,7 +771,7 @@ class AsyncClient(_Base):
                 for item in items:
                     yield item
         except asyncio.CancelledError:
-            if not call.done:
+            if not call.done and not self.closed:
                 self._cancel_on_node(call.sent.id)
             raise
         finally:
@@ -645,9 +793,16 @@ class AsyncClient(_Base):
             pass  # no connection: the node ends the request at its deadline
 
     async def _next(self, call: Call, arrived: asyncio.Event) -> dict[str, Any] | None:
-        """As ``Client._next``, woken by the reader task through ``arrived``."""
+        """As ``Client._next``, woken by the reader task (or ``close``) through ``arrived``.
+
+        Raises:
+            ClientClosed: the client is, or was meanwhile, closed.
+        """
         deadline = call.deadline(time.monotonic())
-        while (reply := self._conv.take(call.sent)) is None:
+        while True:
+            self._check_open()
+            if (reply := self._conv.take(call.sent)) is not None:
+                return reply
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -656,16 +811,21 @@ class AsyncClient(_Base):
                 await asyncio.wait_for(arrived.wait(), left)
             except asyncio.TimeoutError:  # the builtin TimeoutError only from 3.11
                 return None
-        return reply
 
     def _start_reader(self) -> None:
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _read(self) -> None:
-        """File every reply under its id and wake the call waiting for it."""
-        while True:
-            frames = await self._sock.recv_multipart()
+        """File every reply under its id and wake the call waiting for it; ends quietly
+        when the client is closed."""
+        while not self.closed:
+            try:
+                frames = await self._sock.recv_multipart()
+            except zmq.ZMQError:
+                if self.closed:
+                    return  # closed under the pending receive
+                raise
             rid = self._conv.file(frames)
             if rid is not None and (arrived := self._arrived.get(rid)) is not None:
                 arrived.set()

@@ -46,13 +46,21 @@ class Call:
         self.done = False
         self._pieces = 0
         # With a guard the request's budget is one deadline for all its replies: a
-        # control loop never waits longer than its ``timeout_ms``.
-        self._deadline = t0 + sent.wait_ms / 1000
+        # control loop never waits longer than its ``timeout_ms``, the local answer's
+        # time (``NodeGuard.reserve_ms``) included.
+        reserve_ms = guard.reserve_ms if guard is not None else 0
+        self._deadline = t0 + max(0, sent.wait_ms - reserve_ms) / 1000
 
     def deadline(self, now: float) -> float:
-        """Until when to wait for the next reply (a guarded call: the request's end;
-        else ``wait_ms`` from now for each reply)."""
+        """Until when to wait for the next reply (a guarded call: the request's end,
+        less the local answer's reserve; else ``wait_ms`` from now for each reply)."""
         return self._deadline if self.guard is not None else now + self.sent.wait_ms / 1000
+
+    def send_deadline(self) -> float:
+        """Until when to wait for the socket to take the request: ``wait_ms`` from the
+        call's start (a guarded call: its deadline). A node that is missing, frozen
+        or unreachable must not hold a call past its budget at the send."""
+        return self._deadline
 
     def replied(self, reply: dict[str, Any], now: float) -> list[dict[str, Any]]:
         """The reply bodies to hand out for a reply of the node (``Conversation.take``)."""

@@ -19,6 +19,8 @@ Times: ``now`` arguments are seconds on the caller's monotonic clock (as the bre
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any, Protocol
 
 from broker.breaker import BreakerSettings, CircuitBreaker, Permit
@@ -61,9 +63,34 @@ class LocalFallback(Protocol):
 
         Returns at least ``text``; ``finish_reason``, ``usage``, ``confidence`` and
         ``rule`` are passed on when present. Must not block: it runs within the
-        request's ``timeout_ms``.
+        request's ``timeout_ms``. Called twice when the client is made, with
+        ``WARM_UP_REQUEST``, to pay any one-off setup then and time an answer.
         """
         ...
+
+
+#: The request a guard answers once at construction to warm its fallback up (the rule
+#: engine's first ``answer`` in a process pays ~46 ms of one-off setup) and to measure
+#: the time a local answer takes.
+WARM_UP_REQUEST: dict[str, Any] = {"id": "warm-up", "op": "generate", "prompt": "warm-up"}
+
+
+def answer_reserve_ms(fallback: LocalFallback) -> int:
+    """The ms a guarded call keeps at the end of its budget for the local answer.
+
+    Answers ``WARM_UP_REQUEST`` twice: the first pays any one-off setup (lazy imports,
+    compiled patterns), the second is timed. Returns twice that time (slack for a
+    busier moment, and for several calls answered locally at the same deadline), in
+    whole ms, at least 1.
+
+    Raises:
+        Whatever ``fallback.answer`` raises for a plain ``generate``: such a fallback
+        could not stand in for the node.
+    """
+    fallback.answer(dict(WARM_UP_REQUEST))
+    started = time.perf_counter()
+    fallback.answer(dict(WARM_UP_REQUEST))
+    return max(1, math.ceil(2 * (time.perf_counter() - started) * 1000))
 
 
 class NodeGuard:
@@ -79,13 +106,19 @@ class NodeGuard:
         body = guard.local_reply(request, reason, total_ms)
 
     Args:
-        fallback: answers in the node's place.
+        fallback: answers in the node's place; warmed up here (``answer_reserve_ms``).
         settings: the breaker's knobs (``CLIENT_BREAKER`` if None).
+
+    Attributes:
+        reserve_ms: the end of each guarded call's budget kept for the local answer
+            (ms): the client gives up on the node that much before ``timeout_ms``, so
+            the local answer is ready within ``timeout_ms``.
     """
 
     def __init__(self, fallback: LocalFallback, settings: BreakerSettings | None = None) -> None:
         self.fallback = fallback
         self.breaker = CircuitBreaker(settings or CLIENT_BREAKER)
+        self.reserve_ms = answer_reserve_ms(fallback)
 
     def admit(self, now: float) -> Permit | None:
         """A permit to call the node at ``now``; None while the breaker is open (or

@@ -83,6 +83,16 @@ class Cancelled(EdgeNodeError):
     code = ErrorCode.CANCELLED
 
 
+class ClientClosed(Cancelled):
+    """The client was closed (``Client.close``/``AsyncClient.close``): raised by every
+    call still waiting for a reply at that moment and by every call made afterwards.
+
+    A ``Cancelled`` (499, nginx's "client closed request"), never sent on the wire: the
+    client, not the node, ended the request (a request already sent still runs on the
+    node until its deadline).
+    """
+
+
 class InternalError(EdgeNodeError):
     """A bug or an engine failure inside the node (500)."""
 

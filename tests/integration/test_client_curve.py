@@ -19,7 +19,7 @@ from clientkit import AnyClient
 from zmq.auth.thread import ThreadAuthenticator
 
 from broker import protocol as p
-from broker.client import Client
+from broker.client import AsyncClient, Client
 from broker.errors import ConfigError, NoReply
 
 Connect = Callable[..., AnyClient]
@@ -29,10 +29,11 @@ Keys = tuple[bytes, bytes]
 class CurveRouter:
     """A CURVE ROUTER answering ``ping`` and ``generate`` (``echo: <prompt>``) from a thread."""
 
-    def __init__(self, server: Keys, allowed_dir: Path) -> None:
+    def __init__(self, server: Keys, allowed_dir: Path | str) -> None:
         ctx = zmq.Context.instance()
         self.auth = ThreadAuthenticator(ctx)
         self.auth.start()
+        # ``allowed_dir``: the allowlist's directory, or ``zmq.auth.CURVE_ALLOW_ANY``.
         self.auth.configure_curve(domain="*", location=str(allowed_dir))
         self.served = 0
         self._stop = threading.Event()
@@ -125,3 +126,39 @@ def test_a_refused_client_gets_no_reply_and_the_router_sees_nothing(
 def test_a_client_keypair_without_the_servers_key_is_refused(keys: dict[str, Keys]) -> None:
     with pytest.raises(ConfigError, match="server_public_key"):
         Client("tcp://127.0.0.1:1", client_keypair=keys["client"])
+
+
+def test_an_ephemeral_pair_gets_answers_from_a_server_that_allows_any_key(
+    keys: dict[str, Keys], connect_client: Connect
+) -> None:
+    # zmq.auth's CURVE_ALLOW_ANY ("Stonehouse"): encrypted, any client key. A node
+    # allows only listed keys, and so never answers an ephemeral pair (above).
+    server = CurveRouter(keys["server"], zmq.auth.CURVE_ALLOW_ANY)
+    try:
+        with connect_client(
+            server.endpoint, wait_ms=5000, server_public_key=keys["server"][0]
+        ) as c:
+            assert c.ping()["pong"] is True
+    finally:
+        server.close()
+    assert server.served == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"server_public_key": "S" * 40}, "server_public_key"),  # str, not bytes
+        ({"server_public_key": b"short"}, "server_public_key"),
+        ({"server_public_key": b"\x00" * 40}, "server_public_key"),  # not z85
+        ({"client_keypair": (b"P" * 40, None)}, r"client_keypair\[1\]"),  # no secret
+        ({"client_keypair": ("P" * 40, b"S" * 40)}, r"client_keypair\[0\]"),
+        ({"client_keypair": (b"P" * 40,)}, "client_keypair"),
+    ],
+)
+def test_a_malformed_key_is_a_config_error_naming_the_argument(
+    keys: dict[str, Keys], client_kind: str, kwargs: dict[str, Any], named: str
+) -> None:
+    kwargs = {"server_public_key": keys["server"][0], **kwargs}
+    cls = Client if client_kind == "sync" else AsyncClient
+    with pytest.raises(ConfigError, match=named):
+        cls("tcp://127.0.0.1:1", **kwargs)

@@ -4,7 +4,9 @@ real rule engine and the default rules as the fallback."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -113,7 +115,9 @@ def test_a_stream_answered_locally_before_any_piece_gets_it_as_its_one_piece(
     conv = conversation()
     sent = conv.prepare({**REQUEST, "stream": True})
     call = Call(conv, sent, 10.0, guard, guard.admit(10.0))
-    assert call.deadline(10.05) == call.deadline(99.0) == pytest.approx(10.2)  # one budget
+    # One budget for all its replies, less the local answer's reserve.
+    reserve_s = guard.reserve_ms / 1000
+    assert call.deadline(10.05) == call.deadline(99.0) == pytest.approx(10.2 - reserve_s)
     out = call.timed_out(10.2, "ipc://x")
     assert [b["status"] for b in out] == ["partial", "ok"]
     assert out[0]["text"] == out[1]["text"] and out[1]["degrade_reason"] == "node_timeout"
@@ -149,3 +153,33 @@ def test_a_fallback_needs_a_budget_and_breaker_settings_need_a_fallback() -> Non
     assert make_guard(None, None, None) is None
     guard = make_guard(engine, None, 200)
     assert guard is not None and guard.breaker.settings.half_open_probes == 1
+
+
+class SlowFallback:
+    """A fallback whose first answer pays a one-off setup (as the rule engine's does)."""
+
+    def __init__(self, setup_s: float) -> None:
+        self.setup_s = setup_s
+        self.answers = 0
+
+    def answer(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self.answers == 0:
+            time.sleep(self.setup_s)
+        self.answers += 1
+        return {"text": "local"}
+
+
+def test_the_guard_warms_its_fallback_up_and_reserves_its_answer_time() -> None:
+    fallback = SlowFallback(setup_s=0.05)
+    guard = NodeGuard(fallback, SETTINGS)
+    assert fallback.answers == 2  # the setup is paid at construction, not by a call
+    assert guard.reserve_ms >= 1
+    started = time.perf_counter()
+    guard.local_reply(REQUEST, "node_timeout", 200)
+    assert (time.perf_counter() - started) < 0.05  # no setup left for the first call
+    conv = conversation()
+    call = Call(conv, conv.prepare(REQUEST), 10.0, guard, guard.admit(10.0))
+    assert call.deadline(10.0) == pytest.approx(10.2 - guard.reserve_ms / 1000)
+    assert call.send_deadline() == call.deadline(10.0)
+    unguarded = Call(conv, conv.prepare({"op": "ping"}), 10.0)
+    assert unguarded.send_deadline() == pytest.approx(10.2)  # the whole wait: no local answer
