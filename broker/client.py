@@ -596,9 +596,6 @@ class AsyncClient(_Base):
         self._sock: zmq.asyncio.Socket = client_socket(
             self._ctx, endpoint, server_public_key, client_keypair, self.guard is not None
         )
-        # The same socket, synchronous: a task being cancelled sends its ``cancel``
-        # without awaiting (an await there could be cancelled in turn).
-        self._now_sock: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
         self._arrived: dict[RequestId, asyncio.Event] = {}
         self._reader: asyncio.Task[None] | None = None
         # Set by ``close``: wakes the calls waiting for the socket to take a request.
@@ -727,6 +724,8 @@ class AsyncClient(_Base):
 
         The wait is bounded by ``asyncio.wait``'s timeout, not only by the poll's own,
         so the call is back on time whatever the poller does."""
+        if self._send_now(sent):
+            return True
         left = max(0.0, until - time.monotonic())
         # pyzmq's stub lacks the flags argument its asyncio poll has, and types the
         # result as the Poller's.
@@ -741,10 +740,19 @@ class AsyncClient(_Base):
             closing.cancel()
         writable = poll.done() and not poll.cancelled() and poll.exception() is None
         self._check_open()
-        if not (writable and poll.result()):
-            return False
+        return writable and bool(poll.result()) and self._send_now(sent)
+
+    def _send_now(self, sent: Sent) -> bool:
+        """Send ``sent`` without waiting; False if the socket cannot take it now.
+
+        Through the asyncio socket, not a shadow: with ``NOBLOCK`` it sends at once
+        (no await: a task being cancelled can send its ``cancel``) and then wakes its
+        reader for anything the send let in, which a shadow's send would leave unseen
+        (the socket's file descriptor is edge-triggered)."""
+        # The stub types the result as a plain Awaitable; with NOBLOCK it is a done Future.
+        done = cast("asyncio.Future[Any]", self._sock.send_multipart(sent.frames(), zmq.NOBLOCK))
         try:
-            self._now_sock.send_multipart(sent.frames(), zmq.NOBLOCK)
+            done.result()
         except zmq.Again:
             return False
         return True
@@ -788,9 +796,11 @@ class AsyncClient(_Base):
         499, go to no inbox and are dropped."""
         try:
             sent = self._conv.prepare({"op": "cancel", "target": target}, keep=False)
-            self._now_sock.send_multipart(sent.frames(), zmq.NOBLOCK)
-        except (zmq.ZMQError, EdgeNodeError):
-            pass  # no connection: the node ends the request at its deadline
+            self._send_now(sent)
+        except (zmq.ZMQError, EdgeNodeError, RuntimeError):
+            # No connection (or, finalized late, no loop): the node ends the request
+            # at its deadline.
+            pass
 
     async def _next(self, call: Call, arrived: asyncio.Event) -> dict[str, Any] | None:
         """As ``Client._next``, woken by the reader task (or ``close``) through ``arrived``.

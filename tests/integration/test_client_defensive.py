@@ -18,10 +18,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from clientkit import AnyClient
 
 from broker.breaker import BreakerSettings, BreakerState
 from broker.client import Reply
+from broker.errors import NoReply
 from fallback.engine import RuleEngine
 from node.testing import NodeProcess, wait_for
 
@@ -161,3 +163,26 @@ def test_a_frozen_node_costs_no_more_than_the_budget_and_is_used_again_after_a_p
         # answered "breaker_open" never left the client.
         sent = contacted + sum(r.degrade_reason != "breaker_open" for r in back)
         assert requests_received(node) - before == sent
+
+
+def test_ping_and_status_of_a_frozen_node_end_in_noreply_within_the_budget(
+    make_node: NodeFactory, connect_client: Connect
+) -> None:
+    # A guarded client sends only on a live connection: one that connects to the frozen
+    # node never completes its handshake, and its send must not wait past the budget.
+    node = make_node()
+    assert node.proc is not None
+    with defensive(connect_client, node) as connected:
+        assert connected.ping()["pong"] is True
+        os.kill(node.proc.pid, signal.SIGSTOP)
+        try:
+            with defensive(connect_client, node) as fresh:
+                for client in (connected, fresh):
+                    for call in (client.ping, client.status):
+                        started = time.monotonic()
+                        with pytest.raises(NoReply):
+                            call()
+                        took = time.monotonic() - started
+                        assert took <= BOUND_S, f"{took * 1000:.0f} ms"
+        finally:
+            os.kill(node.proc.pid, signal.SIGCONT)
