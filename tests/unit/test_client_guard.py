@@ -174,9 +174,8 @@ def test_the_guard_warms_its_fallback_up_and_reserves_its_answer_time() -> None:
     guard = NodeGuard(fallback, SETTINGS)
     assert fallback.answers == 2  # the setup is paid at construction, not by a call
     assert guard.reserve_ms >= 1
-    started = time.perf_counter()
     guard.local_reply(REQUEST, "node_timeout", 200)
-    assert (time.perf_counter() - started) < 0.05  # no setup left for the first call
+    assert fallback.answers == 3
     conv = conversation()
     call = Call(conv, conv.prepare(REQUEST), 10.0, guard, guard.admit(10.0))
     assert call.deadline(10.0) == pytest.approx(10.2 - guard.reserve_ms / 1000)
