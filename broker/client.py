@@ -722,25 +722,29 @@ class AsyncClient(_Base):
     async def _post(self, sent: Sent, until: float) -> bool:
         """As ``Client._post``; ``close`` ends the wait (``ClientClosed``).
 
-        The wait is bounded by ``asyncio.wait``'s timeout, not only by the poll's own,
-        so the call is back on time whatever the poller does."""
-        if self._send_now(sent):
-            return True
-        left = max(0.0, until - time.monotonic())
-        # pyzmq's stub lacks the flags argument its asyncio poll has, and types the
-        # result as the Poller's.
-        polled = self._sock.poll(math.ceil(left * 1000), zmq.POLLOUT)  # type: ignore[call-arg]
-        poll = asyncio.ensure_future(cast("Awaitable[int]", polled))
-        closing = asyncio.ensure_future(self._closing.wait())
-        try:
-            waits: set[asyncio.Future[Any]] = {poll, closing}
-            await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            poll.cancel()
-            closing.cancel()
-        writable = poll.done() and not poll.cancelled() and poll.exception() is None
-        self._check_open()
-        return writable and bool(poll.result()) and self._send_now(sent)
+        Each wait is bounded by ``asyncio.wait``'s timeout, not only by the poll's own,
+        so the call is back on time whatever the poller does. Several tasks may wait
+        for the socket at once: a send queued behind another task's wait is withdrawn
+        (``_send_now``) and this one waits again, until ``until``."""
+        while not self._send_now(sent):
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            # pyzmq's stub lacks the flags argument its asyncio poll has, and types the
+            # result as the Poller's.
+            polled = self._sock.poll(math.ceil(left * 1000), zmq.POLLOUT)  # type: ignore[call-arg]
+            poll = asyncio.ensure_future(cast("Awaitable[int]", polled))
+            closing = asyncio.ensure_future(self._closing.wait())
+            try:
+                waits: set[asyncio.Future[Any]] = {poll, closing}
+                await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                poll.cancel()
+                closing.cancel()
+            if poll.done() and not poll.cancelled():
+                poll.exception()  # retrieved: a failed poll is one more turn, to the deadline
+            self._check_open()
+        return True
 
     def _send_now(self, sent: Sent) -> bool:
         """Send ``sent`` without waiting; False if the socket cannot take it now.
@@ -748,9 +752,14 @@ class AsyncClient(_Base):
         Through the asyncio socket, not a shadow: with ``NOBLOCK`` it sends at once
         (no await: a task being cancelled can send its ``cancel``) and then wakes its
         reader for anything the send let in, which a shadow's send would leave unseen
-        (the socket's file descriptor is edge-triggered)."""
-        # The stub types the result as a plain Awaitable; with NOBLOCK it is a done Future.
+        (the socket's file descriptor is edge-triggered). While another task waits
+        for the socket (its poll is a pending send of pyzmq's), the send is queued
+        instead: it is withdrawn, as not sent."""
+        # The stub types the result as a plain Awaitable; it is an asyncio Future.
         done = cast("asyncio.Future[Any]", self._sock.send_multipart(sent.frames(), zmq.NOBLOCK))
+        if not done.done():
+            done.cancel()  # a cancelled send event is skipped by pyzmq, never sent
+            return False
         try:
             done.result()
         except zmq.Again:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.errors import Cancelled, ProtocolError
+from fallback.regex import prepare
 from fallback.rule_keys import Condition
 from fallback.rules import Rule, RuleSet, load_rules
 from fallback.template import Unconvertible, render_json, render_text
@@ -83,6 +84,17 @@ class RuleEngine:
         """Load and validate ``path`` (raises ``fallback.rules.RulesError``); the
         debug-only ``HANG_ON_ENV`` is read here."""
         return cls(load_rules(path), hang_on=os.environ.get(HANG_ON_ENV) or None)
+
+    def warm_up(self) -> None:
+        """Build every pattern's RE2 programs now (``fallback.regex.prepare``): a rule's
+        first match otherwise costs 30-45 ms, which a caller with a latency budget (the
+        defensive client's ``broker.client_guard.NodeGuard``) cannot spare. Costs
+        ~7 ms a pattern here, once."""
+        for rule in self.rules.rules:
+            singles = (rule.any_of, rule.none_of, rule.regex, rule.not_regex)
+            for regex in (*singles, *rule.all_of, *rule.extract):
+                if regex is not None:
+                    prepare(regex)
 
     # ------------------------------------------------------------------ matching
 

@@ -13,7 +13,7 @@ import pytest
 from broker.breaker import BreakerSettings, BreakerState
 from broker.client_call import Call
 from broker.client_conversation import Conversation
-from broker.client_guard import NodeGuard, make_guard
+from broker.client_guard import WAKE_UP_MS, NodeGuard, make_guard
 from broker.errors import (
     Cancelled,
     ConfigError,
@@ -173,7 +173,7 @@ def test_the_guard_warms_its_fallback_up_and_reserves_its_answer_time() -> None:
     fallback = SlowFallback(setup_s=0.05)
     guard = NodeGuard(fallback, SETTINGS)
     assert fallback.answers == 2  # the setup is paid at construction, not by a call
-    assert guard.reserve_ms >= 1
+    assert guard.reserve_ms >= WAKE_UP_MS
     guard.local_reply(REQUEST, "node_timeout", 200)
     assert fallback.answers == 3
     conv = conversation()
