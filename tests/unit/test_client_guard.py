@@ -13,7 +13,7 @@ import pytest
 from broker.breaker import BreakerSettings, BreakerState
 from broker.client_call import Call
 from broker.client_conversation import Conversation
-from broker.client_guard import WAKE_UP_MS, NodeGuard, make_guard
+from broker.client_guard import WAKE_UP_MS, NodeGuard, WarmFallback, make_guard
 from broker.errors import (
     Cancelled,
     ConfigError,
@@ -182,3 +182,21 @@ def test_the_guard_warms_its_fallback_up_and_reserves_its_answer_time() -> None:
     assert call.send_deadline() == call.deadline(10.0)
     unguarded = Call(conv, conv.prepare({"op": "ping"}), 10.0)
     assert unguarded.send_deadline() == pytest.approx(10.2)  # the whole wait: no local answer
+
+
+class WarmableFallback(SlowFallback):
+    """A fallback with a ``warm_up`` (``WarmFallback``), as the rule engine has."""
+
+    def __init__(self) -> None:
+        super().__init__(setup_s=0.0)
+        self.warmed = 0
+
+    def warm_up(self) -> None:
+        self.warmed += 1
+
+
+def test_the_guard_calls_a_fallback_s_warm_up_once() -> None:
+    fallback = WarmableFallback()
+    NodeGuard(fallback, SETTINGS)
+    assert (fallback.warmed, fallback.answers) == (1, 2)
+    assert isinstance(RuleEngine.from_file(RULES), WarmFallback)  # the rule engine has one
