@@ -59,6 +59,23 @@ os.execv(sys.argv[2], sys.argv[2:])
 """
 
 
+#: Run in front of a command that a test stops with SIGINT (a Ctrl-C): resets SIGINT to
+#: its default, then becomes the command. A shell running a job in the background
+#: (``.ci/run &``) ignores SIGINT in it, children inherit an ignored signal across
+#: execve, and Python then installs no KeyboardInterrupt handler: the Ctrl-C was lost.
+DEFAULT_SIGINT = """\
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+def with_default_sigint(argv: Sequence[str]) -> list[str]:
+    """``argv`` run with SIGINT at its default disposition, whatever the caller's was
+    (``DEFAULT_SIGINT``); ``argv[0]`` must be a path, as ``module_command`` gives."""
+    return [sys.executable, "-c", DEFAULT_SIGINT, *argv]
+
+
 def toml_value(value: Any) -> str:
     """A Python scalar as a TOML value."""
     if isinstance(value, bool):

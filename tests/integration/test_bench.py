@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 
 from node.interpreter import module_command
-from node.testing import REPO
+from node.testing import REPO, with_default_sigint
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -114,7 +114,11 @@ def test_ctrl_c_writes_the_finished_scenarios_and_stops_every_node(tmp_path: Pat
     argv = module_command("node.cli", "bench", "--quick", "--only", "broker,faults")
     argv += ["--engine", "test", "--out", str(tmp_path), "--json"]
     bench = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, start_new_session=True
+        with_default_sigint(argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        start_new_session=True,
     )
     assert bench.stderr is not None and bench.stdout is not None
     err = bench.stderr

@@ -10,7 +10,7 @@ import subprocess
 from collections.abc import Callable
 
 from node.interpreter import module_command
-from node.testing import REPO, Collector, NodeProcess, wait_for
+from node.testing import REPO, Collector, NodeProcess, wait_for, with_default_sigint
 
 
 def edgenode_after(
@@ -78,7 +78,11 @@ def watch_process(node: NodeProcess, *args: str) -> subprocess.Popen[str]:
         *args,
     )
     return subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+        with_default_sigint(argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
     )
 
 
