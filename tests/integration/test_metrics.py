@@ -246,8 +246,16 @@ def test_metrics_follow_lost_workers_the_breaker_and_the_fallbacks(make_node: No
         },
         metrics={"listen": f"127.0.0.1:{port}"},
     )
-    before = scrape_until(port, lambda s: s.value("edgenode_slots", engine="rules") == 1)
-    assert before.value("edgenode_worker_state", worker="rules-0", engine="rules", state="ready")
+    # Two sources: the broker's registry (slots) and the supervisor's process state,
+    # which may turn "ready" a snapshot later (failed once in CI when asserted at once).
+    scrape_until(
+        port,
+        lambda s: (
+            s.value("edgenode_slots", engine="rules") == 1
+            and s.value("edgenode_worker_state", worker="rules-0", engine="rules", state="ready")
+            == 1
+        ),
+    )
     with node.client(wait_ms=WAIT_MS) as c:
         assert c.generate("Turn on the kitchen lights").served_by == "llm"
         for w in node.status()["processes"]:
