@@ -76,6 +76,19 @@ def with_default_sigint(argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-c", DEFAULT_SIGINT, *argv]
 
 
+def terminate(proc: subprocess.Popen[bytes], timeout: float) -> int:
+    """SIGTERM ``proc`` (its clean stop) and wait up to ``timeout`` s; past that, SIGKILL
+    its whole process group. Returns its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def toml_value(value: Any) -> str:
     """A Python scalar as a TOML value."""
     if isinstance(value, bool):
@@ -192,14 +205,7 @@ class NodeProcess:
     def stop(self, timeout: float = 30) -> int:
         """SIGTERM the node and wait; returns its exit code."""
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        return terminate(self.proc, timeout)
 
     def cleanup(self) -> None:
         """Kill anything left (a failed test must not leak processes) and remove the run dir."""
@@ -441,14 +447,7 @@ class AgentProcess:
     def stop(self, timeout: float = 30) -> int:
         """SIGTERM the agent and wait; returns its exit code."""
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        return terminate(self.proc, timeout)
 
     def cleanup(self) -> None:
         """Kill anything left, remove the cgroups a killed agent left, and the run dir."""
