@@ -28,6 +28,8 @@ class Call:
     Attributes:
         sent: the request.
         done: its final reply (the node's or a local one) has been handed out.
+        reserve_ms: the end of its budget kept for local answers (ms; 0 unguarded):
+            ``NodeGuard.enter()``, at most half of ``sent.wait_ms``.
     """
 
     def __init__(
@@ -47,8 +49,12 @@ class Call:
         self._pieces = 0
         # With a guard the request's budget is one deadline for all its replies: a
         # control loop never waits longer than its ``timeout_ms``, the local answer's
-        # time (``NodeGuard.reserve_ms``) included.
-        reserve_ms = guard.reserve_ms if guard is not None else 0
+        # time included, and that of the guarded calls in flight with it, which may
+        # be answered at the same moment (``NodeGuard.enter``). Never more than half
+        # the budget: the node keeps at least half, also with calls an app left open.
+        self._entered = guard is not None
+        reserve_ms = min(guard.enter(), sent.wait_ms // 2) if guard is not None else 0
+        self.reserve_ms = reserve_ms
         self._deadline = t0 + max(0, sent.wait_ms - reserve_ms) / 1000
 
     def deadline(self, now: float) -> float:
@@ -120,5 +126,8 @@ class Call:
         """Answered, failed, timed out or abandoned: later replies for the id are dropped,
         and a permit without a verdict (abandoned, task cancelled) goes back."""
         self.conv.forget(self.sent)
+        if self.guard is not None and self._entered:
+            self._entered = False
+            self.guard.leave()
         if self.guard is not None and self.permit is not None:
             self.guard.released(self.permit, now)

@@ -84,19 +84,24 @@ class WarmFallback(Protocol):
 #: measured 1-2 ms late on an idle 2-core box with 10 asyncio calls at one deadline.
 WAKE_UP_MS = 2
 
+#: The client's own work per call answered locally, besides the fallback's answer (ms):
+#: the reply body and ``Reply``, the waiting task's or thread's turn. Measured as the
+#: spread of 10 asyncio calls answered at one deadline on an idle 2-core box, 0.1-0.35 ms
+#: per call (the rule engine's answer itself: 0.06-0.09 ms); rounded up for a busier box.
+CALL_WORK_MS = 0.5
+
 #: The request a guard answers at construction to warm its fallback up and to measure
 #: the time a local answer takes.
 WARM_UP_REQUEST: dict[str, Any] = {"id": "warm-up", "op": "generate", "prompt": "warm-up"}
 
 
-def answer_reserve_ms(fallback: LocalFallback) -> int:
-    """The ms a guarded call keeps at the end of its budget for the local answer.
+def answer_ms(fallback: LocalFallback) -> float:
+    """The ms one local answer is given: twice the fallback's measured answer (slack for
+    a busier moment) plus ``CALL_WORK_MS``.
 
     Calls ``fallback.warm_up()`` if it has one (``WarmFallback``), then answers
     ``WARM_UP_REQUEST`` twice: the first pays any other one-off setup (lazy imports),
-    the second is timed. Returns twice that time (slack for a busier moment, and for
-    several calls answered locally at the same deadline), in whole ms, plus
-    ``WAKE_UP_MS``.
+    the second is timed.
 
     Raises:
         Whatever ``fallback.answer`` raises for a plain ``generate``: such a fallback
@@ -107,7 +112,20 @@ def answer_reserve_ms(fallback: LocalFallback) -> int:
     fallback.answer(dict(WARM_UP_REQUEST))
     started = time.perf_counter()
     fallback.answer(dict(WARM_UP_REQUEST))
-    return math.ceil(2 * (time.perf_counter() - started) * 1000) + WAKE_UP_MS
+    return 2 * (time.perf_counter() - started) * 1000 + CALL_WORK_MS
+
+
+def reserve_for(calls: int, per_answer_ms: float) -> int:
+    """The ms a guarded call keeps at the end of its budget when it is the ``calls``-th
+    guarded call in flight (itself included): ``WAKE_UP_MS`` plus ``calls`` local answers
+    of ``per_answer_ms`` each, rounded up to whole ms.
+
+    Calls that reach their deadlines together are answered one after another on the
+    client's thread or event loop: the k-th of them waits for the k-1 answers before
+    its own. Calls started together thus give up on the node one answer apart, the
+    latest-started first, and the last answered still ends within its budget.
+    """
+    return WAKE_UP_MS + math.ceil(calls * per_answer_ms)
 
 
 class NodeGuard:
@@ -122,20 +140,38 @@ class NodeGuard:
         guard.released(permit, now)                # ended without a verdict (cancelled)
         body = guard.local_reply(request, reason, total_ms)
 
+    Each guarded call takes its reserve with ``enter()`` when it starts and gives it
+    back with ``leave()`` when it ends.
+
     Args:
-        fallback: answers in the node's place; warmed up here (``answer_reserve_ms``).
+        fallback: answers in the node's place; warmed up here (``answer_ms``).
         settings: the breaker's knobs (``CLIENT_BREAKER`` if None).
 
     Attributes:
-        reserve_ms: the end of each guarded call's budget kept for the local answer
-            (ms): the client gives up on the node that much before ``timeout_ms``, so
-            the local answer is ready within ``timeout_ms``.
+        per_answer_ms: the time given to one local answer (ms, ``answer_ms``).
+        reserve_ms: the end of a guarded call's budget kept for the local answer when it
+            is the only guarded call in flight (ms, ``reserve_for(1, ...)``): the client
+            gives up on the node that much before ``timeout_ms``, so the local answer is
+            ready within ``timeout_ms``. With more calls in flight, more (``enter``).
+        in_flight: guarded calls entered and not left yet.
     """
 
     def __init__(self, fallback: LocalFallback, settings: BreakerSettings | None = None) -> None:
         self.fallback = fallback
         self.breaker = CircuitBreaker(settings or CLIENT_BREAKER)
-        self.reserve_ms = answer_reserve_ms(fallback)
+        self.per_answer_ms = answer_ms(fallback)
+        self.reserve_ms = reserve_for(1, self.per_answer_ms)
+        self.in_flight = 0
+
+    def enter(self) -> int:
+        """Count a guarded call in; its reserve (ms): ``reserve_for`` the calls now in
+        flight, itself included."""
+        self.in_flight += 1
+        return reserve_for(self.in_flight, self.per_answer_ms)
+
+    def leave(self) -> None:
+        """Count a guarded call out (once per ``enter``)."""
+        self.in_flight = max(0, self.in_flight - 1)
 
     def admit(self, now: float) -> Permit | None:
         """A permit to call the node at ``now``; None while the breaker is open (or

@@ -4,7 +4,8 @@
   ``ping``/``status`` to a node that is not there raise ``NoReply`` after ``timeout_ms``
   instead of blocking in the send for ever; ``generate`` answers locally within
   ``timeout_ms`` (plus 10 ms of scheduling), in a fresh process (the fallback's
-  one-off setup paid when the client is made) and with 10 calls at once.
+  one-off setup paid when the client is made) and with 10 calls at once, also when
+  their 10 local answers at one deadline take longer together than that margin.
 - ``close`` ends every pending call of an ``AsyncClient`` at once with ``ClientClosed``,
   and any call made after ``close`` raises it (both clients), with no task exception
   left unretrieved.
@@ -115,8 +116,21 @@ from broker.client import AsyncClient, Client
 from fallback.engine import RuleEngine
 
 kind, endpoint, rules = sys.argv[1:4]
-budget, n = int(sys.argv[4]), int(sys.argv[5])
+budget, n, answer_s = int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
 prompt = "turn on the kitchen lights"
+
+
+class Slowed(RuleEngine):
+    # The rules, each answer taking answer_s more, blocking as a heavier fallback's
+    # would: the calls at one deadline are answered one after another.
+
+    def answer(self, request):
+        time.sleep(answer_s)
+        return super().answer(request)
+
+
+def fallback():
+    return Slowed.from_file(rules) if answer_s else RuleEngine.from_file(rules)
 
 async def timed(client):
     started = time.monotonic()
@@ -124,11 +138,11 @@ async def timed(client):
     return (time.monotonic() - started) * 1000, reply.served_by, reply.degrade_reason
 
 async def run_async():
-    async with AsyncClient(endpoint, timeout_ms=budget, fallback=RuleEngine.from_file(rules)) as c:
+    async with AsyncClient(endpoint, timeout_ms=budget, fallback=fallback()) as c:
         return list(await asyncio.gather(*(timed(c) for _ in range(n))))
 
 if kind == "sync":
-    with Client(endpoint, timeout_ms=budget, fallback=RuleEngine.from_file(rules)) as c:
+    with Client(endpoint, timeout_ms=budget, fallback=fallback()) as c:
         out = []
         for _ in range(n):
             started = time.monotonic()
@@ -140,12 +154,24 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize(("kind", "calls"), [("sync", 1), ("sync", 3), ("async", 1), ("async", 10)])
+@pytest.mark.parametrize(
+    ("kind", "calls", "answer_ms"),
+    [
+        ("sync", 1, 0),
+        ("sync", 3, 0),
+        ("async", 1, 0),
+        ("async", 10, 0),
+        # 10 answers of 5 ms at one deadline take 50 ms, more than the 10 ms margin: the
+        # reserve must grow with the guarded calls in flight (NodeGuard.enter).
+        ("async", 10, 5),
+        ("sync", 3, 5),
+    ],
+)
 def test_a_guarded_call_to_no_node_is_answered_locally_within_its_budget(
-    kind: str, calls: int, dead_endpoint: str
+    kind: str, calls: int, answer_ms: int, dead_endpoint: str
 ) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this tree before the installed one
-    args = [kind, dead_endpoint, str(RULES), str(BUDGET_MS), str(calls)]
+    args = [kind, dead_endpoint, str(RULES), str(BUDGET_MS), str(calls), str(answer_ms / 1000)]
     run = subprocess.run(
         [sys.executable, "-c", FRESH_PROCESS, *args],
         capture_output=True,

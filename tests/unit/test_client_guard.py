@@ -4,6 +4,7 @@ real rule engine and the default rules as the fallback."""
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,14 @@ import pytest
 from broker.breaker import BreakerSettings, BreakerState
 from broker.client_call import Call
 from broker.client_conversation import Conversation
-from broker.client_guard import WAKE_UP_MS, NodeGuard, WarmFallback, make_guard
+from broker.client_guard import (
+    CALL_WORK_MS,
+    WAKE_UP_MS,
+    NodeGuard,
+    WarmFallback,
+    make_guard,
+    reserve_for,
+)
 from broker.errors import (
     Cancelled,
     ConfigError,
@@ -200,3 +208,36 @@ def test_the_guard_calls_a_fallback_s_warm_up_once() -> None:
     NodeGuard(fallback, SETTINGS)
     assert (fallback.warmed, fallback.answers) == (1, 2)
     assert isinstance(RuleEngine.from_file(RULES), WarmFallback)  # the rule engine has one
+
+
+def test_the_reserve_grows_with_the_guarded_calls_in_flight() -> None:
+    """Calls that reach one deadline are answered one after another: the k-th guarded
+    call in flight keeps k answers' time, and an ended call gives its share back."""
+    fallback = SlowFallback(setup_s=0.0)
+    guard = NodeGuard(fallback, SETTINGS)
+    conv = conversation()
+    calls = [Call(conv, conv.prepare(REQUEST), 10.0, guard, guard.admit(10.0)) for _ in range(10)]
+    reserves = [c.reserve_ms for c in calls]
+    assert reserves[0] == guard.reserve_ms
+    assert reserves == [reserve_for(k, guard.per_answer_ms) for k in range(1, 11)]
+    assert reserves[-1] >= reserves[0] + math.floor(9 * CALL_WORK_MS)  # each answer's share
+    # Started together, they give up on the node latest-started first, an answer apart.
+    deadlines = [c.deadline(10.0) for c in calls]
+    assert deadlines == sorted(deadlines, reverse=True) and deadlines[0] > deadlines[-1]
+    assert guard.in_flight == 10
+    for c in calls:
+        c.end(10.1)
+        c.end(10.1)  # ending twice gives back once
+    assert guard.in_flight == 0
+    again = Call(conv, conv.prepare(REQUEST), 11.0, guard, guard.admit(11.0))
+    assert again.reserve_ms == guard.reserve_ms
+
+
+def test_the_reserve_never_takes_more_than_half_the_budget() -> None:
+    guard = NodeGuard(SlowFallback(setup_s=0.0), SETTINGS)
+    conv = conversation()
+    for _ in range(500):  # calls an app left open (never ended) still count
+        guard.enter()
+    call = Call(conv, conv.prepare(REQUEST), 10.0, guard, guard.admit(10.0))
+    assert call.reserve_ms == 100  # half of wait_ms = 200
+    assert call.deadline(10.0) == pytest.approx(10.1)
