@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 import psutil
@@ -53,7 +53,7 @@ from node.pidfile import (
 )
 from node.pool import WorkerStatus
 from node.sandbox.cores import plan_workers
-from node.security.keys import client_keys
+from node.security.keys import client_keys, local_key_file
 from node.service.health import judge
 
 #: ``edgenode status`` exit code when no node runs (LSB init-script convention).
@@ -342,6 +342,9 @@ def _stop_started(proc: subprocess.Popen[bytes], config: NodeConfig) -> str:
 def stop(ctx: click.Context, timeout_s: float) -> None:
     """Stop the running node (drain, then stop workers). Exit 0 also if none runs.
 
+    A stopped node (SIGSTOP) is continued after its SIGTERM (SIGCONT, to it and its
+    workers) and stops as any other.
+
     Only the process holding the run directory's lock is signalled, and only if
     it is an edgenode start (a node, or a background start still launching one,
     which then stops its node); the pidfile is never trusted for that. Another
@@ -372,6 +375,7 @@ def stop(ctx: click.Context, timeout_s: float) -> None:
             wait_for_starts(min(START_LOCK_WAIT_S, max(0.0, deadline - time.monotonic())))
             continue
         stopped.append(_what(holder))  # before it exits: its command line goes with it
+        _resume(holder)
         while _alive(holder):
             if time.monotonic() > deadline:
                 raise click.ClickException(
@@ -382,6 +386,18 @@ def stop(ctx: click.Context, timeout_s: float) -> None:
         click.echo("edgenode is not running")
         return
     click.echo("edgenode stopped (" + "; ".join(stopped) + ")")
+
+
+def _resume(holder: psutil.Process) -> None:
+    """SIGCONT the node just sent SIGTERM, and its workers: a stopped process
+    (SIGSTOP, a job-control stop) keeps SIGTERM pending and cannot act on it, nor
+    answer its node's stop, until it is continued. A running one ignores SIGCONT
+    (no edgenode process handles it)."""
+    with contextlib.suppress(psutil.Error):
+        family = [holder, *holder.children(recursive=True)]
+        for proc in family:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGCONT)
 
 
 def _what(proc: psutil.Process) -> str:
@@ -428,7 +444,18 @@ def status(
     as_json = wants_json(ctx)
     config = node_config(ctx)
     address = connect_endpoint(config.frontend)
-    secured = _keys(config)
+    holder = _holder(config.run_dir)
+    try:
+        secured = _status_keys(config, holder)
+    except click.ClickException as exc:
+        # This host cannot ask: say so, on stderr even for --ready (a broken setup,
+        # not a state of the node), and exit 3, no answer.
+        click.echo(f"edgenode status: {exc.message}", err=True)
+        if as_json and not ready:
+            click.echo(json.dumps(_unanswered(config, holder, exc.message)))
+        sys.exit(EXIT_NOT_RUNNING)
+    if secured is None:  # no local key and no node: nothing to ask, nothing to make
+        _not_running(config, holder, address, as_json, ready)
     if ready:
         with Client(address, wait_ms=READY_WAIT_MS, **secured) as client:
             try:
@@ -444,15 +471,95 @@ def status(
             sys.exit(0 if answered else EXIT_NOT_RUNNING)
         node = _status_or_none(client)
     if node is None:
-        if as_json:
-            click.echo(json.dumps({"running": False, "frontend": config.frontend}))
-        else:
-            click.echo(f"edgenode is not running (no answer on {address})")
-        sys.exit(EXIT_NOT_RUNNING)
+        _not_running(config, _holder(config.run_dir), address, as_json, ready)
     if as_json:
         click.echo(json.dumps({"running": True, **node}, indent=2, sort_keys=True))
         return
     click.echo(render_status(node))
+
+
+def _holder(run_dir: Path) -> psutil.Process | None:
+    """The live process holding the run directory's lock (a node, or a start
+    launching one), or None."""
+    with contextlib.suppress(psutil.Error, OSError):
+        holder = lock_holder(run_dir)
+        if holder is not None and _alive(holder):
+            return holder
+    return None
+
+
+def _no_answer(holder: psutil.Process | None, address: str) -> str:
+    """Why nothing answered on ``address``, as far as this host can tell: no
+    process holds the lock, or it does (a stopped one, ``SIGSTOP`` or a job
+    control stop, cannot answer) and says nothing."""
+    if holder is None:
+        return f"edgenode is not running (no answer on {address})"
+    try:
+        state = holder.status()
+    except psutil.Error:
+        return f"edgenode is not running (no answer on {address})"
+    if is_launcher(holder):
+        return (
+            f"edgenode is starting: pid {holder.pid}, a start still launching its node "
+            f"(no answer on {address} yet)"
+        )
+    if state in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        hint = f"stopped? its state is {state}; kill -CONT {holder.pid} resumes it"
+    else:
+        hint = f"busy or hung? its state is {state}"
+    return f"edgenode pid {holder.pid} is alive but does not answer on {address} ({hint})"
+
+
+def _unanswered(config: NodeConfig, holder: psutil.Process | None, reason: str) -> dict[str, Any]:
+    """``status --json`` when no status map could be had: ``running`` false (not
+    serving), the lock holder's ``pid`` and process ``state`` (None: none), and why."""
+    state = None
+    with contextlib.suppress(psutil.Error):
+        state = holder.status() if holder is not None else None
+    return {
+        "running": False,
+        "frontend": config.frontend,
+        "pid": holder.pid if holder is not None else None,
+        "state": state,
+        "reason": reason,
+    }
+
+
+def _not_running(
+    config: NodeConfig,
+    holder: psutil.Process | None,
+    address: str,
+    as_json: bool,
+    ready: bool,
+) -> NoReturn:
+    """Say why no node answered (nothing with ``--ready``) and exit 3."""
+    if not ready:
+        reason = _no_answer(holder, address)
+        click.echo(json.dumps(_unanswered(config, holder, reason)) if as_json else reason)
+    sys.exit(EXIT_NOT_RUNNING)
+
+
+def _status_keys(config: NodeConfig, holder: psutil.Process | None) -> dict[str, Any] | None:
+    """``_keys`` for ``status``, which never makes a local key: a node reads its
+    allowlist, the local key included, when it starts, so a key made now would not
+    be let in. None when the key is missing and no node runs (nothing to ask).
+
+    Raises:
+        click.ClickException: a node runs (``holder``) and the local key cannot be
+            read, or the server key cannot be.
+    """
+    if config.security.server_secret_key:
+        key = local_key_file(config.run_dir)
+        try:
+            key.open("rb").close()
+        except OSError as exc:
+            if holder is None and isinstance(exc, FileNotFoundError):
+                return None
+            raise click.ClickException(
+                f"cannot read the node's client key {key}: {exc.strerror or exc} "
+                "(the node makes it when it starts; a restart makes a new one)"
+            ) from exc
+    return _keys(config)
 
 
 def _status_or_none(client: Client) -> dict[str, Any] | None:
