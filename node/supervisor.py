@@ -176,13 +176,23 @@ class Supervisor:
 
     # ------------------------------------------------------------------ events
 
-    def worker_ready(self, worker_id: str, pid: int | None) -> None:
-        """The broker registered this worker: it is serving."""
+    def worker_ready(self, worker_id: str, pid: int | None, reset_backoff: bool = True) -> None:
+        """The broker registered this worker: it is serving. ``reset_backoff``: its
+        next restart starts from the first delay again (a host agent waits for a good
+        run instead, ``good_run``)."""
         handle = self.handles.get(worker_id)
         if handle is None or handle.pid is None or (pid is not None and pid != handle.pid):
             return
         handle.state = "ready"
-        handle.failures_in_row = 0
+        if reset_backoff:
+            handle.failures_in_row = 0
+
+    def good_run(self, worker_id: str, pid: int) -> None:
+        """This worker's process ``pid`` has served long enough: its next restart
+        starts from the first delay again."""
+        handle = self.handles.get(worker_id)
+        if handle is not None and handle.pid == pid:
+            handle.failures_in_row = 0
 
     def worker_lost(self, worker_id: str, pid: int | None, cause: ExitCause) -> None:
         """The broker gave up on this worker (``cause``: its verdict, dead, stalled or

@@ -57,6 +57,7 @@ from node.engine import (
 )
 from node.observe.logs import LOG_FORMATS, WORKER_TEXT_FORMAT, about_request
 from node.observe.logs import configure as configure_logs
+from node.remote.registration import RegistrationNote
 from node.sandbox.cgroups import join_cgroup
 from node.sandbox.cores import apply_placement
 
@@ -177,6 +178,8 @@ class WorkerLoop:
         #: Pieces of text ``(rid, text)`` read from the engine threads and not yet
         #: sent: one PARTIAL carries all that one turn read (PROTOCOL §13.2).
         self._parts: list[tuple[int, str]] = []
+        #: For a host agent's worker: notes that the broker registered it.
+        self._registration = RegistrationNote.from_env(spec.worker_id)
 
     # ------------------------------------------------------------------ main loop
 
@@ -294,6 +297,7 @@ class WorkerLoop:
         self._poller.register(self._events, zmq.POLLIN)
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
         self._want_ready = True
+        self._registration.connected()
         self._send_ready_if_idle()
 
     def _reconnect(self) -> None:
@@ -356,6 +360,8 @@ class WorkerLoop:
         except EdgeNodeError as exc:
             log.warning("ignoring a malformed broker message: %s", exc)
             return
+        if command is not WorkerCommand.DISCONNECT:
+            self._registration.heard()  # sent to registered workers only
         if command is WorkerCommand.REQUEST:
             self._on_request(body)
         elif command is WorkerCommand.CANCEL:

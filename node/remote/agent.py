@@ -16,20 +16,29 @@ the gateway's backend public key (``--server-key``); without an allowed key a
 worker gets no connection at all. A plaintext link to an address other hosts
 can reach is refused unless ``security.allow_plaintext``, as on the gateway.
 
-What the agent does not have is the broker's word on its workers: there is no
-READY timeout (a worker whose link is down waits and re-registers once its
-connection dropped and came back, ``node.worker.WorkerLoop``) and no kill
-verdict (a worker the gateway declares dead gets DISCONNECT and re-registers
-under a fresh identity). An exit
-is restarted with the pool's backoff, as on the gateway.
+The agent learns that the gateway registered a worker from the worker itself
+(``node.remote.registration``: the first HEARTBEAT or REQUEST of the gateway's
+broker on a connection, which it sends to registered workers only). A worker
+that is not registered within ``workers.ready_timeout_ms`` of its spawn (a wrong
+key, a gateway down or unreachable) is killed and restarted with the pool's
+backoff, as on the gateway; once registered, a lost link does not kill it (it
+re-registers when the link is back, ``node.worker.WorkerLoop``). A worker that
+stayed registered for ``workers.restart_backoff_max_ms`` (the longest delay: a good
+run) starts its next restart from the first delay again. The agent gets no kill
+verdict from the gateway (a worker the gateway declares dead gets DISCONNECT and
+re-registers under a fresh identity); an exit is restarted with the backoff.
+
+The agent writes what it knows to ``<run_dir>/agent-status.json`` each time it
+changes (``agent_status``): per worker its pid, state, registrations, restarts,
+failures in a row and last exit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -47,14 +56,21 @@ from node.endpoints import is_loopback, parse_endpoint
 from node.model import resolve_model
 from node.pidfile import RunLock, remove_pidfile, write_pidfile
 from node.pool import WorkerPool
+from node.remote.registration import REGISTERED_DIR_ENV, read_note
 from node.security.keys import load_keypair, load_public
+from node.supervisor import Supervisor
 
 log = logging.getLogger("edgenode.agent")
 
 #: The agent process's ``role`` in its log lines (``node.observe.logs``).
 AGENT_ROLE = "agent"
-#: How often the agent reaps exits and starts due restarts (s) when no signal wakes it.
+#: How often the agent reaps exits, reads its workers' registration notes and starts
+#: due restarts (s) when no signal wakes it.
 TICK_S = 0.1
+#: The agent's view of its workers, in its run dir (``agent_status``).
+STATUS_FILE = "agent-status.json"
+#: The directory of its workers' registration notes, in its run dir.
+NOTES_DIR = "registered"
 
 
 def agent_name(name: str | None) -> str:
@@ -143,6 +159,8 @@ class HostAgent:
         self.keys = keys
         self.run_dir = config.run_dir
         self._stop = False
+        self._registrations: Registrations | None = None
+        self._shown = ""
 
     def run(self) -> int:
         """Supervise the workers until SIGTERM/SIGINT; returns the exit code (0)."""
@@ -161,10 +179,18 @@ class HostAgent:
             key_file=None if keys is None else keys.key_file,
             host=self.name,
         )
-        # No broker here tells the agent a worker registered: never kill for that.
-        pool.supervisor.ready_timeout_s = math.inf
         self.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)
+        notes = self.run_dir / NOTES_DIR
+        notes.mkdir(mode=0o700, exist_ok=True)
+        for old in notes.iterdir():  # a previous agent's workers' notes
+            with contextlib.suppress(OSError):
+                old.unlink()
+        # Inherited by the workers it spawns (and by nothing else: the agent runs no node).
+        os.environ[REGISTERED_DIR_ENV] = str(notes)
+        self._registrations = Registrations(
+            pool.supervisor, notes, c.workers.restart_backoff_max_ms / 1000
+        )
         wake_r, wake_w = socket.socketpair()
         wake_w.setblocking(False)
         signal.set_wakeup_fd(wake_w.fileno())
@@ -200,10 +226,30 @@ class HostAgent:
             os.getpid(),
         )
         wake.settimeout(TICK_S)
+        assert self._registrations is not None
         while not self._stop:
-            pool.supervisor.tick(time.monotonic())
+            now = time.monotonic()
+            self._registrations.tick(now)
+            pool.supervisor.tick(now)
+            self._show(pool.supervisor)
             with contextlib.suppress(TimeoutError):
                 wake.recv(64)
+
+    def _show(self, supervisor: Supervisor) -> None:
+        """Write ``agent_status`` to ``STATUS_FILE`` when it changed (aside, then renamed)."""
+        assert self._registrations is not None
+        view = agent_status(self.name, self.config.backend, supervisor, self._registrations)
+        text = json.dumps(view, indent=2, sort_keys=True)
+        if text == self._shown:
+            return
+        path = self.run_dir / STATUS_FILE
+        aside = path.with_name(f".{STATUS_FILE}")
+        try:
+            aside.write_text(text + "\n")
+            os.replace(aside, path)
+            self._shown = text
+        except OSError as exc:
+            log.warning("cannot write %s: %s", path, exc)
 
     def _on_exit(self, worker_id: str, cause: ExitCause) -> None:
         log.warning("%s exited: %s", worker_id, cause.describe())
@@ -211,3 +257,86 @@ class HostAgent:
     def _on_signal(self, signum: int, _frame: Any) -> None:
         log.info("received %s", signal.Signals(signum).name)
         self._stop = True
+
+
+class Registrations:
+    """What the agent knows of its workers' registration with the gateway, from their
+    notes (``node.remote.registration``), and what follows from it for the supervisor.
+
+    Args:
+        supervisor: the pool's; told ``worker_ready`` (without a backoff reset) when
+            a worker's current process registers, which ends its READY timeout, and
+            ``good_run`` once it stayed up ``good_run_s`` after that.
+        notes: the notes' directory.
+        good_run_s: how long a registered process must stay up for its next restart
+            to start from the first delay again (s): ``workers.restart_backoff_max_ms``,
+            so that a worker failing soon after registering keeps backing off up to
+            the longest delay, and one that ran that long is restarted at once.
+    """
+
+    def __init__(self, supervisor: Supervisor, notes: Path, good_run_s: float) -> None:
+        self.supervisor = supervisor
+        self.notes = notes
+        self.good_run_s = good_run_s
+        #: worker_id -> (pid, when it first registered (monotonic s), registrations,
+        #: whether its good run was counted).
+        self.known: dict[str, tuple[int, float, int, bool]] = {}
+
+    def tick(self, now: float) -> None:
+        """Read every worker's note; tell the supervisor what is new."""
+        for worker_id, handle in self.supervisor.handles.items():
+            pid = handle.pid
+            known = self.known.get(worker_id)
+            if pid is None or (known is not None and known[0] != pid):
+                self.known.pop(worker_id, None)  # that process is gone
+                known = None
+            if pid is None:
+                continue
+            note = read_note(self.notes, worker_id)
+            if note is None or note[0] != pid:
+                continue
+            if known is None:
+                log.info("%s registered with the gateway (pid %d)", worker_id, pid)
+                self.supervisor.worker_ready(worker_id, pid, reset_backoff=False)
+                self.known[worker_id] = (pid, now, note[1], False)
+                continue
+            _, since, count, good = known
+            if note[1] != count:
+                log.info("%s registered again (pid %d, %d times)", worker_id, pid, note[1])
+            if not good and now - since >= self.good_run_s:
+                log.info(
+                    "%s up for %.0f s since it registered: next restart without delay",
+                    worker_id,
+                    now - since,
+                )
+                self.supervisor.good_run(worker_id, pid)
+                good = True
+            self.known[worker_id] = (pid, since, note[1], good)
+
+    def registrations(self, worker_id: str) -> int:
+        """How many times the worker's current process registered (0: not yet)."""
+        known = self.known.get(worker_id)
+        return known[2] if known is not None else 0
+
+
+def agent_status(
+    name: str, connect: str, supervisor: Supervisor, registrations: Registrations
+) -> dict[str, Any]:
+    """The agent's view of its workers (``STATUS_FILE``): ``{"agent", "connect",
+    "workers": [{worker_id, pid, state, registered, registrations, restarts,
+    failures_in_row, last_exit}]}``. ``state`` is the supervisor's (``ready`` once
+    registered); ``failures_in_row`` sets the next restart's delay
+    (``restart_backoff_ms`` doubled per failure, at most ``restart_backoff_max_ms``)."""
+    workers = []
+    for row in supervisor.status():
+        worker_id = row["worker_id"]
+        count = registrations.registrations(worker_id)
+        workers.append(
+            {
+                **row,
+                "registered": count > 0,
+                "registrations": count,
+                "failures_in_row": supervisor.handles[worker_id].failures_in_row,
+            }
+        )
+    return {"agent": name, "connect": connect, "workers": workers}
