@@ -53,7 +53,7 @@ class BrokerSettings:
     default_timeout_ms: int = 60_000
     max_timeout_ms: int = 600_000
     default_max_tokens: int = 128
-    heartbeat_interval_ms: int = 1000
+    heartbeat_interval_ms: int = 500
     heartbeat_liveness: int = 3
     stall_timeout_ms: int = 15_000
     cancel_grace_ms: int = 2000

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -46,12 +46,11 @@ from node.capacity.plan import check_fits
 from node.capacity.worker_limits import describe, memory_max_bytes
 from node.config import NodeConfig
 from node.endpoints import check_free, connect_endpoint
-from node.engine import EngineSpec, make_token_counter
+from node.engine import BackgroundCounter, EngineSpec, make_token_counter
 from node.migration.log import MigrationLog, migration_log_path
 from node.model import RULES_SNAPSHOT, resolve_model, resolve_rules, snapshot_rules
 from node.observe.listen import parse_listen
 from node.observe.logs import about_request, event_extra
-from node.observe.server import MetricsServer
 from node.pidfile import RunLock, inherited_lock_fd, remove_pidfile, write_pidfile
 from node.pool import WorkerPool
 from node.pressure import CpuPressureMonitor, PressureMonitor, cpu_psi_file
@@ -62,6 +61,9 @@ from node.security.keys import also_allow, curve_servers, local_key_file, local_
 from node.service.notify import Notifier
 from node.service.reporter import ServiceReporter
 from node.units import parse_size
+
+if TYPE_CHECKING:  # prometheus_client loads only when metrics are on (_metrics)
+    from node.observe.server import MetricsServer
 
 log = logging.getLogger("edgenode.node")
 
@@ -423,10 +425,11 @@ class Node:
         cpu = _cpu_monitor(c, pool)
         # The model's engine: a rules-only node (workers.count = 0) has no tokens to count.
         model_engine = next((s.engine for s in pool.specs if s.engine.kind != "rules"), None)
+        counter = _token_counter(model_engine) if model_engine is not None else None
         broker = Broker(
             c.broker,
-            status_hook=lambda: self._status_extra(pool, model, pressure, cpu),
-            count_tokens=_token_counter(model_engine) if model_engine is not None else None,
+            status_hook=lambda: self._status_extra(pool, model, pressure, cpu, counter),
+            count_tokens=counter,
             routing=c.routing,
             breaker=c.breaker,
         )
@@ -456,6 +459,11 @@ class Node:
             if self._exits is not None:
                 self._exits.sync(pool.supervisor.processes())
             self._note_start(pool)
+            # The counter loads once every worker is ready (or one failed for good):
+            # after their loads, not beside them, where a nice-0 thread here would
+            # take the CPU from the nice-10 workers' loads on a busy host.
+            if isinstance(counter, BackgroundCounter) and self._started.is_set():
+                counter.start()  # once; later calls do nothing
 
         metrics = _metrics(c, broker, pool)
         try:
@@ -645,7 +653,12 @@ class Node:
         self._stop_requested = True
 
     def _status_extra(
-        self, pool: WorkerPool, model: str, pressure: PressureMonitor, cpu: CpuPressureMonitor
+        self,
+        pool: WorkerPool,
+        model: str,
+        pressure: PressureMonitor,
+        cpu: CpuPressureMonitor,
+        counter: TokenCounter | None,
     ) -> dict[str, Any]:
         return {
             "pid": os.getpid(),
@@ -666,6 +679,15 @@ class Node:
             "run_dir": str(self.run_dir),
             "processes": pool.status(),
             "all_ready": pool.supervisor.all_ready(),
+            # The broker's prompt-token counter (its 413 check before dispatch): "none"
+            # (no model engine), "loaded", or a model vocabulary's BackgroundCounter state.
+            "token_counter": (
+                "none"
+                if counter is None
+                else counter.state
+                if isinstance(counter, BackgroundCounter)
+                else "loaded"
+            ),
             "sandbox": pool.sandbox.status(),
             "memory": pressure.snapshot(),
             "cpu": cpu.snapshot(),
@@ -770,7 +792,13 @@ def _metrics(config: NodeConfig, broker: Broker, pool: WorkerPool) -> MetricsSer
         ConfigError: the address cannot be bound.
     """
     listen = parse_listen("metrics.listen", config.metrics.listen)
-    return None if listen is None else MetricsServer(listen, broker, pool)
+    if listen is None:
+        return None
+    # Here, not at the top: prometheus_client costs ~0.1 s of every start, and
+    # metrics are off by default (docs/bench/figures.md, "Start to ready").
+    from node.observe.server import MetricsServer
+
+    return MetricsServer(listen, broker, pool)
 
 
 def _on_effects(
@@ -895,13 +923,14 @@ def _rank(level: str) -> int:
     return levels.index(level) if level in levels else -1
 
 
-def _token_counter(engine: EngineSpec) -> TokenCounter | None:
-    """The broker's prompt-token counter, or None (workers still check sizes)."""
-    try:
-        return make_token_counter(engine)
-    except Exception as exc:  # a model llama.cpp cannot read: workers will say why
-        log.warning("no token counter (%s); prompt sizes are checked by workers only", exc)
-        return None
+def _token_counter(engine: EngineSpec) -> TokenCounter:
+    """The broker's prompt-token counter. The model's vocabulary loads in the
+    background (``node.engine.BackgroundCounter``), started once the workers are
+    ready (``_serve``'s ``on_tick``): loaded first, it took 1-4 s of the node's
+    start before the workers were even spawned (docs/bench/figures.md, "Start to ready")."""
+    if engine.kind != "llama":
+        return make_token_counter(engine)  # the test engine's: instant
+    return BackgroundCounter(lambda: make_token_counter(engine))
 
 
 def _peak(pool: WorkerPool, worker_id: str) -> int | None:

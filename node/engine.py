@@ -9,6 +9,7 @@ and process tests, never for the model's own end-to-end tests.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -19,6 +20,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from broker.client_request import ClientRequest
 from broker.errors import Cancelled, EdgeNodeError
 from broker.token_count import TokenCount, TokenCounter
+
+_log = logging.getLogger("edgenode.node")
 
 #: Callback the engine calls once per generated piece of text (one token).
 Emit = Callable[[str], None]
@@ -220,6 +223,81 @@ class WordCounter:
     def bounded(self, req: ClientRequest, limit: int) -> TokenCount:
         """The exact count, whatever ``limit``."""
         return TokenCount(self(req), exact=True)
+
+
+#: ``BackgroundCounter.state``.
+CounterState = Literal["waiting", "loading", "loaded", "failed"]
+
+
+class BackgroundCounter:
+    """A ``broker.token_count.TokenCounter`` loaded on a thread of its own, so that
+    the vocabulary's load (1-2 s of CPU for Gemma 3's 262,144 tokens,
+    docs/bench/figures.md §node.llama.vocab) is not on the node's way to ready
+    (``node.app`` starts it once the workers are ready: docs/bench/figures.md,
+    "Start to ready").
+
+    Until the load ends, ``bounded`` answers a lower bound of 0 (nothing learned:
+    the worker decides and refuses an oversized prompt with 413 itself, as when a
+    loaded counter's budget runs out); ``__call__`` waits for the load. A load
+    that fails is logged and leaves sizes to the workers, as before.
+
+    Args:
+        load: makes the counter (e.g. ``make_token_counter``); run once, on the thread.
+    """
+
+    def __init__(self, load: Callable[[], TokenCounter]) -> None:
+        self._load = load
+        self._counter: TokenCounter | None = None
+        self._done = threading.Event()
+        # A daemon: a node stopped during the load need not wait for it.
+        self._thread = threading.Thread(target=self._run, name="token-counter", daemon=True)
+        #: Whether ``start`` was called.
+        self.started = False
+
+    def start(self) -> None:
+        """Begin the load; later calls do nothing."""
+        if not self.started:
+            self.started = True
+            self._thread.start()
+
+    @property
+    def state(self) -> CounterState:
+        """``waiting`` (not started), ``loading``, ``loaded`` or ``failed`` (sizes are
+        then checked by the workers only); ``edgenode status`` shows it."""
+        if not self.started:
+            return "waiting"
+        if not self._done.is_set():
+            return "loading"
+        return "loaded" if self._counter is not None else "failed"
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            self._counter = self._load()
+        except Exception as exc:  # a model llama.cpp cannot read: workers will say why
+            _log.warning("no token counter (%s); prompt sizes are checked by workers only", exc)
+        else:
+            _log.info("token counter loaded in %.2f s", time.monotonic() - started)
+        finally:
+            self._done.set()
+
+    def __call__(self, req: ClientRequest) -> int:
+        """The exact count, once loaded (waits for the load).
+
+        Raises:
+            RuntimeError: the load failed.
+        """
+        self._done.wait()
+        if self._counter is None:
+            raise RuntimeError("the token counter could not be loaded")
+        return self._counter(req)
+
+    def bounded(self, req: ClientRequest, limit: int) -> TokenCount:
+        """The loaded counter's answer; before that, a lower bound of 0 tokens."""
+        counter = self._counter
+        if counter is None:
+            return TokenCount(0, exact=False)
+        return counter.bounded(req, limit)
 
 
 def make_token_counter(spec: EngineSpec) -> TokenCounter:

@@ -29,6 +29,7 @@ import os
 import queue
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -39,7 +40,6 @@ from typing import Any
 
 import zmq
 import zmq.auth
-from zmq.utils.monitor import recv_monitor_message
 
 from broker import protocol as p
 from broker.errors import EdgeNodeError, ErrorCode, InternalError
@@ -109,7 +109,7 @@ class WorkerSpec:
     backend: str
     engine: EngineSpec
     slots: int = 1
-    heartbeat_interval_ms: int = 1000
+    heartbeat_interval_ms: int = 500
     heartbeat_liveness: int = 3
     info: dict[str, Any] = field(default_factory=dict)
     #: ``cgroup.procs`` files to join before loading (from ``Sandbox.create_worker``).
@@ -249,12 +249,12 @@ class WorkerLoop:
         monitor = self._monitor
         while monitor is self._monitor:
             try:
-                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+                event = monitor_event(monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._linked = True
-            elif event["event"] == zmq.EVENT_DISCONNECTED and self._linked:
+            elif event == zmq.EVENT_DISCONNECTED and self._linked:
                 # Before any handshake (a refused CURVE key, a broker not up yet)
                 # libzmq's own retries are enough: nothing was registered.
                 log.warning("connection to the broker lost: re-registering")
@@ -666,6 +666,23 @@ def clip(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     if len(message) <= limit:
         return message
     return f"{message[:limit]}... [{len(message) - limit} more characters]"
+
+
+def monitor_event(frames: list[bytes]) -> int:
+    """The event number of a socket monitor's message (zmq_socket_monitor(3), libzmq 4:
+    a 6-byte frame of a 16-bit event and a 32-bit value, then the endpoint).
+
+    pyzmq's ``zmq.utils.monitor`` decodes the same, but importing it imports
+    ``zmq.asyncio`` and asyncio: ~80-95 ms of CPU of every worker's start
+    (docs/bench/figures.md, "Start to ready").
+
+    Raises:
+        ValueError: not a monitor message.
+    """
+    if len(frames) != 2 or len(frames[0]) != 6:
+        raise ValueError(f"not a socket monitor message: {frames!r}")
+    event, _value = struct.unpack("=hi", frames[0])
+    return int(event)
 
 
 def make_engine(spec: EngineSpec) -> Engine:

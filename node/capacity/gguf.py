@@ -9,16 +9,53 @@ keeps only the architecture's shape keys and the tensor sizes. A unit test check
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import mmap
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
 from broker.errors import ConfigError
+
+
+def _gguf_constants() -> ModuleType:
+    """gguf's ``constants`` module, without the rest of the package.
+
+    ``import gguf`` runs the package's ``__init__``, which imports its reader,
+    writer, quantizers and numpy: 0.3-0.4 s of every ``edgenode start`` (and of
+    every command that plans capacity) for two tables (docs/bench/figures.md,
+    "Start to ready"). ``gguf/constants.py`` imports only the standard library,
+    so it is run alone, under a private name (its enums are then not gguf's own
+    classes: this module only looks values up in them). A process that imported
+    gguf already gets the package's module.
+
+    Raises:
+        ImportError: the gguf package is not installed.
+    """
+    loaded = sys.modules.get("gguf.constants")
+    if loaded is not None:
+        return loaded
+    package = importlib.util.find_spec("gguf")  # locates it; imports nothing
+    if package is None or not package.submodule_search_locations:
+        raise ImportError("the gguf package is not installed")
+    path = Path(next(iter(package.submodule_search_locations))) / "constants.py"
+    spec = importlib.util.spec_from_file_location(f"{__name__}._gguf_constants", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_constants = _gguf_constants()
+#: ggml type -> (block size in elements, bytes per block), as gguf's table.
+GGML_QUANT_SIZES: dict[Any, tuple[int, int]] = _constants.GGML_QUANT_SIZES
+#: ggml's tensor types (gguf ``GGMLQuantizationType``), an ``IntEnum``.
+GGMLQuantizationType: Any = _constants.GGMLQuantizationType
 
 
 @dataclass(frozen=True)

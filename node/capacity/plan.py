@@ -53,11 +53,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
 from broker.errors import ConfigError
 from node.capacity.budget import config_size, configured_budget, node_limit
-from node.capacity.gguf import ModelMeta, read_gguf_meta
+from node.capacity.gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ModelMeta, read_gguf_meta
 from node.capacity.worker_limits import is_auto, memory_high_bytes, memory_max_bytes
 from node.config import MAX_SLOTS, is_auto_slots
 from node.engine import flash_attn_on

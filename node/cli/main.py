@@ -9,6 +9,7 @@ The global options apply to every command, before or after it
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -26,7 +27,6 @@ from broker.client import Client
 from broker.errors import EdgeNodeError
 from node.app import Node, log_path
 from node.capacity.plan import check_fits
-from node.cli.bench import bench
 from node.cli.capacity import capacity
 from node.cli.context import add_global_options, node_config, unusable_dir_error, wants_json
 from node.cli.keys import keys
@@ -70,14 +70,31 @@ STOP_MARGIN_S = 10.0
 START_LOCK_WAIT_S = 10.0
 
 
+#: Commands whose module is imported only when they run or are listed (``--help``),
+#: by name -> module (which defines a command of that name): ``bench`` brings in every
+#: benchmark scenario, 0.15-0.2 s of CPU that every other command paid, ``edgenode
+#: start`` twice (docs/bench/figures.md, "Start to ready").
+LAZY_COMMANDS = {"bench": "node.cli.bench"}
+
+
 class _Commands(click.Group):
     """The ``edgenode`` group: an unusable run or cache directory is a one-line
     error naming it (exit 1), wherever in a command it turns up; every command
-    added gets the global options (``node.cli.context.add_global_options``)."""
+    added gets the global options (``node.cli.context.add_global_options``);
+    ``LAZY_COMMANDS`` are added when first asked for."""
 
     def add_command(self, cmd: click.Command, name: str | None = None) -> None:
         add_global_options(cmd)
         super().add_command(cmd, name)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in LAZY_COMMANDS and cmd_name not in self.commands:
+            module = importlib.import_module(LAZY_COMMANDS[cmd_name])
+            self.add_command(getattr(module, cmd_name), cmd_name)
+        return super().get_command(ctx, cmd_name)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -672,7 +689,6 @@ def _keys(config: NodeConfig) -> dict[str, Any]:
 cli.add_command(rules)
 cli.add_command(report)
 cli.add_command(capacity)
-cli.add_command(bench)
 cli.add_command(keys)
 cli.add_command(worker)
 

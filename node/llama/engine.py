@@ -148,15 +148,15 @@ class LlamaEngine:
         self._ctx = self.llm.ctx
         self._mem = llama_c.llama_get_memory(self._ctx)
         self._vocab = llama_c.llama_model_get_vocab(self.llm.model)
-        self.hidden, masked = special_tokens(self.llm)
+        # The tables that let prompts be tokenized in pieces (docs/bench/figures.md
+        # §node.llama.engine: their load time and heap), and the special tokens.
+        self.vocab = Vocab(self._vocab)
+        trim_heap()  # reading them freed heap that would stay resident
+        self.hidden, masked = special_tokens(self.vocab)
         # Special tokens other than end-of-generation can never be sampled.
         self._mask = (llama_c.llama_logit_bias * len(masked))(
             *(llama_c.llama_logit_bias(int(token), float("-inf")) for token in masked)
         )
-        # The tables that let prompts be tokenized in pieces (docs/bench/figures.md
-        # §node.llama.engine: their load time and heap).
-        self.vocab = Vocab(self._vocab)
-        trim_heap()  # reading them freed heap that would stay resident
         self._chat = _chat_formatter(self.llm, spec.chat_format)  # ValueError: unknown name
         self._slots = [Slot(seq) for seq in range(self.slots)]
         self._batch = llama_c.llama_batch_init(self.n_batch, 0, 1)

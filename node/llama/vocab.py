@@ -127,12 +127,16 @@ class Vocab:
 
     def __init__(self, vocab: llama_c.llama_vocab_p) -> None:
         self._vocab = vocab
+        #: The ``llama_vocab`` pointer this reads.
+        self.pointer = vocab
         self.added = self._tokens(b"", add_special=True)  # BOS (and EOS) every count has
         # What llama_tokenize's add_special puts around a text (SPM: llm_tokenizer_spm).
         bos, eos = llama_c.llama_vocab_bos(vocab), llama_c.llama_vocab_eos(vocab)
         self.bos = [bos] if llama_c.llama_vocab_get_add_bos(vocab) else []
         self.eos = [eos] if llama_c.llama_vocab_get_add_eos(vocab) else []
-        self.pair_max, specials = _pair_lengths(vocab)
+        self.pair_max, specials, hidden = _pair_lengths(vocab)
+        #: Every special token id (``special_tokens``' rule), from the same pass.
+        self.special = frozenset(hidden)
         user = [text for text, attr in specials if not attr & _CONTROL]
         self._specials = {False: Specials(user), True: Specials([t for t, _ in specials])}
         # A text a control token has needs parse_special, whatever else has it too.
@@ -334,33 +338,37 @@ _NOT_TEXT = (
 _MARKER = re.compile(r"<\|.*\|>|<(?:start|end)_of_\w+>|\[\w+\]", re.DOTALL)
 
 
-def special_tokens(llm: Any) -> tuple[frozenset[int], Any]:
+def is_special(attr: int, text: bytes) -> bool:
+    """Whether a token with llama.cpp attributes ``attr`` and text ``text`` is
+    special: an attribute in ``_NOT_TEXT``, or a user-defined token spelled like a
+    marker (``_MARKER``)."""
+    return bool(
+        attr & _NOT_TEXT
+        or (
+            attr & llama_c.LLAMA_TOKEN_ATTR_USER_DEFINED
+            and _MARKER.fullmatch(text.decode(errors="replace"))
+        )
+    )
+
+
+def special_tokens(vocab: Vocab) -> tuple[frozenset[int], Any]:
     """(every special token id, the ids to mask at sampling as a numpy array).
 
-    Special = a llama.cpp attribute in ``_NOT_TEXT``, or a user-defined token
-    spelled like a marker (``_MARKER``). End-of-generation tokens
-    (``llama_vocab_is_eog``) are special but not masked: the model must be able
-    to stop. One pass over the vocabulary per load.
+    Special = ``is_special`` (``Vocab.special``, found in the pass that builds the
+    vocabulary's tables: one pass over 262,144 tokens cost ~0.3 s, docs/bench/figures.md
+    "Start to ready"). End-of-generation tokens (``llama_vocab_is_eog``) are special
+    but not masked: the model must be able to stop.
     """
-    vocab = llama_c.llama_model_get_vocab(llm.model)
-    special: set[int] = set()
-    for token in range(llama_c.llama_vocab_n_tokens(vocab)):
-        attr = llama_c.llama_vocab_get_attr(vocab, token)
-        if attr & _NOT_TEXT or (
-            attr & llama_c.LLAMA_TOKEN_ATTR_USER_DEFINED
-            and _MARKER.fullmatch(
-                llama_c.llama_vocab_get_text(vocab, token).decode(errors="replace")
-            )
-        ):
-            special.add(token)
-    masked = sorted(t for t in special if not llama_c.llama_vocab_is_eog(vocab, t))
-    return frozenset(special), np.array(masked, dtype=np.intc)
+    special = vocab.special
+    masked = sorted(t for t in special if not llama_c.llama_vocab_is_eog(vocab.pointer, t))
+    return special, np.array(masked, dtype=np.intc)
 
 
 def _pair_lengths(
     vocab: llama_c.llama_vocab_p,
-) -> tuple[np.ndarray | None, list[tuple[bytes, int]]]:
-    """(``pair_max``, the special tokens' texts and attributes): for each byte pair
+) -> tuple[np.ndarray | None, list[tuple[bytes, int]], list[int]]:
+    """(``pair_max``, the special tokens' texts and attributes, the ids ``is_special``
+    says are special): for each byte pair
     x, y (index x * 256 + y), the length in bytes of the longest token text
     (``llama_vocab_get_text``) holding x, y adjacent, 1 if none; None when the
     bound of ``Vocab.lower_bound`` does not hold for this vocabulary.
@@ -378,16 +386,18 @@ def _pair_lengths(
     qualifies = llama_c.llama_vocab_type(vocab) == llama_c.LLAMA_VOCAB_TYPE_SPM
     longest = np.ones(256 * 256, dtype=np.int64)
     specials: list[tuple[bytes, int]] = []
+    hidden: list[int] = []
     n = llama_c.llama_vocab_n_tokens(vocab)
     for first in range(0, n, 16_384):
         ids = range(first, min(n, first + 16_384))
         attrs = [int(llama_c.llama_vocab_get_attr(vocab, t)) for t in ids]
         texts = [llama_c.llama_vocab_get_text(vocab, t) or b"" for t in ids]
         specials += [(t, a) for t, a in zip(texts, attrs, strict=True) if a & _SPECIAL and t]
+        hidden += [i for i, t, a in zip(ids, texts, attrs, strict=True) if is_special(a, t)]
         qualifies = qualifies and not any(attr & strip for attr in attrs)
         if qualifies:
             byte = llama_c.LLAMA_TOKEN_ATTR_BYTE
             hold_pairs(longest, [t for t, a in zip(texts, attrs, strict=True) if not a & byte])
     if not qualifies:
-        return None, specials
-    return spell_spaces(longest), specials
+        return None, specials, hidden
+    return spell_spaces(longest), specials, hidden

@@ -25,12 +25,20 @@ from broker.client_request import ClientRequest
 from broker.errors import TooLarge
 from node.llama.vocab import LOOP_BYTES, PromptCounter, make_token_counter
 from node.model import resolve_model
-from node.testing import Collector, NodeProcess
+from node.testing import Collector, NodeProcess, wait_for
 
 pytestmark = pytest.mark.system
 
 NodeFactory = Callable[..., NodeProcess]
 LIMIT = 2048 - 4  # prompt tokens that fit the default context with max_tokens 4
+
+
+def counting(node: NodeProcess) -> NodeProcess:
+    """``node`` once its broker's token counter is loaded: it loads after the workers
+    are ready (``node.engine.BackgroundCounter``), and these tests are about the
+    broker's own size check."""
+    wait_for(lambda: node.status()["token_counter"] == "loaded", timeout=60, every=0.1)
+    return node
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +51,11 @@ def generate(prompt: str) -> ClientRequest:
 
 
 def test_a_burst_of_huge_prompts_gets_413s_and_kills_no_worker(make_node: NodeFactory) -> None:
-    node = make_node(
-        workers={"engine": "llama", "count": 2},
-        broker={"heartbeat_interval_ms": 1000, "stall_timeout_ms": 15000},
+    node = counting(
+        make_node(
+            workers={"engine": "llama", "count": 2},
+            broker={"heartbeat_interval_ms": 1000, "stall_timeout_ms": 15000},
+        )
     )
     col = Collector(node.frontend)
     try:
@@ -121,7 +131,7 @@ def test_refusing_huge_prompts_costs_the_broker_next_to_nothing(
     compared with what tokenizing the prompts costs, measured in the same run,
     so neither the machine's speed nor its load matters. Before the bound, the
     difference was all of it (6.1 s for these 28 prompts, against 9 ms)."""
-    node = make_node(workers={"engine": "llama", "count": 1})
+    node = counting(make_node(workers={"engine": "llama", "count": 1}))
     prompts = hostile_prompts()
     tokenizing_s = 0.0
     for prompt, times in Counter(prompts).items():
@@ -159,7 +169,7 @@ def test_a_prompt_too_costly_to_count_on_the_loop_is_left_to_its_worker(
     prompt = "<b><i>" * 3_000
     found = counter.bounded(generate(prompt), LIMIT)
     assert not found.exact and found.tokens <= LIMIT  # what makes this the case
-    node = make_node(workers={"engine": "llama", "count": 1})
+    node = counting(make_node(workers={"engine": "llama", "count": 1}))
     with node.client(wait_ms=30_000) as c:
         with pytest.raises(TooLarge, match="exceed context window of 2048"):
             c.generate(prompt, max_tokens=4)
@@ -264,7 +274,7 @@ def test_control_token_text_is_counted_as_the_worker_counts_it(
     found = counter.bounded(generate(prompt), limit)
     assert found.exact and found.tokens == whole_count(counter, prompt.encode())
     assert limit * 3 // 4 < found.tokens <= limit
-    node = make_node(workers={"engine": "llama", "count": 1}, model={"n_ctx": n_ctx})
+    node = counting(make_node(workers={"engine": "llama", "count": 1}, model={"n_ctx": n_ctx}))
     with node.client(wait_ms=30_000) as c:
         reply = c.generate(prompt, max_tokens=max_tokens, temperature=0.0)
     assert reply.usage["prompt_tokens"] == found.tokens == counter(generate(prompt))

@@ -18,8 +18,12 @@ from node.cli.main import cli
 
 
 def command_paths(group: click.Group, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
-    """Every command's name path below ``group`` (groups included)."""
-    for name, cmd in sorted(group.commands.items()):
+    """Every command's name path below ``group`` (groups included; the lazily
+    imported ones too, ``node.cli.main.LAZY_COMMANDS``)."""
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        cmd = group.get_command(ctx, name)
+        assert cmd is not None
         yield (*prefix, name)
         if isinstance(cmd, click.Group):
             yield from command_paths(cmd, (*prefix, name))
