@@ -24,6 +24,7 @@ import os
 import resource
 import signal
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -107,6 +108,30 @@ START_WAIT_S = 180.0
 EXIT_POLL_S = 0.05
 
 
+#: The environment variable through which a background ``edgenode start`` hands its
+#: node the write end of a pipe: the node writes one line to it and closes it once
+#: every worker is READY (or one failed for good), so the start wakes at once
+#: instead of at its next ``status`` poll (s6's readiness notification, in effect).
+READY_FD_ENV = "EDGENODE_READY_FD"
+
+
+def inherited_ready_fd() -> int | None:
+    """The pipe a background start handed to this process (``READY_FD_ENV``), or None
+    (not set, or not an open pipe). The variable is removed, so the workers never
+    see it; the descriptor is made non-inheritable."""
+    value = os.environ.pop(READY_FD_ENV, "")
+    if not value.isdigit():
+        return None
+    fd = int(value)
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return None
+    except OSError:
+        return None
+    os.set_inheritable(fd, False)
+    return fd
+
+
 class NodeStartError(EdgeNodeError):
     """An embedded node did not come up: a worker failed for good (its exit says
     why), or not every worker was READY within the wait. The node is stopped
@@ -176,6 +201,8 @@ class Node:
         self._error_lock = threading.Lock()
         #: The embedded node's pidfd watch, while its loop serves (``ExitWatch``).
         self._exits: ExitWatch | None = None
+        #: A background start's readiness pipe (``READY_FD_ENV``), until written.
+        self._ready_fd: int | None = None
 
     # ------------------------------------------------------------------ embedded
 
@@ -314,7 +341,8 @@ class Node:
             self._stop_requested = True
 
     def _note_start(self, pool: WorkerPool) -> None:
-        """Tell ``start`` once every worker is READY, or one failed for good."""
+        """Tell ``start`` (or a background start's readiness pipe) once every worker
+        is READY, or one failed for good."""
         if self._started.is_set():
             return
         failed = [p for p in pool.supervisor.status() if p["state"] == "failed"]
@@ -325,6 +353,19 @@ class Node:
             self._started.set()
         elif pool.supervisor.all_ready():
             self._started.set()
+        if self._started.is_set():
+            self._close_ready_fd(b"\n")
+
+    def _close_ready_fd(self, line: bytes = b"") -> None:
+        """Write ``line`` to the readiness pipe, if any, and close it (the start then
+        asks ``status`` what happened; a start already gone is no error)."""
+        fd, self._ready_fd = self._ready_fd, None
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            if line:
+                os.write(fd, line)
+        os.close(fd)
 
     # ------------------------------------------------------------------ CLI
 
@@ -335,8 +376,12 @@ class Node:
         # Read (and unset) before any child exists: workers must not inherit
         # $NOTIFY_SOCKET and speak for the node.
         self.notifier = Notifier.from_environ()
+        self._ready_fd = inherited_ready_fd()
         self._wake = _wake_pair()
-        return self._run(inherited_lock_fd())
+        try:
+            return self._run(inherited_lock_fd())
+        finally:
+            self._close_ready_fd()  # a node that ends before it is ready: EOF
 
     def _run(self, lock_fd: int | None) -> int:
         """Check, lock, serve, clean up; ``lock_fd``: a lock handed over by a

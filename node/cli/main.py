@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import psutil
 
 from broker.client import Client
 from broker.errors import EdgeNodeError
-from node.app import Node, log_path
+from node.app import READY_FD_ENV, Node, log_path
 from node.capacity.plan import check_fits
 from node.cli.capacity import capacity
 from node.cli.context import add_global_options, node_config, unusable_dir_error, wants_json
@@ -228,18 +229,31 @@ def _start_background(config: NodeConfig, wait_s: float) -> None:
         with _locked(config.run_dir) as lock:
             _check_startable(config)  # a refused start makes no logs, no node
             logfile.parent.mkdir(parents=True, exist_ok=True)
-            with open(logfile, "ab") as out, interrupts.held():
-                proc = subprocess.Popen(
-                    module_command("node.cli", "start", "--foreground"),
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=out,
-                    start_new_session=True,
-                    pass_fds=(lock.fd,),  # the node adopts the held lock
-                    env={**os.environ, LOCK_FD_ENV: str(lock.fd)},
-                )
-            click.echo(f"starting edgenode (pid {proc.pid}, log {logfile}) ...")
-            n = _wait_started(proc, config, wait_s, logfile)
+            # The node says "ready" down this pipe (node.app.READY_FD_ENV): no poll delay.
+            ready_r, ready_w = os.pipe()
+            try:
+                with open(logfile, "ab") as out, interrupts.held():
+                    proc = subprocess.Popen(
+                        module_command("node.cli", "start", "--foreground"),
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=out,
+                        start_new_session=True,
+                        pass_fds=(lock.fd, ready_w),  # the node adopts the held lock
+                        env={
+                            **os.environ,
+                            LOCK_FD_ENV: str(lock.fd),
+                            READY_FD_ENV: str(ready_w),
+                        },
+                    )
+                os.close(ready_w)
+                ready_w = -1
+                click.echo(f"starting edgenode (pid {proc.pid}, log {logfile}) ...")
+                n = _wait_started(proc, config, wait_s, logfile, ready_r)
+            finally:
+                os.close(ready_r)
+                if ready_w >= 0:
+                    os.close(ready_w)
             interrupts.disarm()
     except click.ClickException as exc:
         # A start that fails leaves nothing running: its node stops (workers,
@@ -255,6 +269,25 @@ def _start_background(config: NodeConfig, wait_s: float) -> None:
         )
         raise click.ClickException(f"start interrupted ({exc.signum.name}){stopped}") from None
     click.echo(f"edgenode running: {n} worker(s) ready on {config.frontend} (pid {proc.pid})")
+
+
+#: How often a background start asks its node's ``status`` while it starts (s); the
+#: node's readiness pipe wakes it sooner (``_wait_ready_fd``).
+POLL_S = 0.2
+
+
+def _wait_ready_fd(fd: int | None, timeout_s: float) -> int | None:
+    """Sleep ``timeout_s``, or less if the readiness pipe ``fd`` has news (a line:
+    ready or failed; EOF: the node is gone). Returns ``fd``, or None once the pipe
+    has said its one thing (later waits are plain sleeps: the caller closes it)."""
+    if fd is None:
+        time.sleep(timeout_s)
+        return None
+    readable, _, _ = select.select([fd], [], [], timeout_s)
+    if not readable:
+        return fd
+    os.read(fd, 64)
+    return None
 
 
 @contextlib.contextmanager
@@ -275,11 +308,17 @@ def _locked(run_dir: Path) -> Iterator[RunLock]:
 
 
 def _wait_started(
-    proc: subprocess.Popen[bytes], config: NodeConfig, wait_s: float, logfile: Path
+    proc: subprocess.Popen[bytes],
+    config: NodeConfig,
+    wait_s: float,
+    logfile: Path,
+    ready_fd: int | None = None,
 ) -> int:
     """Wait until the node ``proc`` itself answers with every worker ready; returns
     the number of workers. An answer from any other process (a node that already
-    held the endpoint) does not count: its ``pid`` is not ``proc``'s.
+    held the endpoint) does not count: its ``pid`` is not ``proc``'s. Between
+    ``status`` polls it waits on ``ready_fd`` (the node's readiness pipe, if any),
+    which the node writes to, or closes, the moment it is ready, failed or gone.
 
     Raises:
         click.ClickException: the node exited (with its own error), a worker
@@ -294,11 +333,11 @@ def _wait_started(
             try:
                 status = client.status()
             except EdgeNodeError:
-                time.sleep(0.2)
+                ready_fd = _wait_ready_fd(ready_fd, POLL_S)
                 continue
             if status.get("pid") != proc.pid:
                 answered_by = status.get("pid")
-                time.sleep(0.2)
+                ready_fd = _wait_ready_fd(ready_fd, POLL_S)
                 continue
             processes: list[WorkerStatus] = status.get("processes", [])
             failed = [p for p in processes if p["state"] == "failed"]
@@ -309,7 +348,7 @@ def _wait_started(
                 )
             if status.get("all_ready"):
                 return len(status["workers"])
-            time.sleep(0.2)
+            ready_fd = _wait_ready_fd(ready_fd, POLL_S)
     other = (
         f"; {config.frontend} is answered by pid {answered_by}, not by the node this start "
         f"launched (pid {proc.pid})"
