@@ -3,14 +3,15 @@
 Two measurements of a real node (embedded, ``node.app.Node``, the built-in layout:
 one model worker of 4 slots and the rule worker, cgroups as the host allows):
 
-* ``--seconds`` (default 60) of every slot busy decoding with the real model,
-  non-streamed (so a worker's only messages are its heartbeats and its FINALs),
+* ``--seconds`` (default 60) of every slot busy with the real model (back-to-back
+  non-streamed requests of 48 tokens; the replies are counted by outcome),
   while ``--hogs`` CPU hogs (busy loops at nice 0, default 2: one per core here)
   load the host. The broker's view of each worker's silence is recorded: every
   gap between two messages it heard from a worker (``broker.liveness.Liveness.heard_from``,
   what the dead verdict reads). Reported: the gaps' p50/p99/max per worker, against
   the dead-after bound (interval x liveness), and every worker the node declared
   dead, stalled or hung, or restarted (must be 0: no false deaths).
+  Verdicts before the load began (a READY timeout at start) are listed apart.
 * ``--idle-seconds`` (default 15) of the same node idle, after the load: the broker
   process's CPU (user + sys, this process: the broker loop runs here; the load's
   client threads have ended) and its loop turns per second.
@@ -175,6 +176,7 @@ def main() -> None:
             for _ in range(args.concurrency)
         ]
         start = time.monotonic()
+        before_load = len(verdicts.lines)  # a READY timeout at start is no heartbeat verdict
         hogs = [subprocess.Popen(HOG) for _ in range(args.hogs)]
         for t in threads:
             t.start()
@@ -200,7 +202,9 @@ def main() -> None:
             "restarts": {p["worker_id"]: p["restarts"] for p in status["processes"]},
             "states": {p["worker_id"]: p["state"] for p in status["processes"]},
         }
-        result["load"]["verdicts"] = list(verdicts.lines)  # must be empty: no false deaths
+        # Must be empty: no false deaths. Verdicts before the load (at start) apart.
+        result["load"]["verdicts"] = verdicts.lines[before_load:]
+        result["verdicts_at_start"] = verdicts.lines[:before_load]
         # Idle: the broker loop alone in this process (the client threads have ended).
         time.sleep(1.0)
         turns0, cpu0, t0 = recorder.turns, _cpu_s(), time.monotonic()
