@@ -68,6 +68,7 @@ def test_the_node_writes_ready_once_every_worker_is_ready_then_closes_the_pipe(
         status = node.status()
         assert status["all_ready"] is True
         assert [p["state"] for p in status["processes"]] == ["ready", "ready", "ready"]
+        assert status["token_counter"] == "loaded"  # the test engine's: no vocabulary to load
         assert read_line(r, 5) == b""  # closed after its one line
     finally:
         node.cleanup()
