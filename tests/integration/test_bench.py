@@ -19,6 +19,7 @@ from typing import Any
 
 import psutil
 
+from broker.records import BrokerSettings
 from node.interpreter import module_command
 from node.testing import REPO, with_default_sigint
 
@@ -81,8 +82,10 @@ def test_faults_detected_and_no_reply_lost(tmp_path: Path) -> None:
     measures = faults["measures"]
     for name in ("detection, kill -9", "detection, SIGSTOP", "recovery, SIGSTOP (all ready again)"):
         assert len(measures[name]) == 1 and measures[name][0] > 0, (name, measures)
-    # SIGSTOP is found by missed heartbeats (1000 ms x 3 by default): never before 2 of them.
-    assert measures["detection, SIGSTOP"][0] > 2000
+    # SIGSTOP is found by missed heartbeats (500 ms x 3 by default): never before 2 of them.
+    beats = BrokerSettings()
+    missed = beats.heartbeat_interval_ms * (beats.heartbeat_liveness - 1)
+    assert measures["detection, SIGSTOP"][0] > missed
     assert faults["lost"] == 0
     assert faults["false_deaths"] == 0
     goals = {g["name"]: g for g in data["goals"]}
