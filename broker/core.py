@@ -233,7 +233,8 @@ class Broker:
         elif route.copy_skipped:
             self.router.copy_skipped(job, route.copy_skipped)
         self.stats.count("admitted")
-        self.outbox.trace("admitted", job, detail=f"{job.kind} {req.priority}")
+        if self.outbox.tracing:
+            self.outbox.trace("admitted", job, detail=f"{job.kind} {req.priority}")
         self.dispatcher.dispatch(now)
 
     def _admit(
@@ -276,9 +277,10 @@ class Broker:
             rid, shed.code, shed.message, retry_after_ms=shed.retry_after_ms, reason=shed.reason
         )
         self.outbox.client(identity, body)
-        self.outbox.observations.append(
-            Ended(kind, ERROR_OUTCOMES[shed.code], shed.reason, admitted=False)
-        )
+        if self.outbox.observing:
+            self.outbox.observations.append(
+                Ended(kind, ERROR_OUTCOMES[shed.code], shed.reason, admitted=False)
+            )
 
     def _shed_job(
         self, job: Job, message: str, reason: ShedReason, now: float, retry: int | None = None
@@ -457,7 +459,7 @@ class Broker:
         if job.first_token_at is None:
             job.first_token_at = now
             self.estimator.levels.first_token(worker.identity, job.rid, now)
-        elif job.last_token_at is not None and job.copy_of is None:
+        elif job.last_token_at is not None and job.copy_of is None and self.outbox.observing:
             self.outbox.observations.append(TokenGap(job.kind, now - job.last_token_at))
         job.last_token_at = now
         # A hedge's text is held back: it is the client's only if the rules win.
@@ -477,7 +479,9 @@ class Broker:
             worker.active.discard(rid)  # the credit returns with the ack, never earlier
         measured = None
         if job is not None:
-            self.outbox.trace("worker_final", job, worker.worker_id, str(body.get("status")))
+            if self.outbox.tracing:
+                status = str(body.get("status"))
+                self.outbox.trace("worker_final", job, worker.worker_id, status)
             reply: dict[str, Any] | None = None
             outcome: FinalOutcome | None = None
             if not job.settled:

@@ -79,7 +79,9 @@ class Dispatcher:
             body.setdefault("max_tokens", self.settings.default_max_tokens)
             body["timeout_ms"] = max(1, int((job.deadline - now) * 1000))
             self.outbox.worker(worker.identity, WorkerCommand.REQUEST, body)
-            self.outbox.trace("dispatched", job, worker.worker_id, f"attempt {job.attempts + 1}")
+            if self.outbox.tracing:
+                attempt = f"attempt {job.attempts + 1}"
+                self.outbox.trace("dispatched", job, worker.worker_id, attempt)
 
     def cancel(self, job: Job, now: float) -> None:
         """Tell settled ``job``'s worker to stop it (``CANCELLING``); the credit

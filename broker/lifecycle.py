@@ -101,7 +101,8 @@ class Lifecycle:
             return
         self.jobs.release(job)
         self.clients.closed(job.owner)
-        self.outbox.observations.append(ended(job, body, now, delivered=deliver))
+        if self.outbox.observing:
+            self.outbox.observations.append(ended(job, body, now, delivered=deliver))
         if deliver:
             self.outbox.client(job.client, body, ReplyKind.FINAL, counted)
             self.reply_cache.keep((job.client, job.req.id), job.req, body, now)

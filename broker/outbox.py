@@ -12,6 +12,11 @@ hands what is not a frame to the node.
 broker may keep one of them (the circuit breaker appends to ``transitions``);
 ``tests/unit/test_core.py::test_the_io_loop_may_take_the_outbox_at_any_time``
 guards that.
+
+Traces and observations are built only if the loop's owner consumes them
+(``Consumed``, set with ``Outbox.consume``): a node with JSON logs at INFO and
+metrics off reads neither, and building them cost about a tenth of the core's
+instructions per request (docs/bench/figures.md, "Broker overhead").
 """
 
 from __future__ import annotations
@@ -26,6 +31,19 @@ from broker.kinds import FinalOutcome
 from broker.observations import Observation
 from broker.protocol import WorkerCommand
 from broker.records import Job, RequestTrace, TraceStep, WorkerEvent
+
+
+@dataclass(frozen=True)
+class Consumed:
+    """Which optional records the loop's owner consumes, so the core builds them.
+
+    Attributes:
+        traces: ``RequestTrace`` steps (the node logs them at DEBUG).
+        observations: ``broker.observations`` records (the node's metrics).
+    """
+
+    traces: bool = True
+    observations: bool = True
 
 
 @dataclass
@@ -63,7 +81,20 @@ class Effects:
 
 
 class Outbox(Effects):
-    """The broker's effects not yet taken by the I/O loop (see the module doc)."""
+    """The broker's effects not yet taken by the I/O loop (see the module doc).
+
+    Attributes:
+        tracing: ``trace`` keeps its steps; callers that format a detail check it first.
+        observing: callers append to ``observations`` only if set.
+    """
+
+    tracing: bool = True
+    observing: bool = True
+
+    def consume(self, consumed: Consumed) -> None:
+        """Build only the optional records ``consumed`` names (both by default)."""
+        self.tracing = consumed.traces
+        self.observing = consumed.observations
 
     def client(
         self,
@@ -82,7 +113,9 @@ class Outbox(Effects):
         self.workers.append(p.to_worker_frames(identity, command, body))
 
     def trace(self, step: TraceStep, job: Job, worker: str = "", detail: str = "") -> None:
-        """Note that ``job`` took ``step`` (on ``worker``, the worker's id)."""
+        """Note that ``job`` took ``step`` (on ``worker``, the worker's id), if traced."""
+        if not self.tracing:
+            return
         self.traces.append(
             RequestTrace(step, job.rid, job.req.id, job.client, worker, detail, job.principal)
         )

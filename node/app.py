@@ -40,7 +40,7 @@ from broker.delivery import ReplyKind
 from broker.errors import ConfigError, EdgeNodeError, SandboxError
 from broker.kinds import PRESSURE_LEVELS
 from broker.loop import BrokerLoop
-from broker.outbox import Effects
+from broker.outbox import Consumed, Effects
 from broker.token_count import TokenCounter
 from node.capacity.budget import tightest_limit
 from node.capacity.plan import check_fits
@@ -511,6 +511,12 @@ class Node:
                 counter.start()  # once; later calls do nothing
 
         metrics = _metrics(c, broker, pool)
+        # The core builds request traces and observations only for a reader of them
+        # (``_on_effects``: DEBUG lines, the metrics): most nodes have neither.
+        consumed = Consumed(
+            traces=log.isEnabledFor(logging.DEBUG), observations=metrics is not None
+        )
+        broker.outbox.consume(consumed)
         try:
             return self._serve_with(broker, pool, migration, on_tick, metrics, service)
         finally:
