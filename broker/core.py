@@ -402,6 +402,8 @@ class Broker:
         elif command is WorkerCommand.PARTIAL:
             self._on_partial(worker, body, now)
         elif command is WorkerCommand.FINAL:
+            if "parts" in body:  # its request's last pieces of text (PROTOCOL §13.2)
+                self._on_partial(worker, body, now)
             self._on_final(worker, body, now)
         elif command is WorkerCommand.CREDIT:
             slots = body.get("slots")

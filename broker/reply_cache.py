@@ -35,13 +35,20 @@ ENTRY_OVERHEAD_BYTES = 256
 NOT_FINGERPRINTED = ("id", "retry", "timeout_ms", "priority")
 
 
+#: The fields that do, in ``ClientRequest``'s order.
+FINGERPRINTED = tuple(
+    f.name for f in dataclasses.fields(ClientRequest) if f.name not in NOT_FINGERPRINTED
+)
+
+
 def fingerprint(req: ClientRequest) -> bytes:
     """16 bytes that tell whether two requests ask for the same answer: a
-    BLAKE2b digest of every field but ``NOT_FINGERPRINTED`` (msgpack-encoded in
-    field order; a resend sends the same body, so the same ``json_schema`` order)."""
-    fields = dataclasses.asdict(req)
-    for name in NOT_FINGERPRINTED:
-        del fields[name]
+    BLAKE2b digest of every field but ``NOT_FINGERPRINTED`` (their values
+    msgpack-encoded in field order; a resend sends the same body, so the same
+    ``json_schema`` order). The values are read as they are: the fields are
+    immutable or, for ``json_schema``, never changed (``dataclasses.asdict``'s
+    deep copy cost about a tenth of the core's time per request)."""
+    fields = {name: getattr(req, name) for name in FINGERPRINTED}
     return hashlib.blake2b(p.pack(fields), digest_size=16).digest()
 
 

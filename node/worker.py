@@ -407,16 +407,21 @@ class WorkerLoop:
         """One message of an engine thread: ``partials`` (``{parts: [[rid, text],
         ...]}``, in order) or ``final`` (a FINAL body). Pieces of text wait in
         ``_parts`` for ``_send_parts``; a FINAL sends them first, so the broker
-        never sees a request's text after its FINAL."""
+        never sees a request's text after its FINAL. When every piece waiting is
+        the FINAL's own request's, they ride on it (``parts``, PROTOCOL §13.2):
+        one message where a PARTIAL and a FINAL were two."""
         kind, payload = frames[0], p.unpack_map(frames[1])
         if kind == b"partials":
             for rid, text in payload["parts"]:
                 if rid not in self._abandoned:
                     self._relay_partial(rid, text)
             return
-        self._send_parts()
         rid = payload["rid"]
         abandoned = rid in self._abandoned
+        parts = self._parts
+        own = bool(parts) and not abandoned and all(part[0] == rid for part in parts)
+        if not own:
+            self._send_parts()
         self._streamed.pop(rid, None)
         self._log_final(rid, payload, rid in self._abandoned)
         outgrew = rid in self._outgrew
@@ -426,7 +431,13 @@ class WorkerLoop:
         else:
             # A FINAL over the broker's socket cap would cost the connection and
             # every request on it: a reply too long is this request's 413.
-            self._send(WorkerCommand.FINAL, p.fit_final(payload, self.limits, outgrew))
+            final = p.fit_final(payload, self.limits, outgrew)
+            if own:
+                # Its text's last pieces, at most text_bytes: the FINAL still fits the cap.
+                final["parts"] = [list(part) for part in parts]
+                final["progress"] = self._progress()
+                parts.clear()
+            self._send(WorkerCommand.FINAL, final)
         self.running.pop(rid, None)
         self.request_ids.pop(rid, None)
         self._send_ready_if_idle()

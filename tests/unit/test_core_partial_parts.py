@@ -81,3 +81,46 @@ def test_parts_count_as_progress(h: BrokerHarness) -> None:
     parts(h, {"parts": [[a, "t"]], "progress": 5}, 0.7)
     assert worker.progress_at == 0.7 and worker.progress_at != before
     assert h.replies() == []  # not streamed: held for the final
+
+
+FINAL = WorkerCommand.FINAL
+
+
+def test_a_final_carrying_its_last_pieces_streams_them_before_the_final(
+    h: BrokerHarness,
+) -> None:
+    """A FINAL with ``parts`` (the worker had its request's last text and its end
+    at once): the pieces reach the client as partials, then the final, as a
+    PARTIAL and a FINAL of their own would."""
+    a, _ = two_running(h)
+    body = {"rid": a, "status": "ok", "parts": [[a, "Hel"], [a, "lo"]], "progress": 2}
+    h.worker_send(W1, FINAL, body, 0.25)
+    replies = h.replies()
+    assert [(r["status"], r["text"]) for r in replies] == [
+        ("partial", "Hel"),
+        ("partial", "lo"),
+        ("ok", "Hello"),
+    ]
+    assert [r.get("index") for r in replies[:2]] == [0, 1]
+    assert replies[2]["ttft_ms"] == 250  # the pieces mark the first token
+    worker = h.broker.workers.get(W1)
+    assert worker is not None and a not in worker.active  # its slot is free again
+
+
+def test_merged_and_split_replies_give_the_same_answers() -> None:
+    merged, split = BrokerHarness(), BrokerHarness()
+    for h, together in ((merged, True), (split, False)):
+        h.ready(W1, 0.0, slots=1)
+        for stream in (True, False):
+            h.send(generate(f"s{stream}", stream=stream), 0.0)
+            rid = h.requests(W1)[0]["rid"]
+            final = {"rid": rid, "status": "ok", "finish_reason": "length"}
+            if together:
+                h.worker_send(W1, FINAL, {**final, "parts": [[rid, "echo:"]], "progress": 1}, 0.1)
+            else:
+                h.worker_send(W1, PARTIAL, {"rid": rid, "text": "echo:", "progress": 1}, 0.1)
+                h.worker_send(W1, FINAL, final, 0.1)
+    assert merged.replies() == split.replies()
+    merged.assert_each_answered_once()
+    split.assert_each_answered_once()
+    assert merged.broker.stats.counters == split.broker.stats.counters
