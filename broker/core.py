@@ -365,7 +365,7 @@ class Broker:
     # ------------------------------------------------------------------ workers
 
     def handle_worker(self, frames: list[bytes], now: float) -> None:
-        """Handle one backend message ``[identity, "", "EDGE/W1", command, body]``."""
+        """Handle one backend message ``[identity, "EDGE/W2 COMMAND", body]``."""
         if len(frames) < 2:
             return
         identity = frames[0]

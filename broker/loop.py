@@ -234,6 +234,14 @@ class ZapHandler:
         self._aio.close()
 
 
+def _readable(sock: zmq.Socket[bytes]) -> bool:
+    """Whether ``sock`` has a message to read now (``ZMQ_EVENTS``): the loop asks
+    before a read that most often finds nothing, since a failed ``NOBLOCK`` read
+    raises ``zmq.Again``, and raising it cost twice this question (measured with
+    pyzmq 27: ~24 µs against ~10 µs on the loaded development VM)."""
+    return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+
 class BrokerLoop:
     """Runs a ``Broker`` on two ROUTER sockets until ``stop()`` is called.
 
@@ -346,11 +354,12 @@ class BrokerLoop:
         if clients_read:
             self._drain_clients()
             # Read what workers sent meanwhile, so liveness judges fresh news.
-            self._drain(self.backend, self.broker.handle_worker)
+            if _readable(self.backend):
+                self._drain(self.backend, self.broker.handle_worker)
         # After the clients' messages: the events that preceded them are in. A turn
         # without client messages reads only events the poll saw (a failed read costs
         # as much as a message; a later event wakes the next poll).
-        if clients_read or self.monitor in ready:
+        if (clients_read and _readable(self.monitor)) or self.monitor in ready:
             self._read_monitor()
         for fd, callback in self._extra.items():
             if fd in ready:

@@ -7,7 +7,7 @@ Client <-> broker (frontend ROUTER)::
 
 Worker <-> broker (backend ROUTER, workers are DEALERs)::
 
-    ["", "EDGE/W1", command, body]             command is one of WorkerCommand
+    ["EDGE/W2 " + command, body]               command is one of WorkerCommand
 
 Bodies are msgpack maps with string keys. The field tables live in
 ``docs/PROTOCOL.md``; this module (framing, encoding, reply bodies) and
@@ -29,7 +29,10 @@ from broker.errors import ConfigError, ErrorCode, ProtocolError, TooLarge
 
 PROTOCOL_VERSION = 1
 CLIENT_TAG = b"EDGE/C1"
-WORKER_TAG = b"EDGE/W1"
+#: The worker conversation's tag; its header frame is the tag, a space and the
+#: command, one frame (PROTOCOL §13.1): EDGE/W1's 4 frames a message, each a
+#: send and a receive call on both sides, cost the broker's loop 2 of them more.
+WORKER_TAG = b"EDGE/W2"
 
 #: Default of ``broker.max_body_bytes``, the one setting every size limit of
 #: both conversations derives from (``message_limits``).
@@ -55,7 +58,7 @@ MSGPACK_MAX_DEPTH = 1024
 
 
 class WorkerCommand(bytes, Enum):
-    """Commands of the worker conversation (third frame after "" and the tag)."""
+    """Commands of the worker conversation (after the tag in the header frame)."""
 
     READY = b"READY"
     REQUEST = b"REQUEST"
@@ -65,6 +68,11 @@ class WorkerCommand(bytes, Enum):
     CREDIT = b"CREDIT"
     HEARTBEAT = b"HEARTBEAT"
     DISCONNECT = b"DISCONNECT"
+
+
+#: Each command's header frame (``worker_frames``), and back (``parse_worker_frames``).
+WORKER_HEADERS = {command: WORKER_TAG + b" " + command.value for command in WorkerCommand}
+_HEADER_COMMANDS = {header: command for command, header in WORKER_HEADERS.items()}
 
 
 @dataclass(frozen=True)
@@ -275,8 +283,8 @@ def check_body_size(body: bytes, limit: int) -> None:
 
 
 def worker_frames(command: WorkerCommand, body: dict[str, Any] | None = None) -> list[bytes]:
-    """Frames a worker DEALER sends (no identity): ``["", "EDGE/W1", command, body]``."""
-    return [b"", WORKER_TAG, command.value, pack(body or {})]
+    """Frames a worker DEALER sends (no identity): ``["EDGE/W2 COMMAND", body]``."""
+    return [WORKER_HEADERS[command], pack(body or {})]
 
 
 def to_worker_frames(
@@ -321,15 +329,16 @@ def parse_worker_frames(frames: list[bytes]) -> tuple[WorkerCommand, dict[str, A
     """Decode a worker-conversation message (without the routing identity).
 
     Args:
-        frames: ``["", "EDGE/W1", command, body]``.
+        frames: ``["EDGE/W2 COMMAND", body]``.
 
     Raises:
-        ProtocolError: wrong framing, unknown command or undecodable body.
+        ProtocolError: wrong framing (an EDGE/W1 worker's 4 frames too), unknown
+            command or undecodable body.
     """
-    if len(frames) != 4 or frames[0] != b"" or frames[1] != WORKER_TAG:
-        raise ProtocolError("worker message must be ['', 'EDGE/W1', command, body]")
-    try:
-        command = WorkerCommand(frames[2])
-    except ValueError:
-        raise ProtocolError(f"unknown worker command {frames[2][:16]!r}") from None
-    return command, unpack_map(frames[3])
+    command = _HEADER_COMMANDS.get(frames[0]) if len(frames) == 2 else None
+    if command is None:
+        tag, _, word = frames[0].partition(b" ") if len(frames) == 2 else (b"", b"", b"")
+        if tag != WORKER_TAG or not word:
+            raise ProtocolError("worker message must be ['EDGE/W2 COMMAND', body]")
+        raise ProtocolError(f"unknown worker command {word[:16]!r}")
+    return command, unpack_map(frames[1])

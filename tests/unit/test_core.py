@@ -326,9 +326,9 @@ def test_invalid_ready_is_refused(h: BrokerHarness, body: dict[str, Any]) -> Non
 @pytest.mark.parametrize(
     "frames",
     [
-        [b"", p.WORKER_TAG, b"HELLO", p.pack({})],
-        [b"", p.WORKER_TAG, b"FINAL", b"\xc1"],
-        [b"", p.CLIENT_TAG, b"FINAL", p.pack({})],
+        [p.WORKER_TAG + b" HELLO", p.pack({})],
+        [p.WORKER_TAG + b" FINAL", b"\xc1"],
+        [p.CLIENT_TAG + b" FINAL", p.pack({})],
     ],
     ids=["unknown-command", "bad-body", "wrong-tag"],
 )
@@ -342,7 +342,7 @@ def test_worker_told_to_disconnect_gets_no_more_requests(h: BrokerHarness) -> No
     # A worker that receives DISCONNECT drops its socket and re-registers under a
     # fresh identity (node/worker.py _reconnect), so the old identity is gone.
     h.ready(W1, 0.0)
-    h.broker.handle_worker([W1, b"", p.WORKER_TAG, b"HELLO", p.pack({})], 0.1)
+    h.broker.handle_worker([W1, p.WORKER_TAG + b" HELLO", p.pack({})], 0.1)
     h.drain_workers()
     h.send(generate("a"), 0.2)
     assert bodies(h.drain_workers(), W1, REQUEST) == []

@@ -472,7 +472,8 @@ def test_unknown_wire_code_becomes_internal() -> None:
 def test_worker_frames_round_trip(command: WorkerCommand) -> None:
     body = {"rid": 3, "text": "x", "usage": {"n": 1}}
     frames = p.to_worker_frames(b"w1", command, body)
-    assert frames[:4] == [b"w1", b"", p.WORKER_TAG, command.value]
+    assert frames[:2] == [b"w1", p.WORKER_TAG + b" " + command.value]
+    assert len(frames) == 3  # routing id, header, body: EDGE/W1 had 5
     assert p.parse_worker_frames(frames[1:]) == (command, body)
 
 
@@ -486,26 +487,29 @@ def test_worker_frames_default_to_an_empty_body() -> None:
 @pytest.mark.parametrize(
     "frames",
     [
-        [b"", p.WORKER_TAG, b"READY"],
-        [b"", p.WORKER_TAG, b"READY", p.pack({}), b"x"],
-        [b"x", p.WORKER_TAG, b"READY", p.pack({})],
-        [b"", p.CLIENT_TAG, b"READY", p.pack({})],
+        [],
+        [b"EDGE/W2 READY"],
+        [b"EDGE/W2 READY", p.pack({}), b"x"],
+        [b"", b"EDGE/W1", b"READY", p.pack({})],
+        [b"EDGE/W1 READY", p.pack({})],
+        [b"EDGE/W2", b"READY"],
+        [p.CLIENT_TAG + b" READY", p.pack({})],
     ],
-    ids=["three-frames", "five-frames", "no-delimiter", "client-tag"],
+    ids=["none", "one-frame", "three-frames", "edge-w1", "w1-tag", "no-command", "client-tag"],
 )
 def test_parse_worker_frames_rejects_bad_framing(frames: list[bytes]) -> None:
-    with pytest.raises(ProtocolError, match="EDGE/W1"):
+    with pytest.raises(ProtocolError, match="EDGE/W2 COMMAND"):
         p.parse_worker_frames(frames)
 
 
 def test_parse_worker_frames_names_an_unknown_command() -> None:
     with pytest.raises(ProtocolError, match="HELLO"):
-        p.parse_worker_frames([b"", p.WORKER_TAG, b"HELLO", p.pack({})])
+        p.parse_worker_frames([p.WORKER_TAG + b" HELLO", p.pack({})])
 
 
 def test_parse_worker_frames_rejects_a_non_map_body() -> None:
     with pytest.raises(ProtocolError, match="map"):
-        p.parse_worker_frames([b"", p.WORKER_TAG, b"FINAL", msgpack.packb([1])])
+        p.parse_worker_frames([p.WORKER_TAG + b" FINAL", msgpack.packb([1])])
 
 
 # --------------------------------------------------------------------------- size
