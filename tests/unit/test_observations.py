@@ -11,6 +11,7 @@ from broker.breaker import BreakerState, Transition
 from broker.delivery import GoneCause
 from broker.errors import ConfigError
 from broker.observations import Ended, Observation, TokenGap
+from broker.outbox import Consumed
 from broker.routing import RoutingSettings
 from brokerkit import W1, BrokerHarness, generate
 from node.observe.events import EventMetrics
@@ -43,6 +44,36 @@ def test_token_gaps_are_the_times_between_partials() -> None:
     assert all(g.engine == "llm" for g in gaps)
     assert len([o for o in seen if isinstance(o, Ended)]) == 1
     h.assert_each_answered_once()
+
+
+def _one_streamed_request(h: BrokerHarness) -> None:
+    """One streamed request of three tokens, answered."""
+    h.ready(W1, 0.0)
+    h.send(generate("a", stream=True), 1.0)
+    rid = h.requests(W1)[0]["rid"]
+    for n, at in enumerate((1.1, 1.2, 1.3)):
+        h.partial(W1, rid, f"t{n}", at)
+    h.final(W1, rid, 1.5, text=None)
+
+
+@pytest.mark.parametrize("traces", [True, False])
+@pytest.mark.parametrize("observations", [True, False])
+def test_records_nobody_consumes_are_not_built_and_nothing_else_changes(
+    traces: bool, observations: bool
+) -> None:
+    """``Outbox.consume``: with traces or observations off, none of them is built; the
+    replies, the worker messages and the counters are those of a broker building all."""
+    full, lean = BrokerHarness(routing=FULL), BrokerHarness(routing=FULL)
+    lean.broker.outbox.consume(Consumed(traces=traces, observations=observations))
+    for h in (full, lean):
+        _one_streamed_request(h)
+    assert bool(lean.broker.outbox.traces) is traces
+    assert bool(lean.broker.outbox.observations) is observations
+    assert full.broker.outbox.traces and full.broker.outbox.observations
+    assert lean.replies() == full.replies()
+    assert lean.broker.stats.counters == full.broker.stats.counters
+    full.assert_each_answered_once()
+    lean.assert_each_answered_once()
 
 
 def test_each_ending_is_one_record_with_its_outcome_and_reason() -> None:
