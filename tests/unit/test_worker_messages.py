@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
+from broker import protocol as p
 from broker.errors import ProtocolError
+from broker.protocol import WorkerCommand
 from node.engine import EngineSpec
 from node.worker import MAX_MESSAGE_CHARS, WorkerLoop, WorkerSpec, clip
 
@@ -22,6 +24,7 @@ class Raising:
     """An engine whose every request fails with ``exc``."""
 
     kind, model, n_ctx = "test", "raising", 64
+    steps = 0  # compute steps, for the worker's progress count
 
     def __init__(self, exc: Exception) -> None:
         self.exc = exc
@@ -75,3 +78,39 @@ def test_an_error_quoting_client_input_is_clipped_in_the_reply_and_the_log(
     assert len(reply["message"]) < MAX_MESSAGE_CHARS + 40
     assert caplog.records  # it was logged, clipped:
     assert sum(len(r.getMessage()) for r in caplog.records) < 2 * (MAX_MESSAGE_CHARS + 100)
+
+
+def _sent_for(loop: WorkerLoop, events: list[tuple[bytes, dict[str, Any]]]) -> list[Any]:
+    """The (command, body) pairs ``loop`` sends the broker for engine ``events``."""
+    sent: list[Any] = []
+    loop._send = lambda command, body: sent.append((command, body))  # type: ignore[method-assign]
+    for rid in (7, 8):
+        loop.running[rid] = threading.Event()
+    for kind, payload in events:
+        loop._on_engine_event([kind, p.pack(payload)])
+    return sent
+
+
+def test_a_final_carries_its_own_last_pieces(
+    make_loop: Callable[[Exception], WorkerLoop],
+) -> None:
+    """PROTOCOL §13.2: the request's last text and its end, waiting together, go as
+    one FINAL with ``parts`` and ``progress``, not as a PARTIAL and a FINAL."""
+    loop = make_loop(RuntimeError("unused"))
+    final = {"rid": 7, "status": "ok", "text": "ab"}
+    sent = _sent_for(loop, [(b"partials", {"parts": [[7, "a"], [7, "b"]]}), (b"final", final)])
+    assert [command for command, _ in sent] == [WorkerCommand.FINAL]
+    body = sent[0][1]
+    assert body["parts"] == [[7, "a"], [7, "b"]] and isinstance(body["progress"], int)
+    assert not loop._parts
+
+
+def test_another_requests_pieces_go_first_in_a_partial_of_their_own(
+    make_loop: Callable[[Exception], WorkerLoop],
+) -> None:
+    loop = make_loop(RuntimeError("unused"))
+    final = {"rid": 7, "status": "ok", "text": "a"}
+    sent = _sent_for(loop, [(b"partials", {"parts": [[7, "a"], [8, "x"]]}), (b"final", final)])
+    assert [command for command, _ in sent] == [WorkerCommand.PARTIAL, WorkerCommand.FINAL]
+    assert sent[0][1]["parts"] == [[7, "a"], [8, "x"]]
+    assert "parts" not in sent[1][1]
