@@ -149,6 +149,11 @@ def _claim_process(node: Node) -> None:
     global _serving
     with _serving_lock:
         other = _serving
+        if other is not None and other is not node and other.run_dir == node.run_dir:
+            raise ConfigError(
+                f"one edgenode node per process: the node of {node.run_dir} already runs "
+                f"in this process (pid {os.getpid()})"
+            )
         if other is not None and other is not node:
             raise ConfigError(
                 f"one edgenode node per process: the node of {other.run_dir} still runs in "
