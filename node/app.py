@@ -132,6 +132,45 @@ def inherited_ready_fd() -> int | None:
     return fd
 
 
+#: The node serving in this process, if any (``_claim_process``): one per process.
+_serving: Node | None = None
+_serving_lock = threading.Lock()
+
+
+def _claim_process(node: Node) -> None:
+    """Make ``node`` this process's node, or refuse: a node moves its whole
+    process into its own ``node`` leaf cgroup (and may pin its threads), so a
+    second node in the same process would make its cgroups inside the first's,
+    and the first's stop would kill the second's workers and remove its cgroups.
+
+    Raises:
+        ConfigError: another node of this process still serves (or is stopping).
+    """
+    global _serving
+    with _serving_lock:
+        other = _serving
+        if other is not None and other is not node and other.run_dir == node.run_dir:
+            raise ConfigError(
+                f"one edgenode node per process: the node of {node.run_dir} already runs "
+                f"in this process (pid {os.getpid()})"
+            )
+        if other is not None and other is not node:
+            raise ConfigError(
+                f"one edgenode node per process: the node of {other.run_dir} still runs in "
+                f"this process (pid {os.getpid()}); stop it before starting the node of "
+                f"{node.run_dir}, or run that one in a process of its own"
+            )
+        _serving = node
+
+
+def _release_process(node: Node) -> None:
+    """``node`` no longer serves (its loop ended and cleaned up): another may start."""
+    global _serving
+    with _serving_lock:
+        if _serving is node:
+            _serving = None
+
+
 class NodeStartError(EdgeNodeError):
     """An embedded node did not come up: a worker failed for good (its exit says
     why), or not every worker was READY within the wait. The node is stopped
@@ -151,8 +190,10 @@ class Node:
     - ``stop`` drains as SIGTERM does, joins the thread and re-raises an error
       that ended the loop thread; a second call does nothing.
     - No signal handler, wakeup fd or SIGCHLD handler is installed: the app's
-      stay as they were. ``edgenode stop`` on the run directory refuses to
-      signal the app (``node.pidfile.ForeignHolderError``): the app stops its node.
+      stay as they were. ``edgenode stop`` on the run directory names the app
+      and signals nothing (``node.pidfile.EmbeddedHolderError``): the app stops its node.
+    - One node per process (``start`` and ``run`` refuse a second while one
+      still runs): each moves the whole process into its own cgroup.
     - Cgroups: the node's sandbox moves the whole process (the app with it) into
       the node's ``node`` leaf, as for the CLI's node (cgroup v2 allows no process
       in a cgroup that enables controllers), and ``stop`` moves it back to the
@@ -166,7 +207,8 @@ class Node:
             serve are checked, ``node.model.snapshot_rules``), the core plan is
             impossible, the run directory is unusable or held by another node
             (one node per run directory: ``node.pidfile.RunLock``), or an
-            endpoint is in use (the message names its holder). A start that
+            endpoint is in use (the message names its holder), or another node
+            still runs in this process (one node per process). A start that
             fails removes the workers, cgroups, socket files and pidfile it made.
         SandboxError: ``sandbox = "required"`` and cgroups cannot be used.
         NodeStartError: (``start`` only) a worker failed for good, or not every
@@ -196,6 +238,9 @@ class Node:
         #: Set by the loop thread once every worker is READY, a worker failed for
         #: good (``_start_failure``), or the thread ended.
         self._started = threading.Event()
+        #: Set as the loop thread's last act: its cleanup is done (``stop`` waits
+        #: for this, not ``Thread.join``; see ``_wait_ended``).
+        self._ended = threading.Event()
         self._start_failure: str | None = None
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
@@ -211,6 +256,8 @@ class Node:
 
         Raises:
             RuntimeError: this node was started before (a ``Node`` starts once).
+            ConfigError: another node still runs in this process (one node per
+                process: each moves the process into its own cgroup).
             NodeStartError: a worker failed for good, or not all were READY in
                 ``start_wait_s`` seconds; the node is stopped first.
             EdgeNodeError: what ``run`` raises (bad config, run directory in
@@ -219,9 +266,15 @@ class Node:
         """
         if self._thread is not None:
             raise RuntimeError("a Node starts once; make a new Node to start again")
+        _claim_process(self)  # released by the loop thread when it ends
         self._wake = _wake_pair()
         self._thread = threading.Thread(target=self._thread_main, name="edgenode-node")
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            _release_process(self)
+            self._ended.set()
+            raise
         try:
             ready = self._started.wait(self.start_wait_s)
         except BaseException:  # a Ctrl-C while waiting: no node left running
@@ -249,6 +302,15 @@ class Node:
             BaseException: whatever ended the loop thread (once; a second ``stop``
                 returns quietly).
         """
+        error, interrupted = self._stop()
+        if error is not None:
+            raise error
+        if interrupted is not None:
+            raise interrupted
+
+    def _stop(self) -> tuple[BaseException | None, KeyboardInterrupt | None]:
+        """``stop``'s work: (the loop thread's error, taken once; a Ctrl-C that
+        came while waiting), both None for a clean stop."""
         self._stop_requested = True
         wake = self._wake
         if wake is not None:
@@ -256,19 +318,30 @@ class Node:
                 wake[1].send(b"\0")
         thread = self._thread
         if thread is None or thread is threading.current_thread():
-            return
-        interrupted: KeyboardInterrupt | None = None
-        while thread.is_alive():
-            try:
-                thread.join()
-            except KeyboardInterrupt as exc:  # finish the stop first: no leftovers
-                interrupted = exc
+            return None, None
+        interrupted = self._wait_ended(thread)
         with self._error_lock:
             error, self._error = self._error, None
-        if error is not None:
-            raise error
-        if interrupted is not None:
-            raise interrupted
+        return error, interrupted
+
+    def _wait_ended(self, thread: threading.Thread) -> KeyboardInterrupt | None:
+        """Wait until the loop thread has cleaned up and ended, through every
+        Ctrl-C; returns the last one, if any. Not ``Thread.join`` alone: on
+        Python 3.11 a KeyboardInterrupt inside ``join`` releases the thread's
+        state lock (bpo-45274's fix), after which ``is_alive()`` says False, and
+        interpreter exit no longer waits for it, while the thread still runs."""
+        interrupted: KeyboardInterrupt | None = None
+        while not self._ended.is_set():
+            try:
+                self._ended.wait()
+            except KeyboardInterrupt as exc:  # finish the stop first: no leftovers
+                interrupted = exc
+        while True:  # the thread's last statement is done: this join is at once
+            try:
+                thread.join()
+                return interrupted
+            except KeyboardInterrupt as exc:
+                interrupted = exc
 
     @property
     def running(self) -> bool:
@@ -284,13 +357,17 @@ class Node:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        try:
-            self.stop()
-        except BaseException as loop_error:
-            if exc is None:
-                raise
-            # The body's exception goes on (it says what the app was doing); the
-            # loop thread's is logged, whole, rather than lost.
+        loop_error, interrupted = self._stop()
+        if exc is None:
+            if loop_error is not None:
+                raise loop_error
+            if interrupted is not None:
+                raise interrupted
+            return
+        # The body's exception goes on (it says what the app was doing; a Ctrl-C
+        # during the stop adds nothing to it); the loop thread's is logged, whole,
+        # rather than lost.
+        if loop_error is not None:
             log.error("edgenode loop thread failed", exc_info=loop_error)
 
     async def __aenter__(self) -> Node:
@@ -327,7 +404,9 @@ class Node:
             with self._error_lock:
                 self._error = exc
         finally:
+            _release_process(self)
             self._started.set()
+            self._ended.set()
 
     def _stop_if_abandoned(self) -> None:
         """An embedded node whose app's main thread ended without ``stop`` (the
@@ -379,8 +458,10 @@ class Node:
         self._ready_fd = inherited_ready_fd()
         self._wake = _wake_pair()
         try:
+            _claim_process(self)
             return self._run(inherited_lock_fd())
         finally:
+            _release_process(self)
             self._close_ready_fd()  # a node that ends before it is ready: EOF
 
     def _run(self, lock_fd: int | None) -> int:
@@ -426,7 +507,7 @@ class Node:
         # One node per run directory, for this node's whole life; a background
         # start took the lock before spawning this process and handed it over.
         with RunLock(self.run_dir, fd=lock_fd):
-            write_pidfile(self.pidfile)
+            write_pidfile(self.pidfile, embedded=not self._own_signals)
             try:
                 if rules is not None:
                     snapshot_rules(rules, self.run_dir)

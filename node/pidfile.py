@@ -21,7 +21,8 @@ a descriptor of the directory whose ``/proc/<pid>/fdinfo`` lists the lock
 (proc(5), "lock:" lines, Linux 3.8), the recorded pid first.
 
 ``edgenode stop`` signals only a holder that is an edgenode start
-(``is_node_command``), through a pidfd opened and then checked against the lock
+(``is_node_command``; an app that embeds a node is named, never signalled:
+``EmbeddedHolderError``), through a pidfd opened and then checked against the lock
 again, so neither a pidfile that names a stranger, nor an unrelated process
 holding a flock on the directory, nor a pid reused meanwhile leads to a signal.
 
@@ -82,6 +83,50 @@ class ForeignHolderError(ConfigError):
         )
         self.pid = pid
         self.cmdline = cmdline
+
+
+class EmbeddedHolderError(ForeignHolderError):
+    """The run directory's lock holder is an app that embeds a node
+    (``with Node(config)``; its pidfile says ``"embedded": true`` and names it):
+    a node serves there, but ``edgenode stop`` does not signal the app (its signals
+    are its own); the app stops its node (``Node.stop()``, or the end of its
+    ``with`` block).
+
+    Attributes:
+        pid, cmdline: as ``ForeignHolderError``'s.
+    """
+
+    def __init__(self, run_dir: Path, pid: int, cmdline: str) -> None:
+        ConfigError.__init__(
+            self,
+            f"the edgenode node of {run_dir} is embedded in an app (pid {pid}: {cmdline}); "
+            "the app stops it (Node.stop(), or the end of its with block)",
+        )
+        self.pid = pid
+        self.cmdline = cmdline
+
+
+def not_a_start(run_dir: Path, holder: psutil.Process) -> ForeignHolderError:
+    """The error for a lock ``holder`` that is not an edgenode start: an app that
+    embeds the node (``embeds_node``) or a process that is no node at all."""
+    kind = EmbeddedHolderError if embeds_node(run_dir, holder) else ForeignHolderError
+    return kind(run_dir, holder.pid, describe(holder))
+
+
+def embeds_node(run_dir: Path, proc: psutil.Process) -> bool:
+    """Whether ``run_dir``'s pidfile names ``proc`` (pid and start time) as an
+    embedded node (``write_pidfile(embedded=True)``). Only the lock holder writes
+    the pidfile, so the caller checks that ``proc`` holds the lock."""
+    try:
+        recorded = json.loads((run_dir / PIDFILE_NAME).read_text())
+        return (
+            recorded.get("embedded") is True
+            and recorded.get("pid") == proc.pid
+            # psutil's start time, recomputed: equal up to rounding (s).
+            and abs(float(recorded.get("create_time")) - proc.create_time()) < 0.5
+        )
+    except (OSError, ValueError, TypeError, AttributeError, psutil.Error):
+        return False
 
 
 class RunLock:
@@ -213,6 +258,11 @@ def in_use_message(run_dir: Path, wait_s: float = HANDOVER_WAIT_S) -> str:
     seconds for a background start to launch it), or, for a holder that is not
     an edgenode start, which process it is."""
     holder = serving_holder(run_dir, wait_s)
+    if holder is not None and embeds_node(run_dir, holder):
+        return (
+            f"edgenode already running, embedded in an app (pid {holder.pid}: "
+            f"{describe(holder)}, {run_dir}): one node per run directory"
+        )
     if holder is not None and not is_node(holder):
         return ForeignHolderError(run_dir, holder.pid, describe(holder)).message
     if holder is None:
@@ -399,7 +449,8 @@ def signal_holder(run_dir: Path, signum: signal.Signals) -> psutil.Process | Non
 
     Raises:
         ForeignHolderError: the holder is not an edgenode start (``is_node``);
-            it is not signalled.
+            it is not signalled. ``EmbeddedHolderError`` when it is an app that
+            embeds the node (its pidfile says so).
         PermissionError, psutil.AccessDenied: the holder is another user's process.
     """
     for _ in range(HOLDER_CHANGES + 1):
@@ -407,7 +458,7 @@ def signal_holder(run_dir: Path, signum: signal.Signals) -> psutil.Process | Non
         if holder is None:
             return None
         if not is_node(holder):
-            raise ForeignHolderError(run_dir, holder.pid, describe(holder))
+            raise not_a_start(run_dir, holder)
         try:
             pidfd = os.pidfd_open(holder.pid)
         except ProcessLookupError:
@@ -430,11 +481,14 @@ def signal_holder(run_dir: Path, signum: signal.Signals) -> psutil.Process | Non
     return None
 
 
-def write_pidfile(path: Path) -> None:
-    """Record this process (pid and start time) in ``path``, atomically."""
+def write_pidfile(path: Path, *, embedded: bool = False) -> None:
+    """Record this process (pid and start time) in ``path``, atomically;
+    ``embedded``: the node is embedded in an app (``Node.start``), which
+    ``edgenode stop`` then names instead of signalling (``EmbeddedHolderError``)."""
     me = psutil.Process()
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"pid": me.pid, "create_time": me.create_time()}))
+    record = {"pid": me.pid, "create_time": me.create_time(), "embedded": embedded}
+    tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
 
 

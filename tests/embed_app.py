@@ -3,7 +3,10 @@
 ``python tests/embed_app.py CONFIG REPORT MODE`` (``PYTHONPATH`` = the repo): installs
 its own SIGTERM/SIGINT handlers, embeds a node from ``CONFIG`` with ``with
 Node(config)`` and the sync Client (MODE ``sync``, ``raise``, ``rules``, ``timeout``;
-``forget``: ``start`` without ``stop``) or ``async with Node(config)`` and the
+``forget``: ``start`` without ``stop``; ``two``: a second node, of the config in
+``$EDGENODE_CONFIG2``, in the same process; ``hold``: serve until a line comes on
+stdin; ``ctrlc``: Python's default SIGINT handler, a slow request in flight, serve
+until a Ctrl-C) or ``async with Node(config)`` and the
 AsyncClient (MODE ``async``), serves requests, and writes what it saw to ``REPORT``
 (JSON) before it exits: the worker pids, the node's cgroups and the app's own cgroup
 while serving, the replies, and whether its handlers were the same inside and after the
@@ -124,8 +127,70 @@ def kill9_busy_worker(node: Node, client: Client) -> dict[str, Any]:
         col.close()
 
 
+def note_workers(node: Node, report: dict[str, Any]) -> None:
+    """The node's worker pids and sandbox, for the test's checks from outside."""
+    with Client(node.frontend, wait_ms=10_000) as client:
+        status = client.status()
+    report["workers"] = {p["worker_id"]: p["pid"] for p in status["processes"]}
+    report["sandbox"] = status["sandbox"]
+
+
+def run_two(config_path: str, report: dict[str, Any]) -> None:
+    """A second node in the same process, on a run directory of its own, while the
+    first serves: refused (one node per process); the first serves on."""
+    with Node(load_config(config_path)) as node:
+        note_workers(node, report)
+        try:
+            Node(load_config(os.environ["EDGENODE_CONFIG2"])).start()
+            report["second_node"] = "started"
+        except ConfigError as exc:
+            report["second_node"] = exc.message
+        report["cgroup_inside"] = own_cgroup()
+        with Client(node.frontend, wait_ms=10_000) as client:
+            report["replies"] = [client.generate("hello").text]
+
+
+def run_hold(config_path: str, report: dict[str, Any]) -> None:
+    """Serve until a line (or EOF) on stdin; "serving" on stdout once ready."""
+    with Node(load_config(config_path)) as node:
+        note_workers(node, report)
+        print("serving", flush=True)
+        sys.stdin.readline()
+
+
+def run_ctrlc(config_path: str, report: dict[str, Any]) -> None:
+    """Serve, with a slow request in flight (the stop's drain waits for it), until
+    a Ctrl-C; "serving" on stdout once the request runs. More Ctrl-Cs may come
+    while the node stops: the stop still finishes."""
+    col: Collector | None = None
+    try:
+        with Node(load_config(config_path)) as node:
+            note_workers(node, report)
+            col = Collector(node.frontend)
+            col.send(id="slow", op="generate", prompt="!slow 200 " + "w " * 20, max_tokens=20)
+            with Client(node.frontend, wait_ms=10_000) as client:
+                wait_for(lambda: any(w["active"] for w in client.status()["workers"]))
+            print("serving", flush=True)
+            while True:
+                time.sleep(0.05)
+    except KeyboardInterrupt:
+        report["interrupted"] = True
+    finally:
+        if col is not None:
+            col.close()
+
+
 def run_sync(config_path: str, report: dict[str, Any], mode: str) -> None:
     config = load_config(config_path)
+    if mode == "two":
+        run_two(config_path, report)
+        return
+    if mode == "hold":
+        run_hold(config_path, report)
+        return
+    if mode == "ctrlc":
+        run_ctrlc(config_path, report)
+        return
     if mode == "forget":
         # Started, never stopped: the main thread ends, the node stops itself.
         node = Node(config).start()
@@ -205,6 +270,8 @@ def main() -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(threadName)s %(name)s %(message)s")
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    if mode == "ctrlc":  # Ctrl-C raises KeyboardInterrupt, as in most apps
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     report: dict[str, Any] = {
         "pid": os.getpid(),
         "handlers_before": handlers(),

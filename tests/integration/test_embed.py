@@ -15,9 +15,11 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,9 @@ from typing import Any
 import psutil
 import pytest
 
+from node.interpreter import module_command
 from node.model import RULES_SNAPSHOT
-from node.testing import REPO, leftover_processes, node_cgroup_dirs, toml_value
+from node.testing import REPO, leftover_processes, node_cgroup_dirs, toml_value, wait_for
 
 APP = REPO / "tests" / "embed_app.py"
 
@@ -66,20 +69,53 @@ class App:
         self.config.write_text("\n".join(lines) + "\n")
         self.report_path = run_dir / "report.json"
 
-    def run(self, mode: str) -> tuple[int, dict[str, Any], str]:
+    def run(self, mode: str, **env_extra: str) -> tuple[int, dict[str, Any], str]:
         """Run the app to its end: (exit code, its report, its stderr)."""
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        env.pop("EDGENODE_RUN_DIR", None)  # the config's run_dir, not the harness's
         done = subprocess.run(
-            [sys.executable, str(APP), str(self.config), str(self.report_path), mode],
+            self._argv(mode),
             cwd=REPO,
-            env=env,
+            env=self._env(**env_extra),
             capture_output=True,
             text=True,
             timeout=50,
         )
         report = json.loads(self.report_path.read_text())
         return done.returncode, report, done.stderr
+
+    def spawn(self, mode: str) -> subprocess.Popen[str]:
+        """Start the app (stdin and stdout piped, stderr to ``self.stderr``) and
+        wait for its "serving" line."""
+        self.stderr = self.run_dir / "app.stderr"
+        with self.stderr.open("w") as err:
+            proc = subprocess.Popen(
+                self._argv(mode),
+                cwd=REPO,
+                env=self._env(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line == "serving\n", (line, self.stderr.read_text())
+        return proc
+
+    def finish(self, proc: subprocess.Popen[str]) -> tuple[int, dict[str, Any], str]:
+        """Wait for a spawned app's end: (exit code, its report, its stderr)."""
+        code = proc.wait(timeout=40)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+        return code, json.loads(self.report_path.read_text()), self.stderr.read_text()
+
+    def _argv(self, mode: str) -> list[str]:
+        return [sys.executable, str(APP), str(self.config), str(self.report_path), mode]
+
+    def _env(self, **extra: str) -> dict[str, str]:
+        env = {**os.environ, "PYTHONPATH": str(REPO), **extra}
+        env.pop("EDGENODE_RUN_DIR", None)  # the config's run_dir, not the harness's
+        return env
 
     def assert_nothing_left(self, report: dict[str, Any], stopped_in_main: bool = True) -> None:
         """No worker process (by pid, by process group), cgroup, socket file or
@@ -154,10 +190,13 @@ def test_with_node_serves_and_leaves_nothing(app_dir: Path) -> None:
     assert kill9["served_by"] != kill9["victim"]
     assert kill9["last_exit"] == "killed by SIGKILL"
     assert report["workers_after_kill"][kill9["victim"]] != report["workers"][kill9["victim"]]
-    # The pidfile names the app, as it names the CLI's node; one node per run
-    # directory: the second is refused, naming the app.
+    # The pidfile names the app, as it names the CLI's node, and says it embeds
+    # the node. A second node in the same process is refused (one per process;
+    # test_a_second_node_in_the_process_is_refused, from another process
+    # test_stop_and_a_second_node_name_the_app_that_embeds_the_node).
     assert report["pidfile_inside"]["pid"] == report["pid"]
-    assert "is locked by another process" in report["second_node"]
+    assert report["pidfile_inside"]["embedded"] is True
+    assert "one edgenode node per process" in report["second_node"]
     assert f"pid {report['pid']}" in report["second_node"]
     app.assert_served_from_its_cgroup(report)
     app.assert_nothing_left(report)
@@ -228,5 +267,109 @@ def test_a_task_cancelled_while_its_node_starts_leaves_nothing(app_dir: Path) ->
     assert code == 0, report.get("error", stderr)
     assert report["cancelled"] is True
     assert "body_ran" not in report
+    assert "edgenode stopped" in stderr
+    app.assert_nothing_left(report)
+
+
+def test_a_second_node_in_the_process_is_refused(app_dir: Path) -> None:
+    # Each node moves the whole process into its own "node" leaf cgroup: a second
+    # one made its cgroups inside the first's, and the first's stop killed its
+    # workers. One node per process: the second start is refused, makes nothing,
+    # and the first serves on and stops clean.
+    second_dir = app_dir / "second"
+    second_dir.mkdir()
+    second = App(second_dir)
+    app = App(app_dir)
+    code, report, stderr = app.run("two", EDGENODE_CONFIG2=str(second.config))
+    assert code == 0, report.get("error", stderr)
+    assert report["second_node"].startswith("one edgenode node per process: the node of ")
+    assert f"still runs in this process (pid {report['pid']})" in report["second_node"]
+    assert report["replies"] == ["echo: hello"]
+    assert node_cgroup_dirs(second_dir) == []
+    assert leftover_processes(second_dir) == []
+    assert not (second_dir / "edgenode.pid").exists()
+    assert "SandboxError" not in stderr
+    app.assert_nothing_left(report)
+
+
+def test_stop_and_a_second_node_name_the_app_that_embeds_the_node(app_dir: Path) -> None:
+    # From outside, the run directory's lock holder is the app: edgenode stop says
+    # a node is embedded there (and signals nothing), status shows it serving, and
+    # a second node (another process) is refused naming the app as an embedding.
+    app = App(app_dir)
+    proc = app.spawn("hold")
+    try:
+        base = [*module_command("node.cli", "-c", str(app.config), "--run-dir", str(app_dir))]
+        env = app._env()
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [*base, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=30
+            )
+
+        stopped = cli("stop")
+        assert stopped.returncode == 1, stopped
+        assert (
+            f"the edgenode node of {app_dir} is embedded in an app (pid {proc.pid}: "
+            in stopped.stderr
+        )
+        assert "the app stops it (Node.stop(), or the end of its with block)" in stopped.stderr
+        assert "nothing was signalled" in stopped.stderr
+        assert "not an edgenode node" not in stopped.stderr
+        status = cli("status", "--json")
+        assert status.returncode == 0, status
+        assert json.loads(status.stdout)["pid"] == proc.pid
+        second = subprocess.run(
+            [sys.executable, "-c", SECOND_NODE, str(app.config)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert second.stdout.startswith(
+            f"ConfigError: edgenode already running, embedded in an app (pid {proc.pid}: "
+        ), second
+        assert proc.poll() is None  # nothing signalled it
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.write("done\n")
+        proc.stdin.flush()
+    code, report, stderr = app.finish(proc)
+    assert code == 0, report.get("error", stderr)
+    app.assert_nothing_left(report)
+
+
+#: A second process that starts a node on the config in argv[1]; prints the error.
+SECOND_NODE = """\
+import sys
+from broker.errors import ConfigError
+from node.app import Node
+from node.config import load_config
+try:
+    Node(load_config(sys.argv[1])).start()
+    print("started")
+except ConfigError as exc:
+    print(f"ConfigError: {exc.message}")
+"""
+
+
+def test_more_ctrl_cs_during_the_stop_do_not_cut_it_short(app_dir: Path) -> None:
+    # A Ctrl-C stops the node; the drain waits for a 4 s request, and more Ctrl-Cs
+    # come meanwhile. On Python 3.11 one inside Thread.join made is_alive() False
+    # while the loop thread still ran: the stop returned early, the app stayed in
+    # the node's cgroup, and a worker, the pidfile and the sockets were left.
+    app = App(app_dir, workers={"stop_grace_ms": 10_000})
+    proc = app.spawn("ctrlc")
+    proc.send_signal(signal.SIGINT)
+    wait_for(lambda: "draining 1 request" in app.stderr.read_text(), timeout=10)
+    for _ in range(3):
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+    assert proc.poll() is None  # still stopping: the Ctrl-Cs came during the stop
+    code, report, stderr = app.finish(proc)
+    assert code == 0, report.get("error", stderr)
+    assert report["interrupted"] is True
+    assert "loop thread failed" not in stderr
     assert "edgenode stopped" in stderr
     app.assert_nothing_left(report)

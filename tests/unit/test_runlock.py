@@ -18,11 +18,14 @@ from node.endpoints import check_free
 from node.interpreter import module_command
 from node.pidfile import (
     LOCK_FD_ENV,
+    PIDFILE_NAME,
+    EmbeddedHolderError,
     ForeignHolderError,
     RunLock,
     is_node_command,
     lock_holder,
     signal_holder,
+    write_pidfile,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,6 +36,18 @@ import sys
 from pathlib import Path
 from node.pidfile import RunLock
 with RunLock(Path(sys.argv[-1])):
+    print("locked", flush=True)
+    sys.stdin.read()
+"""
+
+#: HOLDER that also writes the pidfile as an embedded node does (``Node.start``).
+EMBEDDING_HOLDER = """
+import sys
+from pathlib import Path
+from node.pidfile import RunLock, write_pidfile
+run_dir = Path(sys.argv[-1])
+with RunLock(run_dir):
+    write_pidfile(run_dir / "edgenode.pid", embedded=True)
     print("locked", flush=True)
     sys.stdin.read()
 """
@@ -233,3 +248,37 @@ def test_a_tcp_port_in_use_is_named() -> None:
         for endpoint in (f"tcp://127.0.0.1:{port}", f"tcp://*:{port}"):
             with pytest.raises(ConfigError, match=f"in use by pid {os.getpid()}"):
                 check_free("node.frontend", endpoint)
+
+
+def test_an_app_that_embeds_a_node_is_named_as_such_and_never_signalled(tmp_path: Path) -> None:
+    app = subprocess.Popen(
+        [sys.executable, "-c", EMBEDDING_HOLDER, str(tmp_path)],
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        },
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert app.stdout is not None and app.stdout.readline().strip() == "locked"
+        with pytest.raises(EmbeddedHolderError, match=f"embedded in an app \\(pid {app.pid}: "):
+            signal_holder(tmp_path, signal.SIGTERM)
+        with pytest.raises(
+            ConfigError, match=f"already running, embedded in an app \\(pid {app.pid}"
+        ):
+            RunLock(tmp_path).__enter__()
+        assert app.poll() is None
+        # A pidfile that says "embedded" but names another process (here this one)
+        # makes the holder no node: a stranger stays a stranger.
+        write_pidfile(tmp_path / PIDFILE_NAME, embedded=True)
+        with pytest.raises(ForeignHolderError, match="not an edgenode node") as refused:
+            signal_holder(tmp_path, signal.SIGTERM)
+        assert not isinstance(refused.value, EmbeddedHolderError)
+    finally:
+        app.kill()
+        app.wait()
+        assert app.stdin is not None and app.stdout is not None
+        app.stdin.close()
+        app.stdout.close()
