@@ -76,10 +76,11 @@ def with_default_sigint(argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-c", DEFAULT_SIGINT, *argv]
 
 
-def terminate(proc: subprocess.Popen[bytes], timeout: float) -> int:
-    """SIGTERM ``proc`` (its clean stop) and wait up to ``timeout`` s; past that, SIGKILL
-    its whole process group. Returns its exit code."""
-    if proc.poll() is None:
+def terminate(proc: subprocess.Popen[bytes], timeout: float, signalled: bool = False) -> int:
+    """SIGTERM ``proc`` (its clean stop; not again when ``signalled``, already sent) and
+    wait up to ``timeout`` s; past that, SIGKILL its whole process group. Returns its
+    exit code."""
+    if proc.poll() is None and not signalled:
         proc.send_signal(signal.SIGTERM)
     try:
         return proc.wait(timeout)
@@ -122,6 +123,8 @@ class NodeProcess:
         )
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = self.run_dir / "node-stdout.log"
+        #: SIGTERM sent by ``begin_stop``: ``stop`` only waits (a second SIGTERM is not needed).
+        self._signalled = False
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """Run ``edgenode ARGS`` against this node's config and run dir."""
@@ -156,6 +159,7 @@ class NodeProcess:
                 "start nodes from the main thread: a node is stopped when the thread "
                 "that started it exits (PR_SET_PDEATHSIG follows the thread)"
             )
+        self._signalled = False
         cmd = [sys.executable, "-c", DIE_WITH_HARNESS, str(os.getpid())]
         cmd += self._argv("start", "--foreground")
         with open(self.log, "ab") as out:
@@ -205,7 +209,18 @@ class NodeProcess:
     def stop(self, timeout: float = 30) -> int:
         """SIGTERM the node and wait; returns its exit code."""
         assert self.proc is not None
-        return terminate(self.proc, timeout)
+        return terminate(self.proc, timeout, signalled=self._signalled)
+
+    def begin_stop(self) -> None:
+        """SIGTERM the node without waiting for it: ``stop`` or ``cleanup`` waits later, so
+        a test suite can stop one node while the next test starts its own."""
+        if self.proc is not None and self.proc.poll() is None and not self._signalled:
+            self.proc.send_signal(signal.SIGTERM)
+            self._signalled = True
+
+    def stopped(self) -> bool:
+        """Not running (never started, or exited)."""
+        return self.proc is None or self.proc.poll() is not None
 
     def cleanup(self) -> None:
         """Kill anything left (a failed test must not leak processes) and remove the run dir."""

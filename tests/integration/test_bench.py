@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 
 from broker.records import BrokerSettings
 from node.interpreter import module_command
@@ -26,16 +27,50 @@ from node.testing import REPO, with_default_sigint
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+#: The scenarios of the one run the report tests share (a bench process and its report cost
+#: seconds each), and the goals each scenario adds, in the report's order.
+SHARED = "broker,faults,remote"
+GOALS = {
+    "broker": ["broker req/s at 8 in flight, share of the raw relay"],
+    "faults": [
+        "kill -9 detected (max)",
+        "SIGSTOP detected (max)",
+        "replies lost around faults",
+        "false deaths",
+        "deadline overshoot (max)",
+        "worker free after deadline (max)",
+    ],
+    "remote": ["tokens/s, local + remote agent over local alone"],
+}
+#: For the shared run (about 70 s on a quiet machine), however loaded the machine is.
+RUN_TIMEOUT_S = 280
+
+
 def bench(out: Path, only: str) -> tuple[str, dict[str, Any]]:
     """Run ``edgenode bench --quick --only ONLY --engine test --json``; the report's
     Markdown and the JSON printed on stdout."""
     argv = module_command("node.cli", "bench", "--quick", "--only", only, "--engine", "test")
     argv += ["--out", str(out), "--json", "--no-progress"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=55, cwd=REPO)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     data: dict[str, Any] = json.loads(done.stdout)
     assert data == json.loads((out / "report.json").read_text())
     return (out / "report.md").read_text(), data
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict[str, Any]]:
+    """One ``bench --quick --only broker,faults,remote`` run: its out directory, report
+    and JSON, read by each scenario's test below."""
+    out = tmp_path_factory.mktemp("bench")
+    report, data = bench(out, SHARED)
+    return out, report, data
+
+
+def goal(data: dict[str, Any], scenario: str) -> dict[str, Any]:
+    """The one goal ``scenario`` reports (its name in ``GOALS``)."""
+    [found] = [g for g in data["goals"] if g["name"] in GOALS[scenario]]
+    return found
 
 
 def table_header(report: str, first: str) -> list[str]:
@@ -44,15 +79,27 @@ def table_header(report: str, first: str) -> list[str]:
     return [c.strip() for c in line.strip("|").split("|")]
 
 
-def test_broker_overhead_beside_the_raw_relay(tmp_path: Path) -> None:
-    report, data = bench(tmp_path, "broker")
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_the_run_reports_each_scenario_and_its_goals_in_order(
+    shared: tuple[Path, str, dict[str, Any]],
+) -> None:
+    _, report, data = shared
+    assert list(data["scenarios"]) == SHARED.split(",")
+    assert [g["name"] for g in data["goals"]] == [n for s in SHARED.split(",") for n in GOALS[s]]
+    assert "interrupted" not in data["meta"]
+    assert "## Broker overhead" in report and "## Faults" in report
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_broker_overhead_beside_the_raw_relay(shared: tuple[Path, str, dict[str, Any]]) -> None:
+    out, report, data = shared
     assert table_header(report, "in flight")[:4] == [
         "in flight",
         "node req/s",
         "raw relay req/s",
         "node / relay",
     ]
-    assert (tmp_path / "broker.png").read_bytes()[:8] == PNG_MAGIC
+    assert (out / "broker.png").read_bytes()[:8] == PNG_MAGIC
     assert "![broker overhead: node vs raw relay](broker.png)" in report
     broker = data["scenarios"]["broker"]
     for side in ("node", "relay"):
@@ -63,13 +110,14 @@ def test_broker_overhead_beside_the_raw_relay(tmp_path: Path) -> None:
             assert figures["lost"] == 0 and figures["not_ok"] == 0, figures
     share = broker["share"]["8"]
     assert share == broker["node"]["8"]["req_per_s"] / broker["relay"]["8"]["req_per_s"]
-    [goal] = data["goals"]
-    assert goal["measured"] == 100 * share and goal["target"] == 70
-    assert f"| {goal['name']} | >= 70 % |" in report
+    found = goal(data, "broker")
+    assert found["measured"] == 100 * share and found["target"] == 70
+    assert f"| {found['name']} | >= 70 % |" in report
 
 
-def test_faults_detected_and_no_reply_lost(tmp_path: Path) -> None:
-    report, data = bench(tmp_path, "faults")
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_faults_detected_and_no_reply_lost(shared: tuple[Path, str, dict[str, Any]]) -> None:
+    _, report, data = shared
     assert table_header(report, "measure") == [
         "measure",
         "n",
@@ -94,10 +142,13 @@ def test_faults_detected_and_no_reply_lost(tmp_path: Path) -> None:
     assert "| detection, SIGSTOP | 1 |" in report
 
 
-def test_remote_agent_beside_the_local_worker_alone(tmp_path: Path) -> None:
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_remote_agent_beside_the_local_worker_alone(
+    shared: tuple[Path, str, dict[str, Any]],
+) -> None:
     """The ``remote`` scenario: a gateway and a host agent as separate processes, each
     on its half of the cores; both layouts measured, the agent served part of the load."""
-    report, data = bench(tmp_path, "remote")
+    _, report, data = shared
     assert table_header(report, "layout")[:3] == ["layout", "rounds", "tokens/s (median)"]
     remote = data["scenarios"]["remote"]
     alone, both = remote["runs"]["local alone"][0], remote["runs"]["local + remote agent"][0]
@@ -106,8 +157,7 @@ def test_remote_agent_beside_the_local_worker_alone(tmp_path: Path) -> None:
     assert alone["remote_share_pct"] == 0 and both["remote_share_pct"] > 0
     assert remote["ratios"] == [both["tokens_per_s"] / alone["tokens_per_s"]]
     assert set(remote["local_cpus"]).isdisjoint(remote["remote_cpus"])
-    [goal] = data["goals"]
-    assert goal["measured"] == 100 * remote["ratios"][0]
+    assert goal(data, "remote")["measured"] == 100 * remote["ratios"][0]
 
 
 def test_ctrl_c_writes_the_finished_scenarios_and_stops_every_node(tmp_path: Path) -> None:

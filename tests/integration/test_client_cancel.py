@@ -26,10 +26,17 @@ SLOW = "!slow 100 " + " ".join(f"w{i}" for i in range(28))
 WAIT_MS = 5000
 
 
+@pytest.fixture(scope="module")
+def two_workers(make_module_node: NodeFactory) -> NodeProcess:
+    """One node (two one-slot workers) for every test here that only sends requests:
+    each test's requests are its own client's and all end before it does."""
+    return make_module_node()
+
+
 def test_cancel_on_the_same_client_ends_the_stream_with_cancelled(
-    make_node: NodeFactory, connect_client: Connect
+    two_workers: NodeProcess, connect_client: Connect
 ) -> None:
-    node = make_node()
+    node = two_workers
     with connect_client(node.frontend, wait_ms=WAIT_MS) as c:
         stream = c.stream_generate(SLOW, max_tokens=100, id="story-1", route="llm")
         assert stream.id == "story-1"
@@ -52,9 +59,9 @@ def test_cancel_on_the_same_client_ends_the_stream_with_cancelled(
 
 
 def test_the_generated_id_of_a_stream_cancels_it(
-    make_node: NodeFactory, connect_client: Connect
+    two_workers: NodeProcess, connect_client: Connect
 ) -> None:
-    node = make_node()
+    node = two_workers
     with connect_client(node.frontend, wait_ms=WAIT_MS) as c:
         stream = c.stream_chat([{"role": "user", "content": SLOW}], max_tokens=100)
         assert isinstance(stream.id, str) and stream.id.startswith(f"{os.getpid():x}-")
@@ -64,9 +71,9 @@ def test_the_generated_id_of_a_stream_cancels_it(
 
 
 def test_ping_status_and_generate_while_a_stream_is_open(
-    make_node: NodeFactory, connect_client: Connect
+    two_workers: NodeProcess, connect_client: Connect
 ) -> None:
-    node = make_node()
+    node = two_workers
     with connect_client(node.frontend, wait_ms=WAIT_MS) as c:
         stream = c.stream_generate("!slow 50 a b c d e f", max_tokens=20)
         pieces = iter(stream)
@@ -81,9 +88,9 @@ def test_ping_status_and_generate_while_a_stream_is_open(
 
 
 def test_two_streams_interleaved_on_one_client(
-    make_node: NodeFactory, connect_client: Connect
+    two_workers: NodeProcess, connect_client: Connect
 ) -> None:
-    node = make_node()
+    node = two_workers
     with connect_client(node.frontend, wait_ms=WAIT_MS) as c:
         one = c.stream_generate("!slow 30 a b c d e", max_tokens=20)
         two = c.stream_generate("!slow 20 v w x y z", max_tokens=20)
@@ -100,9 +107,9 @@ def test_two_streams_interleaved_on_one_client(
 
 
 def test_an_id_in_flight_on_this_client_is_refused_locally(
-    make_node: NodeFactory, connect_client: Connect
+    two_workers: NodeProcess, connect_client: Connect
 ) -> None:
-    node = make_node()
+    node = two_workers
     with connect_client(node.frontend, wait_ms=WAIT_MS) as c:
         stream = c.stream_generate(SLOW, max_tokens=100, id="twice")
         pieces = iter(stream)
@@ -140,10 +147,10 @@ def test_errors_carry_reason_code_and_retry_after(
 
 
 def test_a_finished_stream_frees_its_id_while_the_stream_object_lives(
-    make_node: NodeFactory, connect_client: Connect
+    two_workers: NodeProcess, connect_client: Connect
 ) -> None:
     # Break-it finding: the id stayed "in flight" until the Stream was collected.
-    node = make_node()
+    node = two_workers
     with connect_client(node.frontend, wait_ms=WAIT_MS) as c:
         stream = c.stream_generate("tell me", max_tokens=5, id="s6")
         assert "".join(stream) == "echo: tell me"

@@ -337,16 +337,30 @@ def test_requests_that_end_during_a_pause_of_the_node_run_once(make_node: NodeFa
     assert all(r == (0, "") for r in restarts(status).values())
 
 
-@pytest.mark.timeout(90)
-def test_no_false_death_on_30s_generation_and_slow_load(make_node: NodeFactory) -> None:
+#: The heartbeat of the no-false-death test: the default's ratios (load 4 x, generation 30 x,
+#: stall timeout 15 x the interval) at half the default 1000 ms, so the run lasts 17 s, not
+#: 34 s, and still spans 30 heartbeats; its liveness window (1.5 s) is 5 x that of every other
+#: test here (FAST_BROKER's 300 ms), so a loaded machine does not make it flaky.
+BEAT_MS = 500
+
+
+def test_no_false_death_on_a_30_heartbeat_generation_and_slow_load(
+    make_node: NodeFactory,
+) -> None:
+    # A model load longer than the liveness window (4 beats > 3) and a generation spanning
+    # 30 beats, twice the stall timeout: neither is a dead or stalled worker.
     node = make_node(
-        workers={"count": 1, "test_load_ms": 4000},
-        broker={"heartbeat_interval_ms": 1000, "heartbeat_liveness": 3, "stall_timeout_ms": 15000},
+        workers={"count": 1, "test_load_ms": 4 * BEAT_MS},
+        broker={
+            "heartbeat_interval_ms": BEAT_MS,
+            "heartbeat_liveness": 3,
+            "stall_timeout_ms": 15 * BEAT_MS,
+        },
     )
-    words = " ".join(f"w{i}" for i in range(27))  # 30 tokens with "echo: !slow 1000"
+    words = " ".join(f"w{i}" for i in range(27))  # 30 tokens with "echo: !slow BEAT_MS"
     with node.client() as c:
-        reply = c.generate(f"!slow 1000 {words}", max_tokens=30, timeout_ms=60_000)
-    assert reply.text.endswith(" w26") and reply.total_ms >= 30_000
+        reply = c.generate(f"!slow {BEAT_MS} {words}", max_tokens=30, timeout_ms=60_000)
+    assert reply.text.endswith(" w26") and reply.total_ms >= 30 * BEAT_MS
     status = node.status()
     assert restarts(status)["llm-0"] == (0, "")
     assert status["counters"].get("workers_lost", 0) == 0

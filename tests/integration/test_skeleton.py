@@ -70,6 +70,12 @@ def test_two_workers_run_in_parallel_and_third_waits_for_credit(make_node: NodeF
     assert node.status()["credit"] == 2
 
 
+@pytest.fixture(scope="module")
+def one_worker(make_module_node: NodeFactory) -> NodeProcess:
+    """One node with one worker for the tests that only send it requests."""
+    return make_module_node(workers={"count": 1})
+
+
 def _raw_dealer(endpoint: str) -> zmq.Socket[bytes]:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -118,9 +124,9 @@ def _reply(sock: zmq.Socket[bytes]) -> dict[str, Any]:
     ],
 )
 def test_malformed_messages_get_typed_errors_and_the_broker_stays_up(
-    make_node: NodeFactory, frames: list[bytes], code: int, needle: str
+    one_worker: NodeProcess, frames: list[bytes], code: int, needle: str
 ) -> None:
-    node = make_node(workers={"count": 1})
+    node = one_worker
     sock = _raw_dealer(node.frontend)
     try:
         sock.send_multipart(frames)
@@ -142,9 +148,8 @@ def test_malformed_messages_get_typed_errors_and_the_broker_stays_up(
         sock.close(0)
 
 
-def test_client_raises_typed_error(make_node: NodeFactory) -> None:
-    node = make_node(workers={"count": 1})
-    with node.client() as c, pytest.raises(ProtocolError, match="temperature"):
+def test_client_raises_typed_error(one_worker: NodeProcess) -> None:
+    with one_worker.client() as c, pytest.raises(ProtocolError, match="temperature"):
         c.generate("x", temperature=99)
 
 

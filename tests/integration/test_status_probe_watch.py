@@ -9,6 +9,8 @@ import signal
 import subprocess
 from collections.abc import Callable
 
+import pytest
+
 from node.interpreter import module_command
 from node.testing import REPO, Collector, NodeProcess, wait_for, with_default_sigint
 
@@ -21,8 +23,14 @@ def edgenode_after(
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
-def test_status_with_the_options_after_the_command(make_node: Callable[..., NodeProcess]) -> None:
-    node = make_node(workers={"count": 1})
+@pytest.fixture(scope="module")
+def one_worker(make_module_node: Callable[..., NodeProcess]) -> NodeProcess:
+    """One node (one worker) for the tests that only read it: status, ``--watch``."""
+    return make_module_node(workers={"count": 1})
+
+
+def test_status_with_the_options_after_the_command(one_worker: NodeProcess) -> None:
+    node = one_worker
     done = edgenode_after(node, "status")
     assert done.returncode == 0, done
     assert f"edgenode pid {node.proc.pid if node.proc else '?'}" in done.stdout
@@ -86,8 +94,8 @@ def watch_process(node: NodeProcess, *args: str) -> subprocess.Popen[str]:
     )
 
 
-def test_watch_shows_refreshes_with_rates(make_node: Callable[..., NodeProcess]) -> None:
-    node = make_node(workers={"count": 1})
+def test_watch_shows_refreshes_with_rates(one_worker: NodeProcess) -> None:
+    node = one_worker
     col = Collector(node.frontend)
     try:
         for i in range(20):
@@ -112,8 +120,8 @@ def test_watch_shows_refreshes_with_rates(make_node: Callable[..., NodeProcess])
     assert "Traceback" not in err
 
 
-def test_watch_ends_cleanly_on_ctrl_c(make_node: Callable[..., NodeProcess]) -> None:
-    node = make_node(workers={"count": 1})
+def test_watch_ends_cleanly_on_ctrl_c(one_worker: NodeProcess) -> None:
+    node = one_worker
     proc = watch_process(node, "--interval", "0.2")
     assert proc.stdout is not None
     try:

@@ -8,6 +8,7 @@ offence it finds, not the first.
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,13 +34,20 @@ def project_modules() -> dict[str, Path]:
     }
 
 
+@functools.cache
+def walked(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of ``path``'s syntax tree (``ast.walk`` order), parsed once for all the
+    checks here: each walks the same files, and parsing them was most of their time."""
+    return tuple(ast.walk(ast.parse(path.read_text(), str(path))))
+
+
 def imported(module: str, path: Path, known: set[str]) -> Iterator[tuple[str, int]]:
     """The project modules ``module`` imports, with the line of each import.
 
     ``from a.b import c`` names the module ``a.b.c`` when that is one, else ``a.b``.
     """
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in walked(path):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -60,8 +68,10 @@ def imported(module: str, path: Path, known: set[str]) -> Iterator[tuple[str, in
                 yield target, node.lineno
 
 
+@functools.cache
 def import_graph() -> tuple[dict[str, set[str]], dict[tuple[str, str], str]]:
-    """Edges between project modules, and where each edge is written (``path:line``)."""
+    """Edges between project modules, and where each edge is written (``path:line``);
+    built once per run (the checks only read it)."""
     modules = project_modules()
     known = set(modules)
     edges: dict[str, set[str]] = {m: set() for m in modules}
@@ -184,7 +194,7 @@ def test_no_script_or_test_edits_sys_path() -> None:
     """The harness is ``node.testing``: scripts and tests import it like any module."""
     bad = []
     for path in sorted([*(REPO / "scripts").rglob("*.py"), *(REPO / "tests").rglob("*.py")]):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in walked(path):
             if (
                 isinstance(node, ast.Attribute)
                 and node.attr == "path"
@@ -230,7 +240,7 @@ def test_tests_never_import_the_tests_directory_as_a_package() -> None:
     values live in ``node.testing``; unit helpers are imported as ``brokerkit``."""
     bad = []
     for path in sorted((REPO / "tests").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in walked(path):
             names = []
             if isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
