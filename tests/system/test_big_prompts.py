@@ -46,6 +46,13 @@ def counter() -> Iterator[PromptCounter]:
     yield make_token_counter(str(resolve_model("default")))
 
 
+@pytest.fixture(scope="module")
+def llama_one(make_module_node: NodeFactory) -> NodeProcess:
+    """A node of one model worker, the default context, for the tests that only send it
+    requests (a model node's start costs seconds), its token counter loaded."""
+    return counting(make_module_node(workers={"engine": "llama", "count": 1}))
+
+
 def generate(prompt: str) -> ClientRequest:
     return ClientRequest(id=1, op="generate", prompt=prompt, max_tokens=4)
 
@@ -124,14 +131,14 @@ def burst_cpu_s(node: NodeProcess, bodies: list[dict[str, Any]]) -> tuple[float,
 
 
 def test_refusing_huge_prompts_costs_the_broker_next_to_nothing(
-    make_node: NodeFactory, counter: PromptCounter
+    llama_one: NodeProcess, counter: PromptCounter
 ) -> None:
     """The same bodies twice: with a bad field (400 before any size check), then
     valid (413). The difference is what the size check cost the broker; it is
     compared with what tokenizing the prompts costs, measured in the same run,
     so neither the machine's speed nor its load matters. Before the bound, the
     difference was all of it (6.1 s for these 28 prompts, against 9 ms)."""
-    node = counting(make_node(workers={"engine": "llama", "count": 1}))
+    node = llama_one
     prompts = hostile_prompts()
     tokenizing_s = 0.0
     for prompt, times in Counter(prompts).items():
@@ -161,7 +168,7 @@ def test_refusing_huge_prompts_costs_the_broker_next_to_nothing(
 
 
 def test_a_prompt_too_costly_to_count_on_the_loop_is_left_to_its_worker(
-    make_node: NodeFactory, counter: PromptCounter
+    llama_one: NodeProcess, counter: PromptCounter
 ) -> None:
     """18 KB of HTML tags: 6001 tokens, but nothing in the bytes forces a token
     boundary, so the bound is ~1900 tokens; counting it takes 0.6 s. The worker
@@ -169,8 +176,7 @@ def test_a_prompt_too_costly_to_count_on_the_loop_is_left_to_its_worker(
     prompt = "<b><i>" * 3_000
     found = counter.bounded(generate(prompt), LIMIT)
     assert not found.exact and found.tokens <= LIMIT  # what makes this the case
-    node = counting(make_node(workers={"engine": "llama", "count": 1}))
-    with node.client(wait_ms=30_000) as c:
+    with llama_one.client(wait_ms=30_000) as c:
         with pytest.raises(TooLarge, match="exceed context window of 2048"):
             c.generate(prompt, max_tokens=4)
         assert c.generate("Once upon a time", max_tokens=4).text

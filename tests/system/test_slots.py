@@ -10,8 +10,9 @@ token); the test allows one such prompt in twenty.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -76,16 +77,26 @@ def alone(engine: LlamaEngine, prompt: str, tokens: int = TOKENS) -> str:
     return str(engine.run(greedy(prompt, tokens), threading.Event(), lambda _: None)["text"])
 
 
+@pytest.fixture(scope="module")
+def solo(one: LlamaEngine) -> Callable[[str], str]:
+    """``alone(one, prompt)``, each prompt's text computed once for the module: greedy
+    decoding makes it a function of the prompt, and the cancel tests compare against
+    prompts the twenty-prompt test has already run alone (48 tokens on one thread each)."""
+    return functools.cache(lambda prompt: alone(one, prompt))
+
+
 def step_until_idle(engine: LlamaEngine, ended: dict[int, Outcome]) -> None:
     while engine.busy:
         ended.update(engine.step())
 
 
-def test_each_slot_writes_what_it_writes_alone(one: LlamaEngine, four: LlamaEngine) -> None:
+def test_each_slot_writes_what_it_writes_alone(
+    solo: Callable[[str], str], four: LlamaEngine
+) -> None:
     """Twenty prompts through four slots, a new one joining every 5 steps while a
     slot is free: prompts are evaluated in the same batches as other slots'
     decode steps."""
-    expected = {i: alone(one, p) for i, p in enumerate(PROMPTS)}
+    expected = {i: solo(p) for i, p in enumerate(PROMPTS)}
     ended: dict[int, Outcome] = {}
     streamed: dict[int, list[str]] = {i: [] for i in range(len(PROMPTS))}
     waiting, steps = list(range(len(PROMPTS))), 0
@@ -129,19 +140,19 @@ def run_with_a_cancel(
 
 @pytest.mark.parametrize("when", ["decoding", "prefill"])
 def test_cancelling_one_slot_leaves_the_others_unchanged(
-    one: LlamaEngine, four: LlamaEngine, when: str
+    solo: Callable[[str], str], four: LlamaEngine, when: str
 ) -> None:
     # Not "Once upon a time" nor "def fibonacci(n):": near a tie (seen to flip
     # beside other slots, or with the prompt evaluated in other batch shapes).
     others = [PROMPTS[1], PROMPTS[2], PROMPTS[12]]
     victim = PROMPTS[4] if when == "decoding" else " ".join(["word"] * 1500)
-    expected = [alone(one, p) for p in others]
+    expected = [solo(p) for p in others]
     aborts = four.aborts
     ended = run_with_a_cancel(four, [*others, victim], victim, when)
     cancelled = ended[3]
     assert isinstance(cancelled, Cancelled)
     if when == "decoding":
-        assert cancelled.partial_text and alone(one, victim).startswith(cancelled.partial_text)
+        assert cancelled.partial_text and solo(victim).startswith(cancelled.partial_text)
     else:
         assert "prompt evaluation" in cancelled.message
         assert four.aborts == aborts + 1  # stopped inside llama_decode, others rolled back
