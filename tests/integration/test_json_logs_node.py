@@ -30,6 +30,13 @@ NodeFactory = Callable[..., NodeProcess]
 JSON_DEBUG = {"logging": {"format": "json"}, "node": {"log_level": "debug"}}
 
 
+@pytest.fixture(scope="module")
+def json_debug(make_module_node: NodeFactory) -> NodeProcess:
+    """One node logging JSON at debug for the tests that send it requests and grep its
+    logs for their own (unique) request ids."""
+    return make_module_node(**JSON_DEBUG)
+
+
 def broker_log(node: NodeProcess) -> Path:
     """The foreground node's stderr (``NodeProcess.log``): the broker's log."""
     return node.log
@@ -63,9 +70,9 @@ def assert_base_fields(line: dict[str, Any], role: str, pid: int) -> None:
 
 
 def test_one_request_is_followed_by_its_id_across_the_broker_and_worker_logs(
-    make_node: NodeFactory,
+    json_debug: NodeProcess,
 ) -> None:
-    node = make_node(**JSON_DEBUG)
+    node = json_debug
     request_id = f"follow-{uuid.uuid4().hex}"
     prompt = f"secret-prompt-{uuid.uuid4().hex}"
     with node.client(wait_ms=10_000) as c:
@@ -112,8 +119,8 @@ def test_one_request_is_followed_by_its_id_across_the_broker_and_worker_logs(
         json_lines(path)  # every line of both logs is JSON, not only the request's
 
 
-def test_a_refused_request_is_logged_with_its_id_and_reason(make_node: NodeFactory) -> None:
-    node = make_node(**JSON_DEBUG)
+def test_a_refused_request_is_logged_with_its_id_and_reason(json_debug: NodeProcess) -> None:
+    node = json_debug
     request_id = f"too-big-{uuid.uuid4().hex}"
     with node.client(wait_ms=10_000) as c, pytest.raises(ProtocolError):
         c.generate("x", id=request_id, max_tokens=10**9)
@@ -195,9 +202,9 @@ def test_a_worker_not_ready_in_time_is_a_verdict_event_logged_once_per_process(
 
 
 def test_a_non_ascii_id_is_found_by_the_readme_grep_in_the_broker_and_worker_logs(
-    make_node: NodeFactory,
+    json_debug: NodeProcess,
 ) -> None:
-    node = make_node(**JSON_DEBUG)
+    node = json_debug
     request_id = f"ünï-ドア-{uuid.uuid4().hex}"
     with node.client(wait_ms=10_000) as c:
         assert c.generate("hello", id=request_id, max_tokens=2).id == request_id

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,11 +35,45 @@ def project_modules() -> dict[str, Path]:
     }
 
 
+@dataclass(frozen=True)
+class ImportStatement:
+    """One ``import`` (``module`` None) or ``from MODULE import NAMES`` statement."""
+
+    line: int
+    module: str | None
+    level: int
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What the checks here read of one source file."""
+
+    imports: tuple[ImportStatement, ...]
+    sys_path_lines: tuple[int, ...]  # where ``sys.path`` is used
+
+
 @functools.cache
-def walked(path: Path) -> tuple[ast.AST, ...]:
-    """Every node of ``path``'s syntax tree (``ast.walk`` order), parsed once for all the
-    checks here: each walks the same files, and parsing them was most of their time."""
-    return tuple(ast.walk(ast.parse(path.read_text(), str(path))))
+def scan(path: Path) -> Scan:
+    """``path`` parsed once for all the checks (each walks the same files; parsing them
+    was most of their time). Only these facts are kept: every file's whole syntax tree
+    kept alive made the garbage collector's passes, and the run, slower than parsing."""
+    imports, sys_path = [], []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = tuple(alias.name for alias in node.names)
+            imports.append(ImportStatement(node.lineno, None, 0, names))
+        elif isinstance(node, ast.ImportFrom):
+            names = tuple(alias.name for alias in node.names)
+            imports.append(ImportStatement(node.lineno, node.module or "", node.level, names))
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "path"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "sys"
+        ):
+            sys_path.append(node.lineno)
+    return Scan(tuple(imports), tuple(sys_path))
 
 
 def imported(module: str, path: Path, known: set[str]) -> Iterator[tuple[str, int]]:
@@ -47,25 +82,21 @@ def imported(module: str, path: Path, known: set[str]) -> Iterator[tuple[str, in
     ``from a.b import c`` names the module ``a.b.c`` when that is one, else ``a.b``.
     """
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in walked(path):
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
+    for node in scan(path).imports:
+        if node.module is None:
+            targets = list(node.names)
+        else:
+            base = node.module
             if node.level:  # relative: resolved against this module's package
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, *([base] if base else [])])
-            targets = [
-                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
-            ]
-        else:
-            continue
+            targets = [f"{base}.{a}" if f"{base}.{a}" in known else base for a in node.names]
         for target in targets:
             # ``import a.b.c`` of a name inside a module: the longest known prefix.
             while target and target not in known:
                 target = target.rpartition(".")[0]
             if target and target != module:
-                yield target, node.lineno
+                yield target, node.line
 
 
 @functools.cache
@@ -194,14 +225,7 @@ def test_no_script_or_test_edits_sys_path() -> None:
     """The harness is ``node.testing``: scripts and tests import it like any module."""
     bad = []
     for path in sorted([*(REPO / "scripts").rglob("*.py"), *(REPO / "tests").rglob("*.py")]):
-        for node in walked(path):
-            if (
-                isinstance(node, ast.Attribute)
-                and node.attr == "path"
-                and isinstance(node.value, ast.Name)
-                and node.value.id == "sys"
-            ):
-                bad.append(f"  {path.relative_to(REPO)}:{node.lineno}")
+        bad += [f"  {path.relative_to(REPO)}:{line}" for line in scan(path).sys_path_lines]
     assert not bad, "sys.path used:\n" + "\n".join(bad)
 
 
@@ -240,14 +264,10 @@ def test_tests_never_import_the_tests_directory_as_a_package() -> None:
     values live in ``node.testing``; unit helpers are imported as ``brokerkit``."""
     bad = []
     for path in sorted((REPO / "tests").rglob("*.py")):
-        for node in walked(path):
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
+        for node in scan(path).imports:
+            names = list(node.names) if node.module is None else [node.module]
             if any(n == "tests" or n.startswith("tests.") for n in names):
-                bad.append(f"  {path.relative_to(REPO)}:{node.lineno}")
+                bad.append(f"  {path.relative_to(REPO)}:{node.line}")
     assert not bad, "imports of the tests directory:\n" + "\n".join(bad)
 
 
