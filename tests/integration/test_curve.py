@@ -4,7 +4,8 @@ where other hosts could reach it.
 
 The node's keypair is made by ``edgenode keys generate`` (the CLI the operator
 uses; the others by the function behind it, a subprocess each costs ~2 s here)
-and the clients' are allowed by ``edgenode keys allow``.
+and the clients' are allowed by ``edgenode keys allow``, once for the module: each
+test runs on its own copy of those files.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -63,6 +65,8 @@ class Keys:
     """Key files of one test: the node's two keypairs, the allowlists, and clients'."""
 
     root: Path
+    #: Where the allowlists to copy are (``made_once``'s ``clients`` and ``workers``).
+    allowlists: Path | None = None
 
     def generate(self, name: str, cli: bool = False) -> Path:
         """NAME's keypair (``edgenode keys generate --dir ROOT NAME`` if ``cli``);
@@ -86,13 +90,41 @@ class Keys:
         return self.pair(name)[0]
 
 
-@pytest.fixture
-def keys(tmp_path: Path) -> Iterator[Keys]:
-    made = Keys(tmp_path / "keys")
+#: Allowed with ``edgenode keys allow`` into every curve node's allowlists: (name, flags).
+ALLOWED = (("alice", ()), ("bob", ()), ("agent", ("--worker",)))
+
+
+@pytest.fixture(scope="module")
+def made_once(tmp_path_factory: pytest.TempPathFactory, make_module_node: NodeFactory) -> Path:
+    """The module's key files and allowlists, made once with the operator's CLI (the node's
+    keypair with ``edgenode keys generate``, ``ALLOWED`` with ``edgenode keys allow``):
+    each CLI run costs seconds, and every test here needs the same files. Each test gets
+    a copy of them (``keys``, ``curve_node``), which it may spoil."""
+    root = tmp_path_factory.mktemp("curve")
+    made = Keys(root / "keys")
     made.generate("node", cli=True)
     for name in ("backend", "alice", "bob", "mallory", "agent", "stranger"):
         made.generate(name)
-    yield made
+    lists = make_module_node(
+        start=False,
+        security={
+            "server_secret_key": str(made.root / "node.key_secret"),
+            "client_keys": str(root / "clients"),
+            "backend_secret_key": str(made.root / "backend.key_secret"),
+            "worker_keys": str(root / "workers"),
+        },
+    )
+    for name, flag in ALLOWED:
+        allowed = lists.cli("keys", "allow", str(made.root / f"{name}.key"), *flag)
+        assert allowed.returncode == 0, allowed.stderr
+    return root
+
+
+@pytest.fixture
+def keys(made_once: Path, tmp_path: Path) -> Iterator[Keys]:
+    """This test's copy of the module's key files (modes kept: secrets 0600)."""
+    shutil.copytree(made_once / "keys", tmp_path / "keys")
+    yield Keys(tmp_path / "keys", allowlists=made_once)
 
 
 def curve_node(
@@ -103,8 +135,11 @@ def curve_node(
     **sections: dict[str, Any],
 ) -> NodeProcess:
     """A node with CURVE on a loopback TCP frontend and backend; alice and bob are
-    allowed clients, agent an allowed worker (allowed with ``edgenode keys allow``);
-    started unless ``start`` is False."""
+    allowed clients, agent an allowed worker (a copy of the allowlists ``made_once``
+    made with ``edgenode keys allow``); started unless ``start`` is False."""
+    assert keys.allowlists is not None
+    for allowlist in ("clients", "workers"):
+        shutil.copytree(keys.allowlists / allowlist, tmp_path / allowlist)
     security = {
         "server_secret_key": str(keys.root / "node.key_secret"),
         "client_keys": str(tmp_path / "clients"),
@@ -121,9 +156,6 @@ def curve_node(
         security=security,
         **sections,
     )
-    for name, flag in (("alice", ()), ("bob", ()), ("agent", ("--worker",))):
-        allowed = node.cli("keys", "allow", str(keys.root / f"{name}.key"), *flag)
-        assert allowed.returncode == 0, allowed.stderr
     return node.start() if start else node
 
 
