@@ -6,7 +6,8 @@ certain first: validation (a duplicate id; a draining node; the model's
 circuit breaker open for a request only the model may serve) -> size (413) ->
 memory / CPU pressure -> a bounded queue per engine (with priority eviction) ->
 per-client in-flight cap (429) -> deadline feasibility (503
-``deadline_unmeetable``). A refused request gets a typed ``Shed`` (HTTP 400,
+``deadline_unmeetable``; on an idle pool, one such request per
+``PROBE_AFTER_S`` is admitted to test the estimate). A refused request gets a typed ``Shed`` (HTTP 400,
 413, 429 or 503 semantics) with ``retry_after_ms`` where retrying can succeed —
 unlike llama.cpp's server, which queues without bound, or Ollama/TGI, which
 refuse without saying when to come back. A hedged model request (degrade
@@ -44,6 +45,13 @@ from broker.service_time import ServiceEstimator
 from broker.snapshot import EnginePool, PoolView, engine_slots
 from broker.token_count import TokenCounter, byte_bound
 from broker.workers import WorkerRegistry
+
+
+#: How long (s) an estimate that refuses requests goes untested before an idle
+#: slot admits one of them as a probe (``AdmissionGate._probe``): as a breaker's
+#: half-open wait, short enough that a wrong estimate heals within seconds, long
+#: enough that a right one costs one 504 per 2 s of an idle slot, not one per call.
+PROBE_AFTER_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -308,7 +316,9 @@ class AdmissionGate:
         (s from now) after its wait on ``engine``: sized, finish in time (a stream:
         its first token) at the batch level it would start at; by the mean, start
         in time. Without workers or a measured service time there is no basis to
-        refuse. ``retry_after_ms`` only if an idle pool could do it in time."""
+        refuse. ``retry_after_ms`` only if an idle pool could do it in time. A
+        request refused only by its own estimate on an idle pool may be admitted
+        as a probe of that estimate (``_probe``)."""
         level = engine.level
         own_s = self.estimator.due_s(req, tokens or 0.0, kind, level)
         if not engine.slots or not self.estimator.samples(kind):
@@ -318,6 +328,8 @@ class AdmissionGate:
         what = "first token" if req.stream else "service"
         budget = f"the {deadline_s * 1000:.0f} ms budget"
         alone_s = own_s if level == 1 else self.estimator.due_s(req, tokens or 0.0, kind, 1)
+        if alone_s > deadline_s and self._probe(kind, engine, now):
+            return None
         if alone_s > deadline_s:  # even an idle pool could not: retrying cannot help
             message = f"expected {what} {alone_s * 1000:.0f} ms alone exceeds {budget}"
             return Shed(ErrorCode.UNAVAILABLE, "deadline_unmeetable", message)
@@ -336,6 +348,25 @@ class AdmissionGate:
             f"{message} exceeds {budget}",
             self.retry_after(engine.slots, now, kind, fits),
         )
+
+    def _probe(self, kind: EngineKind, engine: EnginePool, now: float) -> bool:
+        """Whether to admit, as a probe, a request the estimate alone refuses.
+
+        The rule: when ``kind`` has a free slot and nothing waits for it, and its
+        estimate was not tested for ``PROBE_AFTER_S`` (no request of it finished
+        ``ok`` nor was probed since), admit this one. Why: refused requests teach the
+        estimate nothing, so one inflated by something it did not catch (a pause,
+        ``broker.service_model``) would refuse short budgets for good; an idle slot
+        can test it at the cost of one request per ``PROBE_AFTER_S`` that, if the
+        estimate was right, ends 504 at its deadline instead of 503 at once.
+        """
+        tested = self.estimator.tested_at(kind)
+        if engine.free <= 0 or engine.wait_s > 0 or self.queue.of_kind(kind):
+            return False
+        if tested is not None and now - tested < PROBE_AFTER_S:
+            return False
+        self.estimator.mark_tested(kind, now)
+        return True
 
     # ------------------------------------------------------------------ pressure
 

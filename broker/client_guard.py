@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from broker.breaker import BreakerSettings, CircuitBreaker, Permit
 from broker.errors import Cancelled, ConfigError, EdgeNodeError, ErrorCode, NoReply
-from broker.kinds import LocalDegradeReason
+from broker.kinds import LocalDegradeReason, ShedReason
 
 #: The breaker a defensive client keeps by default. Sized for a control loop that calls
 #: a few times a second with a ~200 ms budget: decide over the last 10 s once 4 calls are
@@ -49,6 +49,15 @@ CLIENT_BREAKER = BreakerSettings(
 #: failures): 500, 503, 504. Every other error is the request's own (400, 404, 413, 429)
 #: or its client's doing (499) and is raised to the caller.
 NODE_FAILURES = frozenset({ErrorCode.INTERNAL, ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED})
+
+#: 503 reasons answered locally but *ignored* by the breaker (neither failure nor success,
+#: as Resilience4j's ``ignoreExceptions`` beside ``recordExceptions``): ``deadline_unmeetable``
+#: is a healthy node answering at once that *this* budget is too short for its estimate,
+#: a verdict on the request, not on the node; counting it opened the breaker against a
+#: healthy node and kept every later call local (break2 report). The other 503s
+#: (``queue_full``, memory/CPU pressure, ``circuit_open``, ``draining``, ``worker_lost``)
+#: say the node cannot serve anyone now: failures, and backing off relieves it.
+IGNORED_SHEDS: frozenset[ShedReason] = frozenset({"deadline_unmeetable"})
 
 
 class LocalFallback(Protocol):
@@ -192,13 +201,17 @@ class NodeGuard:
 
         Returns:
             Why the request is answered locally (``node_timeout`` for ``NoReply``,
-            ``node_error`` for a node's 500/503/504; both failures of the node), or None
-            when ``exc`` is the request's own (4xx: recorded as an answer in time, or
-            499: released) and must be raised to the caller.
+            ``node_error`` for a node's 500/503/504; both failures of the node, except a
+            503 of ``IGNORED_SHEDS``: released, not recorded), or None when ``exc`` is the
+            request's own (4xx: recorded as an answer in time, or 499: released) and must
+            be raised to the caller.
         """
         if isinstance(exc, NoReply):
             self.breaker.record(permit, now, ok=False)
             return "node_timeout"
+        if exc.code == ErrorCode.UNAVAILABLE and exc.reason in IGNORED_SHEDS:
+            self.released(permit, now)
+            return "node_error"
         if exc.code in NODE_FAILURES:
             self.breaker.record(permit, now, ok=False)
             return "node_error"

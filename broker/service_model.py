@@ -42,6 +42,26 @@ tokens per byte of ``byte_bound`` (the exact count is used when the 413 check
 made one anyway), and the share of ``max_tokens`` that requests actually
 generate (most stop before the limit).
 
+**Pauses.** A pause inside a request (the broker or a worker SIGSTOPped, a VM
+stall, a worker stall shorter than liveness) is counted by the broker's clock
+as service: one such sample can multiply a rate many times over, admission
+then refuses every short-budget request (``deadline_unmeetable``) and, the
+refused requests teaching nothing, the rate would stay wrong. So each time rate
+(prefill, decode) judges a sample against its current value at that batch level
+(``Ratio.add_time``): a rate more than ``OUTLIER_FACTOR`` times above it is
+held back, not learned. One pause inflates only the requests in flight
+during it, which overlap in time; a real change of speed (another tenant on the
+CPU, thermal throttling) goes on: once ``OUTLIER_STREAK`` held samples came one
+after another (each dispatched after the previous one finished), the held
+samples are learned. The two directions are not alike: too low an estimate
+heals by itself (the requests it admits teach it), too high a one does not
+(refused requests teach nothing). So a sample ``OUTLIER_FACTOR`` times *below*
+the rate restarts it from that sample: the samples behind the rate no longer
+describe the engine (``broker.admission``'s probe of an estimate that refuses
+brings such a sample; one probe then heals it, not a dozen). A pause that
+shrinks the other phase (a broker paused during a decode sees its tokens at
+once) thus makes the rate too low for a few requests, which heals.
+
 ``ServiceModel`` owns these rates; ``broker.service_time.ServiceEstimator``
 asks it whenever a kind is ``ready`` and predicts by the mean before.
 """
@@ -64,6 +84,20 @@ MIN_PREFILL_TOKENS = 32
 #: Weight of the newest sample, in the rates' ratios and the mean service time:
 #: about the last 10 requests count.
 ALPHA = 0.2
+
+#: A time sample (s per token) more than this many times above its rate at the
+#: same batch level is an outlier (a pause inside it, see the module docstring).
+#: A judgement, not a measurement: a healthy engine's per-token rate at one level
+#: should stay well inside it, while a pause of one second inflates an 8-token
+#: request's decode rate at 20-30 ms/token about 5-7x (break2 report: 4 s, 22.6 -> 570
+#: ms/token for the sample). A slowdown beyond it that lasts is still learned
+#: (``OUTLIER_STREAK``).
+OUTLIER_FACTOR = 4.0
+
+#: Held outliers in a row, each dispatched after the previous one finished, that
+#: prove a real change of speed: they are then learned. Samples of one pause overlap
+#: in time and count once.
+OUTLIER_STREAK = 3
 
 #: Aggregate decode tokens/s of b sequences in one llama context, as a multiple
 #: of one sequence's: the midpoints of the ranges measured with one thread
@@ -106,17 +140,49 @@ def level_key(level: float) -> int:
 class Ratio:
     """``num / den`` over recent samples: both sums decay by ``1 - ALPHA`` per new
     sample. Every sample starts with the same weight (the first one too: the
-    first request after a start is often slow, its weights still being paged in)."""
+    first request after a start is often slow, its weights still being paged in).
+    Time rates learn through ``add_time``, which holds back outliers (pauses)."""
 
     num: float = 0.0
     den: float = 0.0
     samples: int = 0
+    _held: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    _streak: int = field(default=0, repr=False)
+    _held_until: float | None = field(default=None, repr=False)
 
     def add(self, num: float, den: float) -> None:
         """Fold in one sample."""
         self.num = (1 - ALPHA) * self.num + num
         self.den = (1 - ALPHA) * self.den + den
         self.samples += 1
+
+    def add_time(self, num: float, den: float, started: float, ended: float) -> bool:
+        """Fold in one time sample (``num`` s over ``den`` tokens) of a request
+        dispatched at ``started`` and finished at ``ended`` (the broker's clock, s)
+        unless it is an outlier above the current value (``OUTLIER_FACTOR`` times
+        it): that one is held back. One that far below restarts the ratio from it. Held samples are all folded in once ``OUTLIER_STREAK`` of
+        them came in a row without overlapping (a real change of speed, not one
+        pause); an ordinary sample drops them. Returns whether it was folded in now.
+        """
+        value = self.value
+        if den <= 0 or num / den <= value * OUTLIER_FACTOR or value <= 0:
+            if den > 0 and num / den * OUTLIER_FACTOR < value:
+                self.num = self.den = 0.0  # far faster: the old samples are stale
+            self.add(num, den)
+            self._held.clear()
+            self._streak, self._held_until = 0, None
+            return True
+        self._held.append((num, den))
+        if self._held_until is None or started >= self._held_until:
+            self._streak += 1  # a request of its own, not one more of the same pause
+        self._held_until = max(ended, self._held_until or ended)
+        if self._streak < OUTLIER_STREAK:
+            return False
+        for held in self._held:
+            self.add(*held)
+        self._held.clear()
+        self._streak, self._held_until = 0, None
+        return True
 
     @property
     def value(self) -> float:
@@ -182,6 +248,7 @@ class ServiceModel:
         usage: object,
         prefill_level: float = 1.0,
         decode_level: float = 1.0,
+        started: float = 0.0,
     ) -> bool:
         """Learn from one successful request.
 
@@ -197,6 +264,9 @@ class ServiceModel:
             prefill_level: requests running on its worker during its prefill
                 (itself included; a time-weighted mean, ``broker.batch_levels.BatchLevels``).
             decode_level: the same during its decode.
+            started: when it was dispatched (the broker's clock, s): with
+                ``total_s``, the span that tells one pause's outliers from a
+                change of speed (``Ratio.add_time``).
 
         Returns:
             False if the sample says nothing about size (no usage, no token
@@ -211,10 +281,11 @@ class ServiceModel:
             return False
         assert isinstance(prompt, int) and isinstance(completion, int)
         rates = self._rates.setdefault(kind, Rates())
+        ended = started + total_s
         at_prefill, at_decode = level_key(prefill_level), level_key(decode_level)
         if completion >= 2:
             decode = rates.decode_s_per_token.setdefault(at_decode, Ratio())
-            decode.add(max(0.0, total_s - ttft_s), completion - 1)
+            decode.add_time(max(0.0, total_s - ttft_s), completion - 1, started, ended)
         first_step = rates.decode(at_prefill)  # the first token ends the prefill
         # A slot's prompt prefix reuse: only the rest was evaluated.
         cached = usage.get("cached_tokens")
@@ -222,7 +293,7 @@ class ServiceModel:
         evaluated = prompt - reused
         if evaluated >= MIN_PREFILL_TOKENS:
             prefill = rates.prefill_s_per_token.setdefault(at_prefill, Ratio())
-            prefill.add(max(0.0, ttft_s - first_step), evaluated)
+            prefill.add_time(max(0.0, ttft_s - first_step), evaluated, started, ended)
         rates.tokens_per_byte.add(prompt, byte_bound(req))
         rates.completion_share.add(completion, max(1, max_tokens))
         return True

@@ -86,6 +86,7 @@ class ServiceEstimator:
         self.levels = BatchLevels()
         self._mean: dict[EngineKind, float] = {}
         self._samples: Counter[EngineKind] = Counter()
+        self._tested_at: dict[EngineKind, float] = {}
 
     # ------------------------------------------------------------------ learning
 
@@ -129,13 +130,27 @@ class ServiceEstimator:
             ttft_s = job.first_token_at - job.dispatched_at
             at = (1.0, 1.0) if job.worker is None else self.levels.levels(job.worker, job.rid, now)
             max_tokens = job.req.max_tokens or self.default_max_tokens
-            self.sizes.observe(job.kind, job.req, max_tokens, ttft_s, total_s, usage, *at)
+            self.sizes.observe(
+                job.kind, job.req, max_tokens, ttft_s, total_s, usage, *at, job.dispatched_at
+            )
+        self._tested_at[job.kind] = now
 
     # ------------------------------------------------------------------ reading
 
     def mean_s(self, kind: EngineKind) -> float:
         """Mean service time of ``kind``'s workers (s); the initial guess until measured."""
         return self._mean.get(kind, INITIAL_SERVICE_S)
+
+    def tested_at(self, kind: EngineKind) -> float | None:
+        """When (the broker's clock, s) ``kind``'s estimate was last tested: a request
+        of it finished ``ok`` (taught it) or was admitted as ``mark_tested`` says;
+        None if never."""
+        return self._tested_at.get(kind)
+
+    def mark_tested(self, kind: EngineKind, now: float) -> None:
+        """A request of ``kind`` was admitted at ``now`` to test the estimate
+        (admission's probe): the next probe waits from here."""
+        self._tested_at[kind] = now
 
     def samples(self, kind: EngineKind) -> int:
         """How many service times of ``kind`` were observed."""

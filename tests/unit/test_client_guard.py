@@ -241,3 +241,39 @@ def test_the_reserve_never_takes_more_than_half_the_budget() -> None:
     call = Call(conv, conv.prepare(REQUEST), 10.0, guard, guard.admit(10.0))
     assert call.reserve_ms == 100  # half of wait_ms = 200
     assert call.deadline(10.0) == pytest.approx(10.1)
+
+
+def test_a_deadline_unmeetable_shed_is_answered_locally_but_ignored_by_the_breaker(
+    guard: NodeGuard,
+) -> None:
+    """A healthy node that says at once "not within your budget" is not a failing node
+    (break2: counting it opened the breaker and kept 240 of 246 calls local)."""
+    for k in range(10):
+        permit = guard.admit(k * 0.1)
+        assert permit is not None  # never opened
+        shed = Unavailable("expected service", reason="deadline_unmeetable")
+        assert guard.failed(permit, k * 0.1 + 0.001, shed) == "node_error"
+    window = guard.breaker.snapshot(1.0)
+    assert (window["calls"], window["failures"]) == (0, 0)
+    assert guard.breaker.state(1.0) is BreakerState.CLOSED
+
+
+def test_a_queue_full_shed_still_counts_as_a_failure(guard: NodeGuard) -> None:
+    for now in (0.0, 0.1):
+        permit = guard.admit(now)
+        assert permit is not None
+        guard.failed(permit, now + 0.001, Unavailable("queue is full", reason="queue_full"))
+    assert guard.admit(0.2) is None  # open: the node cannot serve anyone now
+
+
+def test_a_deadline_unmeetable_shed_frees_a_half_open_probe(guard: NodeGuard) -> None:
+    for now in (0.0, 0.1):
+        permit = guard.admit(now)
+        assert permit is not None
+        guard.failed(permit, now + 0.2, NoReply("no reply"))
+    probe = guard.admit(1.4)
+    assert probe is not None and probe.probe
+    shed = Unavailable("expected service", reason="deadline_unmeetable")
+    assert guard.failed(probe, 1.41, shed) == "node_error"
+    assert guard.breaker.state(1.41) is BreakerState.HALF_OPEN  # neither closed nor reopened
+    assert guard.admit(1.42) is not None  # the next call may probe
