@@ -7,10 +7,10 @@ circuit breaker open for a request only the model may serve) -> size (413) ->
 memory / CPU pressure -> a bounded queue per engine (with priority eviction) ->
 per-client in-flight cap (429) -> deadline feasibility (503
 ``deadline_unmeetable``; on an idle pool, one such request per
-``PROBE_AFTER_S`` is admitted to test the estimate). A refused request gets a typed ``Shed`` (HTTP 400,
-413, 429 or 503 semantics) with ``retry_after_ms`` where retrying can succeed —
-unlike llama.cpp's server, which queues without bound, or Ollama/TGI, which
-refuse without saying when to come back. A hedged model request (degrade
+``PROBE_AFTER_S`` is admitted to test the estimate). A refused request gets a
+typed ``Shed`` (HTTP 400, 413, 429 or 503 semantics) with ``retry_after_ms``
+where retrying can succeed — unlike llama.cpp's server, which queues without
+bound, or Ollama/TGI, which refuse without saying when to come back. A hedged model request (degrade
 mode, the model already too late) that the model cannot take goes to the
 rules instead, as for the model's failures.
 
@@ -45,7 +45,6 @@ from broker.service_time import ServiceEstimator
 from broker.snapshot import EnginePool, PoolView, engine_slots
 from broker.token_count import TokenCounter, byte_bound
 from broker.workers import WorkerRegistry
-
 
 #: How long (s) an estimate that refuses requests goes untested before an idle
 #: slot admits one of them as a probe (``AdmissionGate._probe``): as a breaker's

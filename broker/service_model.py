@@ -160,9 +160,10 @@ class Ratio:
         """Fold in one time sample (``num`` s over ``den`` tokens) of a request
         dispatched at ``started`` and finished at ``ended`` (the broker's clock, s)
         unless it is an outlier above the current value (``OUTLIER_FACTOR`` times
-        it): that one is held back. One that far below restarts the ratio from it. Held samples are all folded in once ``OUTLIER_STREAK`` of
-        them came in a row without overlapping (a real change of speed, not one
-        pause); an ordinary sample drops them. Returns whether it was folded in now.
+        it): that one is held back. One that far below restarts the ratio from it.
+        Held samples are all folded in once ``OUTLIER_STREAK`` of them came in a
+        row without overlapping (a real change of speed, not one pause); an
+        ordinary sample drops them. Returns whether it was folded in now.
         """
         value = self.value
         if den <= 0 or num / den <= value * OUTLIER_FACTOR or value <= 0:

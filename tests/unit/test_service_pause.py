@@ -44,14 +44,17 @@ def node() -> BrokerHarness:
 def dispatched(h: BrokerHarness) -> list[tuple[bytes, int]]:
     """The (worker, rid) of each REQUEST the broker sent since the last drain."""
     return [
-        (m.identity, m.body["rid"])
-        for m in h.drain_workers()
-        if m.command is WorkerCommand.REQUEST
+        (m.identity, m.body["rid"]) for m in h.drain_workers() if m.command is WorkerCommand.REQUEST
     ]
 
 
 def serve(
-    h: BrokerHarness, worker: bytes, rid: int, start: float, decode_s: float = DECODE_S, pause: float = 0.0
+    h: BrokerHarness,
+    worker: bytes,
+    rid: int,
+    start: float,
+    decode_s: float = DECODE_S,
+    pause: float = 0.0,
 ) -> float:
     """The worker answers ``rid`` dispatched at ``start``: its first token after the
     prefill and one step, the FINAL after the other steps; the broker sees both
@@ -64,7 +67,9 @@ def serve(
     return end
 
 
-def one(h: BrokerHarness, rid: str, now: float, decode_s: float = DECODE_S, **fields: Any) -> dict[str, Any]:
+def one(
+    h: BrokerHarness, rid: str, now: float, decode_s: float = DECODE_S, **fields: Any
+) -> dict[str, Any]:
     """Send one request at ``now``, serve it if dispatched; its final reply."""
     h.send(generate(rid, PROMPT, max_tokens=MAX_TOKENS, **fields), now)
     for worker, wrid in dispatched(h):
