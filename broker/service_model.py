@@ -90,7 +90,7 @@ ALPHA = 0.2
 #: A judgement, not a measurement. A pause is diluted by the request's tokens: the
 #: break2 report's 4 s pause in an 8-token chat was a 25x sample (22.6 -> 570
 #: ms/token), but 3 s in a 24-token one at ~40 ms/token on a loaded box is only 3.7x
-#: (tests/integration/test_service_pause.py). How far a healthy engine's samples at
+#: (tests/integration/test_broker_pause_admission.py). How far a healthy engine's samples at
 #: one level stray is not measured; the cost of a factor too tight is small, as a
 #: lasting change beyond it is learned after ``OUTLIER_STREAK`` requests, while one
 #: too loose lets pauses through.
@@ -170,7 +170,7 @@ class Ratio:
         """
         value = self.value
         if den <= 0 or num / den <= value * OUTLIER_FACTOR or value <= 0:
-            if 0 < num and den > 0 and num / den * OUTLIER_FACTOR < value:
+            if num > 0 and den > 0 and num / den * OUTLIER_FACTOR < value:
                 self.num = self.den = 0.0  # far faster: the old samples are stale
             self.add(num, den)
             self._held.clear()
