@@ -53,14 +53,13 @@ held back, not learned. One pause inflates only the requests in flight
 during it, which overlap in time; a real change of speed (another tenant on the
 CPU, thermal throttling) goes on: once ``OUTLIER_STREAK`` held samples came one
 after another (each dispatched after the previous one finished), the held
-samples are learned. The two directions are not alike: too low an estimate
-heals by itself (the requests it admits teach it), too high a one does not
-(refused requests teach nothing). So a sample ``OUTLIER_FACTOR`` times *below*
-the rate restarts it from that sample: the samples behind the rate no longer
-describe the engine (``broker.admission``'s probe of an estimate that refuses
-brings such a sample; one probe then heals it, not a dozen). A pause that
-shrinks the other phase (a broker paused during a decode sees its tokens at
-once) thus makes the rate too low for a few requests, which heals.
+samples are learned. Only samples above are judged: too low an estimate heals
+by itself (the requests it admits teach it), too high a one does not (refused
+requests teach nothing); ``broker.admission``'s probe tests an estimate that
+refuses. Fast samples are common and noisy (a broker that reads a request's
+tokens late sees its decode as short: restarting a rate from such a sample let
+a long-prompt burst in to expire, tests/integration/test_flood.py), so they
+are learned as any other.
 
 ``ServiceModel`` owns these rates; ``broker.service_time.ServiceEstimator``
 asks it whenever a kind is ``ready`` and predicts by the mean before.
@@ -162,16 +161,13 @@ class Ratio:
         """Fold in one time sample (``num`` s over ``den`` tokens) of a request
         dispatched at ``started`` and finished at ``ended`` (the broker's clock, s)
         unless it is an outlier above the current value (``OUTLIER_FACTOR`` times
-        it): that one is held back. One that far below restarts the ratio from it
-        (unless it is 0 s: a phase clipped to nothing measures nothing).
+        it): that one is held back.
         Held samples are all folded in once ``OUTLIER_STREAK`` of them came in a
         row without overlapping (a real change of speed, not one pause); an
         ordinary sample drops them. Returns whether it was folded in now.
         """
         value = self.value
         if den <= 0 or num / den <= value * OUTLIER_FACTOR or value <= 0:
-            if num > 0 and den > 0 and num / den * OUTLIER_FACTOR < value:
-                self.num = self.den = 0.0  # far faster: the old samples are stale
             self.add(num, den)
             self._held.clear()
             self._streak, self._held_until = 0, None
