@@ -11,6 +11,7 @@ estimate nothing.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from typing import Any
 
@@ -187,7 +188,7 @@ def test_an_idle_pool_probes_an_estimate_that_refuses_and_relearns() -> None:
     last_refused = max(i for i, r in enumerate(results) if r != "ok")
     probes = [i for i, r in enumerate(results[:last_refused]) if r == "ok"]
     assert probes and probes[0] >= 1, results
-    assert all(b - a >= PROBE_AFTER_S / 0.5 for a, b in zip(probes, probes[1:], strict=False))
+    assert all(b - a >= PROBE_AFTER_S / 0.5 for a, b in itertools.pairwise(probes))
     # ... until every request is admitted again, not one per probe interval.
     assert results[-8:] == ["ok"] * 8, results
     assert decode_ms(h) < 2 * 20.0
