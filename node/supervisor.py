@@ -332,9 +332,10 @@ class Supervisor:
             handle.progress = reading
             handle.progress_at = now
         if now - handle.progress_at > self.ready_timeout_s:
+            # "not READY within 60s: ...": the timeout first, as before progress counted.
             detail = (
-                f"{now - handle.started_at:.0f}s: its load made no progress"
-                f" (CPU time, memory) for {self.ready_timeout_s:g}s"
+                f"{self.ready_timeout_s:g}s: its load made no progress (CPU time, memory)"
+                f" for {self.ready_timeout_s:g}s, {now - handle.started_at:.0f}s after its spawn"
             )
         elif now - handle.started_at > self.ready_cap_s:
             detail = (
