@@ -8,19 +8,23 @@ killed, and ``edgenode start`` waits for it past ``--wait-s``. A load that makes
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from node.engine import EngineSpec
 from node.sandbox.cgroupfs import Host
 from node.sandbox.layout import read_layout
 from node.supervisor import Supervisor
-from node.testing import NodeProcess, wait_for
+from node.testing import REPO, NodeProcess, leftover_processes, wait_for
 from node.worker import WorkerSpec
 
 NodeFactory = Callable[..., NodeProcess]
@@ -58,37 +62,80 @@ def killed_for(sup: Supervisor, worker_id: str, timeout: float) -> str:
     return handle.last_exit
 
 
-@pytest.mark.skipif(not cgroups_usable(), reason="needs root and a cgroup cpu controller")
+#: A cgroup v1 cpu hierarchy this test may make a cgroup in (this host's kind).
+CPU_V1 = Path("/sys/fs/cgroup/cpu")
+
+
+@contextlib.contextmanager
+def cpu_starved(share: float) -> Iterator[Path]:
+    """A cpu cgroup (v1) whose processes get ``share`` of one core (cfs quota per
+    100 ms period); yields its ``cgroup.procs``. Removed on exit, its processes
+    moved back to the root first."""
+    group = CPU_V1 / f"edgenode-test-starved-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(int(share * 100_000)))
+        yield group / "cgroup.procs"
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (CPU_V1 / "cgroup.procs").write_text(pid)
+        group.rmdir()
+
+
+def worker_pid(run_dir: Path) -> int | None:
+    """The pid of the (first) model worker of the node serving ``run_dir``, once spawned."""
+    for pid in leftover_processes(run_dir):
+        with contextlib.suppress(psutil.Error):
+            if "node.worker" in psutil.Process(pid).cmdline():
+                return pid
+    return None
+
+
+@pytest.mark.skipif(
+    not cgroups_usable() or not os.access(CPU_V1 / "cgroup.procs", os.W_OK),
+    reason="needs root, the sandbox and a cgroup v1 cpu hierarchy",
+)
 def test_a_cpu_starved_load_past_the_ready_timeout_is_not_killed_and_start_waits_for_it(
     make_node: NodeFactory,
 ) -> None:
-    # 4 % of a core (cpu.max) for a worker whose start takes ~0.45 s of CPU: ~11 s
-    # or more of loading, past both the 4 s READY timeout and the start's 6 s wait
-    # (which leaves the node itself, at full speed, time to answer on a busy host),
-    # and well within the 40 s cap.
+    # The model worker is moved, as soon as it exists, into a cpu cgroup giving it 3 %
+    # of a core: its start (~0.45 s of CPU) then takes ~15 s, past both the 3 s READY
+    # timeout and the start's 6 s wait (which leaves the node itself, at full speed,
+    # time to answer on a busy host), and within the 30 s cap. No workers.cpu_quota:
+    # the worker joins no cpu cgroup of its own and stays in the starved one.
     node = make_node(
         start=False,
-        workers={
-            "count": 1,
-            "sandbox": "required",
-            "cpu_quota": 0.04,
-            "ready_timeout_ms": 4000,
-        },
+        workers={"count": 1, "sandbox": "required", "ready_timeout_ms": 3000},
         # Liveness the starved worker can keep once serving (not the harness's 0.3 s):
         # this test is about its load, not the broker's heartbeats.
         broker={"heartbeat_interval_ms": 1000, "heartbeat_liveness": 10},
     )
-    try:
-        result = node.cli("start", "--wait-s", "6", timeout=55)
-        assert result.returncode == 0, result.stderr
-        assert "still loading after 6s and making progress" in result.stdout, result.stdout
-        assert "edgenode running: 1 worker(s) ready" in result.stdout
-        (llm,) = node.status()["processes"]
-        assert (llm["state"], llm["restarts"], llm["last_exit"]) == ("ready", 0, ""), llm
-        assert llm["loading"] is None  # ready: no load any more
-        assert "not READY" not in (node.run_dir / "logs" / "node.log").read_text()
-    finally:
-        node.cli("stop")
+    with cpu_starved(0.03) as procs:
+        start = subprocess.Popen(
+            node._argv("start", "--wait-s", "6"),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            pid = wait_for(lambda: worker_pid(node.run_dir), timeout=30, every=0.005)
+            procs.write_text(str(pid))
+            out, err = start.communicate(timeout=50)
+            assert start.returncode == 0, err
+            assert "still loading after 6s and making progress" in out, out
+            assert "edgenode running: 1 worker(s) ready" in out
+            (llm,) = node.status()["processes"]
+            assert (llm["pid"], llm["state"], llm["restarts"]) == (pid, "ready", 0), llm
+            assert llm["last_exit"] == "" and llm["loading"] is None, llm
+            assert "not READY" not in (node.run_dir / "logs" / "node.log").read_text()
+        finally:
+            if start.poll() is None:
+                start.kill()
+                start.wait()
+            node.cli("stop")
 
 
 def test_a_worker_stopped_during_its_load_is_killed_after_the_ready_timeout(
