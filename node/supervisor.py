@@ -30,6 +30,10 @@ from node.worker import DETERMINISTIC_EXITS, EXIT_MESSAGE_MAX_BYTES, WorkerSpec,
 
 log = logging.getLogger("edgenode.supervisor")
 
+#: Clock ticks per second of ``/proc/<pid>/stat``'s CPU times, and bytes per page of its rss.
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
 
 #: A worker process's state, as the supervisor keeps it and ``edgenode status`` shows it
 #: ("processes"): ``starting`` (spawned, not READY yet), ``ready``, ``dead``/``stalled``/
@@ -41,14 +45,88 @@ ProcessState = Literal[
 ]
 
 
+#: A starting worker is killed when it has made no load progress for
+#: ``workers.ready_timeout_ms``, or, progress or not, once it has been starting for
+#: this many times that timeout (the hard cap: 600 s at the default 60 s). A load
+#: starved of CPU (a nice-10 worker on a busy host got 5-7 % of a core) still
+#: finishes; a hung one (stopped, deadlocked, asleep) is still killed.
+READY_CAP_FACTOR = 10
+
+
+#: The least a load must do to count as progress since its last progress (the
+#: mark): CPU time at this share of one core over the time since the mark (1 %:
+#: a nice-10 worker starved to 5-7 % of a core passes; a worker that has loaded
+#: and only wakes for heartbeats, ~0.02 %, does not), or this much more resident
+#: memory (bytes: model pages faulted in during an I/O-bound load).
+LOAD_MIN_CPU_SHARE = 0.01
+LOAD_MIN_RSS_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    """What a loading worker's process has done so far (``/proc/<pid>/stat``).
+
+    ``cpu_ticks``: user + system CPU time of all its threads, in clock ticks
+    (``CLOCK_TICKS`` a second); ``rss_pages``: its resident set in pages of
+    ``PAGE_BYTES`` (file-backed model pages it has faulted in count).
+    """
+
+    cpu_ticks: int
+    rss_pages: int
+
+    def progressed(self, mark: LoadProgress, elapsed_s: float) -> bool:
+        """Whether this reading shows progress over ``mark``, taken ``elapsed_s``
+        before: CPU time at ``LOAD_MIN_CPU_SHARE`` of a core (at least one tick),
+        or ``LOAD_MIN_RSS_BYTES`` more resident memory."""
+        cpu_needed = max(1.0, LOAD_MIN_CPU_SHARE * elapsed_s * CLOCK_TICKS)
+        rss_needed = LOAD_MIN_RSS_BYTES / PAGE_BYTES
+        return (
+            self.cpu_ticks - mark.cpu_ticks >= cpu_needed
+            or self.rss_pages - mark.rss_pages >= rss_needed
+        )
+
+
+def load_progress(pid: int) -> LoadProgress | None:
+    """``pid``'s CPU time and resident set from ``/proc/<pid>/stat`` (proc(5): fields
+    14 utime, 15 stime, 24 rss), or None if it is gone or unreadable. A stopped
+    process (state ``T``, e.g. SIGSTOP) reads as it is, and so shows no progress."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ")".
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    try:
+        return LoadProgress(cpu_ticks=int(fields[11]) + int(fields[12]), rss_pages=int(fields[21]))
+    except (IndexError, ValueError):
+        return None
+
+
+class LoadingStatus(TypedDict):
+    """A starting worker's load so far, in ``ProcessStatus.loading``."""
+
+    #: CPU time its process has used (s).
+    cpu_s: float
+    #: Its resident set (bytes).
+    rss_bytes: int
+    #: Since its load last made progress (ms, ``LoadProgress.progressed``); it is
+    #: killed past workers.ready_timeout_ms.
+    idle_ms: int
+    #: Since it was spawned (ms); it is killed past READY_CAP_FACTOR x the timeout.
+    loading_ms: int
+
+
 class ProcessStatus(TypedDict):
-    """One worker's row of ``Supervisor.status`` (``node.pool`` adds its sandbox's)."""
+    """One worker's row of ``Supervisor.status`` (``node.pool`` adds its sandbox's).
+    ``loading``: a ``starting`` worker's progress, else None."""
 
     worker_id: str
     pid: int | None
     state: ProcessState
     restarts: int
     last_exit: str
+    loading: LoadingStatus | None
 
 
 def killed_state(verdict: Verdict | None) -> ProcessState:
@@ -76,6 +154,10 @@ class WorkerHandle:
     #: Why the node killed the current process (broker verdict, READY timeout);
     #: its verdict goes with the exit once reaped, cleared at the next spawn.
     kill_cause: ExitCause | None = None
+    #: The current process's load at its last progress (None: not read yet), and
+    #: when that was (monotonic s): the READY timeout counts from there.
+    progress: LoadProgress | None = None
+    progress_at: float = 0.0
     log_file: IO[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -90,7 +172,9 @@ class Supervisor:
     Args:
         specs: one spec per worker.
         log_dir: each worker's stderr goes to ``<log_dir>/<worker_id>.log``.
-        ready_timeout_s: a worker not READY by then is killed and restarted.
+        ready_timeout_s: a starting worker whose load made no progress (CPU time,
+            resident set: ``load_progress``) for this long is killed and
+            restarted; so is one still not READY after ``READY_CAP_FACTOR`` times it.
         backoff_s / backoff_max_s: restart delay, doubled per consecutive failure.
         on_exit: told ``(worker_id, cause)`` when a process exits, so the broker
             fails over its requests without waiting for missed heartbeats.
@@ -171,6 +255,8 @@ class Supervisor:
         handle.state = "starting"
         handle.kill_cause = None
         handle.started_at = self.clock()
+        handle.progress = None
+        handle.progress_at = handle.started_at
         handle.restart_at = None
         log.info("spawned %s pid %d", handle.spec.worker_id, handle.proc.pid)
 
@@ -220,23 +306,8 @@ class Supervisor:
             proc = handle.proc
             if proc is not None and proc.poll() is not None:
                 self._reaped(handle, proc.returncode, now)
-            elif (
-                handle.state == "starting"
-                and proc is not None
-                and now - handle.started_at > self.ready_timeout_s
-            ):
-                if handle.kill_cause is None:  # killed again each tick until reaped: logged once
-                    cause = ExitCause("not_ready", detail=f"{self.ready_timeout_s:.0f}s")
-                    handle.kill_cause = cause
-                    handle.last_exit = cause.describe()
-                    log.warning(
-                        "killing %s pid %d: %s",
-                        handle.spec.worker_id,
-                        proc.pid,
-                        handle.last_exit,
-                        extra=verdict_event(handle.spec.worker_id, proc.pid, cause),
-                    )
-                _killpg(proc.pid, signal.SIGKILL)
+            elif handle.state == "starting" and proc is not None:
+                self._check_load(handle, proc.pid, now)
             if (
                 handle.state == "restarting"
                 and handle.restart_at is not None
@@ -245,6 +316,59 @@ class Supervisor:
             ):
                 handle.restarts += 1
                 self._spawn(handle)
+
+    @property
+    def ready_cap_s(self) -> float:
+        """The hard cap on a worker's load (s): ``READY_CAP_FACTOR`` x the READY timeout."""
+        return READY_CAP_FACTOR * self.ready_timeout_s
+
+    def _check_load(self, handle: WorkerHandle, pid: int, now: float) -> None:
+        """Note a starting worker's load progress; kill it if it made none for the
+        READY timeout, or if it reached the hard cap (``READY_CAP_FACTOR``)."""
+        reading = load_progress(pid)
+        if reading is not None and (
+            handle.progress is None or reading.progressed(handle.progress, now - handle.progress_at)
+        ):
+            handle.progress = reading
+            handle.progress_at = now
+        if now - handle.progress_at > self.ready_timeout_s:
+            # "not READY within 60s: ...": the timeout first, as before progress counted.
+            detail = (
+                f"{self.ready_timeout_s:g}s: its load made no progress (CPU time, memory)"
+                f" for {self.ready_timeout_s:g}s, {now - handle.started_at:.0f}s after its spawn"
+            )
+        elif now - handle.started_at > self.ready_cap_s:
+            detail = (
+                f"{self.ready_cap_s:g}s ({READY_CAP_FACTOR} x workers.ready_timeout_ms,"
+                " the cap on a load that progresses)"
+            )
+        else:
+            return
+        if handle.kill_cause is None:  # killed again each tick until reaped: logged once
+            cause = ExitCause("not_ready", detail=detail)
+            handle.kill_cause = cause
+            handle.last_exit = cause.describe()
+            log.warning(
+                "killing %s pid %d: %s",
+                handle.spec.worker_id,
+                pid,
+                handle.last_exit,
+                extra=verdict_event(handle.spec.worker_id, pid, cause),
+            )
+        _killpg(pid, signal.SIGKILL)
+
+    def _loading(self, handle: WorkerHandle, now: float) -> LoadingStatus | None:
+        """A starting worker's ``LoadingStatus``, else None."""
+        pid = handle.pid
+        if handle.state != "starting" or pid is None:
+            return None
+        seen = load_progress(pid) or handle.progress or LoadProgress(0, 0)
+        return LoadingStatus(
+            cpu_s=round(seen.cpu_ticks / CLOCK_TICKS, 2),
+            rss_bytes=seen.rss_pages * PAGE_BYTES,
+            idle_ms=round((now - handle.progress_at) * 1000),
+            loading_ms=round((now - handle.started_at) * 1000),
+        )
 
     def _exit_message_path(self, handle: WorkerHandle) -> Path:
         return self.log_dir / f"{handle.spec.worker_id}.exit"
@@ -320,7 +444,8 @@ class Supervisor:
                 handle.log_file = None
 
     def status(self) -> list[ProcessStatus]:
-        """Per worker: id, pid, state, restarts, last exit reason."""
+        """Per worker: id, pid, state, restarts, last exit reason, load progress."""
+        now = self.clock()
         return [
             ProcessStatus(
                 worker_id=h.spec.worker_id,
@@ -328,6 +453,7 @@ class Supervisor:
                 state=h.state,
                 restarts=h.restarts,
                 last_exit=h.last_exit,
+                loading=self._loading(h, now),
             )
             for h in self.handles.values()
         ]

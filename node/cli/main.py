@@ -56,6 +56,8 @@ from node.pool import WorkerStatus
 from node.sandbox.cores import plan_workers
 from node.security.keys import client_keys, local_key_file
 from node.service.health import judge
+from node.supervisor import READY_CAP_FACTOR
+from node.units import format_size
 
 #: ``edgenode status`` exit code when no node runs (LSB init-script convention).
 EXIT_NOT_RUNNING = 3
@@ -324,10 +326,20 @@ def _wait_started(
         click.ClickException: the node exited (with its own error), a worker
             failed, or not ready within ``wait_s``.
     """
-    deadline = time.monotonic() + wait_s
+    begun = time.monotonic()
+    deadline = begun + wait_s
+    # Past wait_s, a start still waits for workers whose load progresses, as the
+    # supervisor does (node.supervisor.READY_CAP_FACTOR), never past this cap.
+    cap = begun + max(wait_s, READY_CAP_FACTOR * config.workers.ready_timeout_ms / 1000)
     answered_by: int | None = None
+    loading: dict[str, int] | None = None  # past wait_s: the loading workers' restarts
     with Client(connect_endpoint(config.frontend), wait_ms=1000, **_keys(config)) as client:
-        while time.monotonic() < deadline:
+        late = False  # one poll past wait_s decides whether the start waits on
+        while True:
+            now = time.monotonic()
+            if now >= cap or (now >= deadline and loading is None and late):
+                break
+            late = now >= deadline
             if proc.poll() is not None:
                 raise click.ClickException(f"node exited during start: {_exit_reason(logfile)}")
             try:
@@ -348,7 +360,28 @@ def _wait_started(
                 )
             if status.get("all_ready"):
                 return len(status["workers"])
+            if time.monotonic() >= deadline:
+                still = _still_loading(processes, loading)
+                if still is None:
+                    raise click.ClickException(
+                        f"workers not ready after {time.monotonic() - begun:.0f}s"
+                        f"{_not_ready_reasons(processes)}; see {logfile}"
+                    )
+                if loading is None:
+                    click.echo(
+                        f"workers still loading after {wait_s:g}s and making progress "
+                        f"({_loading_words(processes)}); waiting while they progress, "
+                        f"at most {cap - begun:.0f}s in all (a worker whose load makes no "
+                        f"progress for workers.ready_timeout_ms is killed, and the start "
+                        f"fails). {_serving_words(status)}"
+                    )
+                loading = still
             ready_fd = _wait_ready_fd(ready_fd, POLL_S)
+    if loading is not None:
+        raise click.ClickException(
+            f"workers not ready after {cap - begun:.0f}s, the cap on a load that progresses "
+            f"({READY_CAP_FACTOR} x workers.ready_timeout_ms); see {logfile}"
+        )
     other = (
         f"; {config.frontend} is answered by pid {answered_by}, not by the node this start "
         f"launched (pid {proc.pid})"
@@ -356,6 +389,55 @@ def _wait_started(
         else ""
     )
     raise click.ClickException(f"workers not ready after {wait_s:g}s{other}; see {logfile}")
+
+
+def _still_loading(
+    processes: list[WorkerStatus], before: dict[str, int] | None
+) -> dict[str, int] | None:
+    """Past ``start --wait-s``: the restart counts of the workers not ready yet, if
+    every one of them is still loading (``starting``, and not restarted since
+    ``before``, the counts of the previous poll); else None (give up). The
+    supervisor kills a load that stops progressing, so "still starting, same
+    process" means "still progressing"."""
+    pending = [p for p in processes if p["state"] != "ready"]
+    counts = {p["worker_id"]: p["restarts"] for p in pending}
+    if not pending or any(p["state"] != "starting" or p.get("loading") is None for p in pending):
+        return None
+    if before is not None and any(before.get(w) != n for w, n in counts.items()):
+        return None
+    return counts
+
+
+def _loading_words(processes: list[WorkerStatus]) -> str:
+    """``llm-0: 12.3s CPU, 180 MiB`` for each loading worker."""
+    words = []
+    for p in processes:
+        loading = p.get("loading")
+        if p["state"] == "starting" and loading is not None:
+            words.append(
+                f"{p['worker_id']}: {loading['cpu_s']:.1f}s CPU, "
+                f"{format_size(loading['rss_bytes'])} in {loading['loading_ms'] / 1000:.0f}s"
+            )
+    return "; ".join(words)
+
+
+def _serving_words(status: dict[str, Any]) -> str:
+    """What the node serves meanwhile: its health line (``node.service.health.judge``),
+    e.g. ``serving (rules only): model 0/1 ready, rules ready, ...`` in degrade mode."""
+    health = judge(status)
+    if health.ready:
+        return f"Meanwhile the node answers: {health.line}."
+    return f"Meanwhile the node cannot answer yet: {health.line}."
+
+
+def _not_ready_reasons(processes: list[WorkerStatus]) -> str:
+    """``: llm-0 restarting (not READY within ...)`` for each worker not ready, or ""."""
+    words = [
+        f"{p['worker_id']} {p['state']}" + (f" ({p['last_exit']})" if p["last_exit"] else "")
+        for p in processes
+        if p["state"] != "ready"
+    ]
+    return ": " + "; ".join(words) if words else ""
 
 
 def _exit_reason(logfile: Path) -> str:

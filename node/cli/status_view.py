@@ -227,8 +227,22 @@ def _worker_line(proc: WorkerStatus, reg: dict[str, Any] | None) -> str:
         f"{proc['worker_id']:<8} {state:<10} {proc['pid'] or '-':>7} {credit:>6} "
         f"{proc['restarts']:>8} {cpus:>5} {proc.get('threads', '-'):>3} {_nice(proc):>5} "
         f"{used:>13} {_size(memory.get('peak')):>7} {proc.get('oom_kills', 0):>3}  "
-        f"{proc['last_exit'] or '-'}"
+        f"{_last_column(proc)}"
     )
+
+
+def _last_column(proc: WorkerStatus) -> str:
+    """The last exit; for a loading worker first its progress (``loading``:
+    ``loading 12.3s CPU, 310 MiB in 45s, progress 0.2s ago``)."""
+    last = proc["last_exit"] or "-"
+    loading = proc.get("loading")
+    if not loading:
+        return last
+    progress = (
+        f"loading {loading['cpu_s']:.1f}s CPU, {format_size(loading['rss_bytes'])} in "
+        f"{loading['loading_ms'] / 1000:.0f}s, progress {loading['idle_ms'] / 1000:.1f}s ago"
+    )
+    return progress if last == "-" else f"{progress}; {last}"
 
 
 def _nice(proc: WorkerStatus) -> str:

@@ -186,7 +186,14 @@ def test_a_start_whose_workers_never_get_ready_stops_its_node_and_leaves_nothing
 ) -> None:
     node = make_node(
         start=False,
-        workers={**ONE_WORKER, "sandbox": "required", "test_load_ms": 60_000},
+        # A load that sleeps makes no progress: killed after the 1 s READY timeout and
+        # restarted; past --wait-s the start gives up at the first such kill.
+        workers={
+            **ONE_WORKER,
+            "sandbox": "required",
+            "test_load_ms": 60_000,
+            "ready_timeout_ms": 1000,
+        },
     )
     result = node.cli("start", "--wait-s", "3")
     assert result.returncode != 0, result.stdout

@@ -213,3 +213,25 @@ def test_the_security_line_says_when_no_client_key_is_allowed() -> None:
     assert "security: frontend curve (refused 3 keys, 0 handshakes), backend curve" in (
         render_status(status).splitlines()
     )
+
+
+def test_a_loading_worker_shows_its_progress_and_its_last_exit() -> None:
+    loading = {"cpu_s": 12.34, "rss_bytes": 310 * 2**20, "idle_ms": 200, "loading_ms": 45_000}
+    first = {**_proc("llm-0", 10, 10), "state": "starting", "loading": loading}
+    again = {**first, "worker_id": "llm-1", "last_exit": "not READY within 60s (killed by SIGKILL)"}
+    status = {
+        "pid": 1,
+        "queue_depth": 0,
+        "queue_bound": 16,
+        "in_flight": 0,
+        "credit": 1,
+        "processes": [first, again, _proc("rules-0", 0, None)],
+    }
+    lines = render_status(status).splitlines()
+    rows = {line.split()[0]: line for line in lines if line.startswith(("llm", "rules"))}
+    assert rows["llm-0"].endswith("loading 12.3s CPU, 310 MiB in 45s, progress 0.2s ago")
+    assert rows["llm-1"].endswith(
+        "loading 12.3s CPU, 310 MiB in 45s, progress 0.2s ago; "
+        "not READY within 60s (killed by SIGKILL)"
+    )
+    assert "loading" not in rows["rules-0"]
