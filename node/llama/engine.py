@@ -12,7 +12,9 @@ llama.cpp's own server does it (tools/server: slots, ``update_slots``):
   slots). A new request joins at the next step, and a long prompt is evaluated
   over several steps while the other slots keep decoding;
 * every request samples through its own ``llama_sampler`` chain (special-token
-  mask, its ``json_schema`` grammar, temperature/top_p/seed); a finished,
+  mask, its ``json_schema`` grammar, temperature/top_p/seed), except that a
+  greedy one's token is the argmax of its logits row (the chain's token, without
+  the chain's copy of the whole vocabulary: ``LlamaEngine._argmax``); a finished,
   cancelled or failed request leaves its slot at once;
 * a slot keeps its sequence's KV after a request: the next request goes to the
   free slot sharing the longest prompt prefix, and only the rest is evaluated
