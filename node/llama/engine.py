@@ -360,6 +360,8 @@ class LlamaEngine:
         ``llama_sampler_accept`` changes nothing.
         """
         pointer = llama_c.llama_get_logits_ith(self._ctx, row)
+        if not pointer:  # no logits at that row: the chain reports it as it always did
+            return None
         logits = np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
         token = int(logits.argmax())
         if self._masked[token] or logits[token] != logits[token]:
