@@ -12,7 +12,9 @@ llama.cpp's own server does it (tools/server: slots, ``update_slots``):
   slots). A new request joins at the next step, and a long prompt is evaluated
   over several steps while the other slots keep decoding;
 * every request samples through its own ``llama_sampler`` chain (special-token
-  mask, its ``json_schema`` grammar, temperature/top_p/seed); a finished,
+  mask, its ``json_schema`` grammar, temperature/top_p/seed), except that a
+  greedy one's token is the argmax of its logits row (the chain's token, without
+  the chain's copy of the whole vocabulary: ``LlamaEngine._argmax``); a finished,
   cancelled or failed request leaves its slot at once;
 * a slot keeps its sequence's KV after a request: the next request goes to the
   free slot sharing the longest prompt prefix, and only the rest is evaluated
@@ -44,6 +46,7 @@ from typing import Any
 
 import llama_cpp
 import llama_cpp.llama_cpp as llama_c
+import numpy as np
 from llama_cpp.llama_chat_format import (
     ChatFormatter,
     Jinja2ChatFormatter,
@@ -157,6 +160,10 @@ class LlamaEngine:
         self._mask = (llama_c.llama_logit_bias * len(masked))(
             *(llama_c.llama_logit_bias(int(token), float("-inf")) for token in masked)
         )
+        self._n_vocab = llama_c.llama_vocab_n_tokens(self._vocab)
+        self._masked = np.zeros(self._n_vocab, dtype=bool)
+        self._masked[masked] = True
+        self._piece = ctypes.create_string_buffer(64)  # detokenize's, reused: engine thread only
         self._chat = _chat_formatter(self.llm, spec.chat_format)  # ValueError: unknown name
         self._slots = [Slot(seq) for seq in range(self.slots)]
         self._batch = llama_c.llama_batch_init(self.n_batch, 0, 1)
@@ -222,6 +229,7 @@ class LlamaEngine:
         del slot.cached[keep:]
         slot.used = next(self._uses)
         slot.job = SlotJob(
+            greedy=_greedy(job),
             rid=rid,
             prompt=prompt,
             max_tokens=int(job.get("max_tokens", 128)),
@@ -321,7 +329,9 @@ class LlamaEngine:
         """Sample ``slot``'s next token from batch row ``row``; its end, if it ended."""
         job = slot.job
         assert job is not None
-        token = llama_c.llama_sampler_sample(job.sampler, self._ctx, row)
+        token = self._argmax(row) if job.greedy else None
+        if token is None:
+            token = llama_c.llama_sampler_sample(job.sampler, self._ctx, row)
         if llama_c.llama_vocab_is_eog(self._vocab, token):
             return self._finish(slot, "stop", flush=True)
         job.generated += 1
@@ -334,6 +344,29 @@ class LlamaEngine:
             return self._finish(slot, "length", flush=True)
         job.next_token = token
         return None
+
+    def _argmax(self, row: int) -> int | None:
+        """The token a greedy chain (special-token mask, then ``llama_sampler_init_greedy``)
+        picks from batch row ``row``, or None if only that chain can tell.
+
+        ``llama_sampler_sample`` copies all the vocabulary's logits into candidates
+        (262,144 for Gemma 3) and scans them once per sampler: about 1 ms of the
+        engine thread per token, which delays the next decode of every slot
+        (docs/bench/figures.md, "Issue 10"). Here one vectorised argmax over the
+        logits row does it. Greedy takes the first of equal maxima, as ``argmax``
+        does; masking only lowers masked tokens, so the unmasked maximum is the
+        chain's answer. A masked or NaN maximum goes to the chain (its rules for
+        those are its own); neither chain sampler keeps state, so skipping
+        ``llama_sampler_accept`` changes nothing.
+        """
+        pointer = llama_c.llama_get_logits_ith(self._ctx, row)
+        if not pointer:  # no logits at that row: the chain reports it as it always did
+            return None
+        logits = np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
+        token = int(logits.argmax())
+        if self._masked[token] or logits[token] != logits[token]:
+            return None
+        return token
 
     def _finish(self, slot: Slot, reason: str, flush: bool) -> tuple[int, Outcome]:
         job = slot.job
@@ -370,14 +403,16 @@ class LlamaEngine:
     def detokenize(self, tokens: list[int]) -> bytes:
         """The bytes of ``tokens`` as a client sees them: special tokens have none."""
         out = bytearray()
-        buf = ctypes.create_string_buffer(64)
+        buf = self._piece
         for token in tokens:
             if token in self.hidden:
                 continue
             n = llama_c.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
             if n < 0:  # longer than the buffer: -n bytes
-                buf = ctypes.create_string_buffer(-n)
-                n = llama_c.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+                long = ctypes.create_string_buffer(-n)
+                n = llama_c.llama_token_to_piece(self._vocab, token, long, len(long), 0, False)
+                out += long.raw[:n]
+                continue
             out += buf.raw[:n]
         return bytes(out)
 
@@ -490,6 +525,12 @@ class LlamaEngine:
                 "common cause: write [0-9], [a-zA-Z0-9_] or [ \\t\\n] instead"
             )
         return sampler
+
+
+def _greedy(job: dict[str, Any]) -> bool:
+    """Whether ``job`` samples with the greedy chain (``LlamaEngine._sampler``:
+    temperature 0 and no grammar), which ``LlamaEngine._argmax`` can stand in for."""
+    return float(job.get("temperature", DEFAULT_TEMPERATURE)) <= 0 and "json_schema" not in job
 
 
 def _put(batch: Any, i: int, token: int, pos: int, seq: int, logits: bool) -> None:

@@ -44,7 +44,8 @@ class SlotJob:
     ``reused`` were in the slot's KV cache already; ``next_token`` the token
     sampled last and not yet decoded (None during prompt evaluation).
     ``sampler`` is the request's own ``llama_sampler`` chain (a ctypes pointer),
-    freed by the engine when the request leaves its slot.
+    freed by the engine when the request leaves its slot; ``greedy`` says it is
+    the special-token mask and greedy only (the engine may pick its token itself).
     """
 
     rid: int
@@ -55,6 +56,7 @@ class SlotJob:
     out: TextOut
     sampler: Any
     schema: bool = False
+    greedy: bool = False
     reused: int = 0
     generated: int = 0
     next_token: int | None = None

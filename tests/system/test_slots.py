@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import llama_cpp.llama_cpp as llama_c
 import pytest
 
 from broker.errors import Cancelled, EdgeNodeError
@@ -200,3 +201,31 @@ def test_a_full_engine_refuses_and_a_failed_prompt_keeps_the_slot_free(one: Llam
             lambda _: None,
         )
     assert one.busy == 0
+
+
+def test_the_greedy_argmax_picks_what_the_sampler_chain_picks(
+    four: LlamaEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A greedy request's token comes from ``LlamaEngine._argmax`` (one argmax over
+    its logits row), not ``llama_sampler_sample``: at every step of four slots
+    decoded together, the greedy chain (special-token mask, greedy) picks the
+    same token from the same row."""
+    chain = four._sampler({"temperature": 0.0})
+    pairs: list[tuple[int | None, int]] = []
+    argmax = four._argmax
+
+    def both(row: int) -> int | None:
+        token = argmax(row)
+        pairs.append((token, llama_c.llama_sampler_sample(chain, four._ctx, row)))
+        return token
+
+    monkeypatch.setattr(four, "_argmax", both)
+    ended: dict[int, Outcome] = {}
+    try:
+        for i, prompt in enumerate(PROMPTS[:4]):
+            four.submit(i, greedy(prompt, 64), threading.Event(), lambda _: None)
+        step_until_idle(four, ended)
+    finally:
+        llama_c.llama_sampler_free(chain)
+    assert len(ended) == 4 and len(pairs) >= 4 * 64
+    assert [fast for fast, _ in pairs] == [slow for _, slow in pairs]
