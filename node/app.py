@@ -507,7 +507,13 @@ class Node:
         # One node per run directory, for this node's whole life; a background
         # start took the lock before spawning this process and handed it over.
         with RunLock(self.run_dir, fd=lock_fd):
-            write_pidfile(self.pidfile, embedded=not self._own_signals)
+            front = self._curve[0]
+            write_pidfile(
+                self.pidfile,
+                c.frontend,
+                None if front is None else front.public_key,
+                embedded=not self._own_signals,
+            )
             try:
                 if rules is not None:
                     snapshot_rules(rules, self.run_dir)

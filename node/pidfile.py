@@ -39,6 +39,7 @@ import json
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -481,15 +482,59 @@ def signal_holder(run_dir: Path, signum: signal.Signals) -> psutil.Process | Non
     return None
 
 
-def write_pidfile(path: Path, *, embedded: bool = False) -> None:
-    """Record this process (pid and start time) in ``path``, atomically;
-    ``embedded``: the node is embedded in an app (``Node.start``), which
-    ``edgenode stop`` then names instead of signalling (``EmbeddedHolderError``)."""
+def write_pidfile(
+    path: Path,
+    frontend: str = "",
+    server_public_key: bytes | None = None,
+    *,
+    embedded: bool = False,
+) -> None:
+    """Record this process (pid and start time) in ``path``, atomically, with the
+    node's frontend endpoint as configured (``node.frontend``) and its CURVE server
+    public key (Z85, 40 bytes; None: plaintext), so ``edgenode status --run-dir
+    DIR`` finds the node without its config (``read_node_record``); ``embedded``:
+    the node is embedded in an app (``Node.start``), which ``edgenode stop`` then
+    names instead of signalling (``EmbeddedHolderError``)."""
     me = psutil.Process()
     tmp = path.with_name(path.name + ".tmp")
-    record = {"pid": me.pid, "create_time": me.create_time(), "embedded": embedded}
+    record = {
+        "pid": me.pid,
+        "create_time": me.create_time(),
+        "embedded": embedded,
+        "frontend": frontend,
+        "server_public_key": None if server_public_key is None else server_public_key.decode(),
+    }
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """What a node recorded in its pidfile (``write_pidfile``): its ``pid``, its
+    ``frontend`` endpoint as configured, its CURVE ``server_public_key`` (Z85; None:
+    plaintext)."""
+
+    pid: int
+    frontend: str
+    server_public_key: bytes | None
+
+
+def read_node_record(run_dir: Path) -> NodeRecord | None:
+    """The record of the node of ``run_dir`` if its pidfile names a live process
+    (same pid and start time) and has a frontend; None otherwise (no pidfile, a
+    stale or older one, unreadable)."""
+    try:
+        data = json.loads((run_dir / PIDFILE_NAME).read_text())
+        pid, created, frontend = int(data["pid"]), float(data["create_time"]), data["frontend"]
+        key = data.get("server_public_key")
+        if not isinstance(frontend, str) or not frontend or not isinstance(key, (str, type(None))):
+            return None
+        # psutil rounds create_time; a reused pid has another start time.
+        if abs(psutil.Process(pid).create_time() - created) > 0.01:
+            return None
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+        return None
+    return NodeRecord(pid, frontend, None if key is None else key.encode())
 
 
 def remove_pidfile(path: Path) -> None:

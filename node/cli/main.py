@@ -9,6 +9,7 @@ The global options apply to every command, before or after it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
@@ -45,16 +46,18 @@ from node.observe.logs import configure as configure_logs
 from node.pidfile import (
     LOCK_FD_ENV,
     ForeignHolderError,
+    NodeRecord,
     RunLock,
     in_use_message,
     is_launcher,
     lock_holder,
+    read_node_record,
     signal_holder,
     wait_for_starts,
 )
 from node.pool import WorkerStatus
 from node.sandbox.cores import plan_workers
-from node.security.keys import client_keys, local_key_file
+from node.security.keys import client_keys, local_key_file, local_keypair
 from node.service.health import judge
 from node.supervisor import READY_CAP_FACTOR
 from node.units import format_size
@@ -581,10 +584,16 @@ def status(
         raise click.UsageError("--ready and --watch do not go together")
     as_json = wants_json(ctx)
     config = node_config(ctx)
+    # The node of the run dir recorded where it listens: no -c needed to find it.
+    record = read_node_record(config.run_dir)
+    if record is not None:
+        config = dataclasses.replace(
+            config, node=dataclasses.replace(config.node, frontend=record.frontend)
+        )
     address = connect_endpoint(config.frontend)
     holder = _holder(config.run_dir)
     try:
-        secured = _status_keys(config, holder)
+        secured = _status_keys(config, holder, record)
     except click.ClickException as exc:
         # This host cannot ask: say so, on stderr even for --ready (a broken setup,
         # not a state of the node), and exit 3, no answer.
@@ -677,16 +686,24 @@ def _not_running(
     sys.exit(EXIT_NOT_RUNNING)
 
 
-def _status_keys(config: NodeConfig, holder: psutil.Process | None) -> dict[str, Any] | None:
+def _status_keys(
+    config: NodeConfig, holder: psutil.Process | None, record: NodeRecord | None
+) -> dict[str, Any] | None:
     """``_keys`` for ``status``, which never makes a local key: a node reads its
     allowlist, the local key included, when it starts, so a key made now would not
     be let in. None when the key is missing and no node runs (nothing to ask).
+    The node's ``record`` (its pidfile), if any, says whether its frontend is CURVE
+    and its server key, whatever the config says.
 
     Raises:
         click.ClickException: a node runs (``holder``) and the local key cannot be
             read, or the server key cannot be.
     """
-    if config.security.server_secret_key:
+    if record is None:
+        curve = bool(config.security.server_secret_key)
+    else:
+        curve = record.server_public_key is not None
+    if curve:
         key = local_key_file(config.run_dir)
         try:
             key.open("rb").close()
@@ -697,7 +714,15 @@ def _status_keys(config: NodeConfig, holder: psutil.Process | None) -> dict[str,
                 f"cannot read the node's client key {key}: {exc.strerror or exc} "
                 "(the node makes it when it starts; a restart makes a new one)"
             ) from exc
-    return _keys(config)
+    if record is None:
+        return _keys(config)
+    if record.server_public_key is None:
+        return {}
+    local = local_keypair(config.run_dir)  # exists: checked above
+    return {
+        "server_public_key": record.server_public_key,
+        "client_keypair": (local.public, local.secret),
+    }
 
 
 def _status_or_none(client: Client) -> dict[str, Any] | None:
