@@ -43,10 +43,11 @@ and ``served_by: "local"``, when the node does not answer within the request's
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -121,7 +122,14 @@ class Stream:
     Iterating yields each ``partial`` reply's text (str) and stops after the
     final ``ok``, which sets ``result``; an error reply raises its typed
     exception from the iteration (``Cancelled`` after ``Client.cancel(stream.id)``).
-    Iteration can stop and resume (``next(it)`` a few times, a ``ping``, more).
+    Iteration can pause and resume on one iterator (``it = iter(stream)``; ``next(it)``
+    a few times, a ``ping``, more).
+
+    Leaving the stream before its end cancels the request on the node (a ``cancel``
+    sent without waiting; its 499 is dropped): ``break`` out of ``for piece in
+    stream`` (the loop's iterator is closed), ``close()``, the end of a ``with
+    stream:`` block, or dropping the last reference to the stream. An iteration after
+    that yields nothing and ``result`` stays None.
 
     A client that does not read a stream as fast as it comes loses pieces: the
     node drops partials it cannot queue for it (never the final reply). Then
@@ -135,17 +143,42 @@ class Stream:
         dropped_partials: partials of this stream the node dropped so far (0 if none).
     """
 
-    def __init__(self, bodies: Iterator[dict[str, Any]], rid: RequestId) -> None:
+    def __init__(
+        self,
+        bodies: Iterator[dict[str, Any]],
+        rid: RequestId,
+        abandon: Callable[[], None] = lambda: None,
+    ) -> None:
+        # ``abandon``: cancels the request on the node unless it has ended (idempotent).
         self._bodies = bodies
+        self._abandon = abandon
         self.id = rid
         self.result: Reply | None = None
         self.dropped_partials = 0
 
     def __iter__(self) -> Iterator[str]:
-        for body in self._bodies:
-            if (text := self._take(body)) is None:
-                return
-            yield text
+        try:
+            for body in self._bodies:
+                if (text := self._take(body)) is None:
+                    return
+                yield text
+        except GeneratorExit:  # the loop was left (break) or the iterator closed
+            self.close()
+            raise
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop reading the stream; if it has not ended, cancel the request on the
+        node. Idempotent; a no-op after the final reply."""
+        close = getattr(self._bodies, "close", None)
+        if close is not None:
+            close()
+        self._abandon()  # also a stream never iterated (its generator never started)
 
     def _take(self, body: dict[str, Any]) -> str | None:
         """A partial's text, or None after filing the final as ``result``."""
@@ -160,27 +193,45 @@ class Stream:
 class AsyncStream(Stream):
     """``Stream`` for ``AsyncClient``: iterate with ``async for``.
 
-    Cancelling the task iterating it cancels the request on the node. The same
-    attributes as ``Stream``.
+    Cancelling the task iterating it cancels the request on the node, and so does
+    leaving it before its end: ``break`` out of ``async for`` (the loop closes its
+    iterator soon after, through the event loop's async generator hooks), ``await
+    stream.aclose()``, the end of an ``async with stream:`` block, or dropping the
+    stream. The same attributes as ``Stream``.
     """
 
-    def __init__(self, bodies: AsyncIterator[dict[str, Any]], rid: RequestId) -> None:
-        super().__init__(iter(()), rid)
+    def __init__(
+        self,
+        bodies: AsyncGenerator[dict[str, Any], None],
+        rid: RequestId,
+        abandon: Callable[[], None] = lambda: None,
+    ) -> None:
+        super().__init__(iter(()), rid, abandon)
         self._abodies = bodies
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._pieces()
 
     async def _pieces(self) -> AsyncIterator[str]:
-        async for body in self._abodies:
-            if (text := self._take(body)) is None:
-                return
-            yield text
+        try:
+            async for body in self._abodies:
+                if (text := self._take(body)) is None:
+                    return
+                yield text
+        except GeneratorExit:  # the loop was left (break) or the iterator closed
+            await self.aclose()
+            raise
 
+    async def __aenter__(self) -> AsyncStream:
+        return self
 
-def end_now(call: Call) -> None:
-    """``call.end`` at the current time (a dropped stream's finalizer)."""
-    call.end(time.monotonic())
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """As ``Stream.close``."""
+        await self._abodies.aclose()
+        self._abandon()
 
 
 #: The length of a z85-encoded CURVE key (bytes): 32 bytes of key, 5 characters per 4.
@@ -482,11 +533,27 @@ class Client(_Base):
     def _stream(self, body: dict[str, Any]) -> Stream:
         call = self._begin(body, guarded=True)
         bodies = self._bodies(call)
-        stream = Stream(bodies, call.sent.id)
+        abandon = functools.partial(self._abandon, call)
+        stream = Stream(bodies, call.sent.id, abandon)
         # A stream dropped before it was ever iterated has no generator to close:
-        # its inbox and permit go with the stream object.
-        weakref.finalize(stream, end_now, call)
+        # its inbox and permit go with the stream object, and its request is cancelled.
+        weakref.finalize(stream, abandon)
         return stream
+
+    def _abandon(self, call: Call) -> None:
+        """Cancel ``call`` on the node if it has not ended, and end it."""
+        if not call.done and not call.ended and not self.closed:
+            self._cancel_on_node(call.sent.id)
+        call.end(time.monotonic())
+
+    def _cancel_on_node(self, target: RequestId) -> None:
+        """Send ``cancel`` for ``target`` without waiting: its reply, and the target's
+        499, go to no inbox and are dropped."""
+        try:
+            sent = self._conv.prepare({"op": "cancel", "target": target}, keep=False)
+            self._sock.send_multipart(sent.frames(), zmq.NOBLOCK)
+        except (zmq.ZMQError, EdgeNodeError):
+            pass  # no connection: the node ends the request at its deadline
 
     def _bodies(self, call: Call) -> Iterator[dict[str, Any]]:
         """Send ``call``'s request (at once: before the first ``next``, for streams) and
@@ -541,6 +608,9 @@ class Client(_Base):
                     yield from call.timed_out(now, self.endpoint)
                 else:
                     yield from call.replied(reply, now)
+        except GeneratorExit:  # closed before its end: the stream was left
+            self._abandon(call)
+            raise
         finally:
             call.end(time.monotonic())
 
@@ -689,10 +759,19 @@ class AsyncClient(_Base):
 
     async def _stream(self, body: dict[str, Any]) -> AsyncStream:
         call = self._begin(body, guarded=True)
-        stream = AsyncStream(await self._bodies(call), call.sent.id)
-        # Never iterated, its generator has no ``finally`` to run: the stream's end does it.
-        weakref.finalize(stream, self._forget, call, self._arrived[call.sent.id])
+        bodies = await self._bodies(call)
+        abandon = functools.partial(self._abandon, call, self._arrived[call.sent.id])
+        stream = AsyncStream(bodies, call.sent.id, abandon)
+        # Never iterated, its generator has no ``finally`` to run: the stream's end does
+        # it, and cancels the request.
+        weakref.finalize(stream, abandon)
         return stream
+
+    def _abandon(self, call: Call, arrived: asyncio.Event) -> None:
+        """Cancel ``call`` on the node if it has not ended, and forget it."""
+        if not call.done and not call.ended and not self.closed:
+            self._cancel_on_node(call.sent.id)
+        self._forget(call, arrived)
 
     async def _bodies(self, call: Call) -> AsyncGenerator[dict[str, Any], None]:
         """Send ``call``'s request now and return the iterator of its reply bodies."""
@@ -787,9 +866,8 @@ class AsyncClient(_Base):
                 )
                 for item in items:
                     yield item
-        except asyncio.CancelledError:
-            if not call.done and not self.closed:
-                self._cancel_on_node(call.sent.id)
+        except (asyncio.CancelledError, GeneratorExit):  # task cancelled, or stream left
+            self._abandon(call, arrived)
             raise
         finally:
             self._forget(call, arrived)

@@ -28,6 +28,7 @@ class Call:
     Attributes:
         sent: the request.
         done: its final reply (the node's or a local one) has been handed out.
+        ended: ``end`` has run (answered, failed, timed out or abandoned).
         reserve_ms: the end of its budget kept for local answers (ms; 0 unguarded):
             ``NodeGuard.enter()``, at most half of ``sent.wait_ms``.
     """
@@ -46,6 +47,7 @@ class Call:
         self.guard = guard
         self.permit = permit
         self.done = False
+        self.ended = False
         self._pieces = 0
         # With a guard the request's budget is one deadline for all its replies: a
         # control loop never waits longer than its ``timeout_ms``, the local answer's
@@ -124,7 +126,11 @@ class Call:
 
     def end(self, now: float) -> None:
         """Answered, failed, timed out or abandoned: later replies for the id are dropped,
-        and a permit without a verdict (abandoned, task cancelled) goes back."""
+        and a permit without a verdict (abandoned, task cancelled) goes back. Once:
+        later calls do nothing."""
+        if self.ended:
+            return
+        self.ended = True
         self.conv.forget(self.sent)
         if self.guard is not None and self._entered:
             self._entered = False

@@ -131,7 +131,8 @@ def test_errors_carry_reason_code_and_retry_after(
     node = make_node(workers={"count": 1}, broker={"max_queue": 1})
     with connect_client(node.frontend, wait_ms=WAIT_MS) as c:
         running = c.stream_generate(SLOW, max_tokens=100)
-        next(iter(running))  # it runs: the only worker is busy
+        pieces = iter(running)  # held: dropping it would cancel the stream
+        next(pieces)  # it runs: the only worker is busy
         queued = c.stream_generate("waits", max_tokens=2)
         with pytest.raises(Unavailable) as caught:
             c.generate("no room", max_tokens=2)
@@ -142,7 +143,7 @@ def test_errors_carry_reason_code_and_retry_after(
         assert "queue is full" in str(err)
         c.cancel(running.id)
         with pytest.raises(Cancelled):
-            list(running)
+            list(pieces)
         assert "".join(queued) == "echo: waits"
 
 
