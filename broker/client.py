@@ -37,14 +37,17 @@ The defensive client: ``fallback=`` (e.g. ``fallback.engine.RuleEngine``) makes
 and ``served_by: "local"``, when the node does not answer within the request's
 ``timeout_ms`` or the client's circuit breaker over the node is open
 (``broker.client_guard``). Not thread-safe: use one client per thread (one
-``AsyncClient`` per event loop).
+``AsyncClient`` per event loop); a ``Client`` called from a second thread while
+another thread's call is using it raises ``ClientInUse``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
+import threading
 import time
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
@@ -66,7 +69,7 @@ from broker.client_conversation import (
     dropped_partials,
 )
 from broker.client_guard import LocalFallback, make_guard
-from broker.errors import ClientClosed, ConfigError, EdgeNodeError, NoReply
+from broker.errors import ClientClosed, ConfigError, EdgeNodeError, NoReply, ProtocolError
 
 
 @dataclass(frozen=True)
@@ -360,6 +363,13 @@ class _Base:
         return call
 
 
+class ClientInUse(ProtocolError):
+    """A ``Client`` was called from a second thread while another thread's call was
+    using its socket. A ``Client`` is not thread-safe (one ZeroMQ socket, which must
+    not be used from two threads at once; shared, replies get lost): give each thread
+    its own ``Client``. ``reason`` is ``"client_in_use"``; never sent on the wire."""
+
+
 class Client(_Base):
     """Talks to a node's frontend endpoint over one DEALER socket.
 
@@ -427,6 +437,31 @@ class Client(_Base):
         self._sock: zmq.Socket[bytes] = client_socket(
             self._ctx, endpoint, server_public_key, client_keypair, self.guard is not None
         )
+        # Held while a call uses the socket; reentrant: a finalizer of this thread (a
+        # dropped stream's cancel) may send between two of its own reads.
+        self._using = threading.RLock()
+        self._user: str | None = None
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold the socket for this thread.
+
+        Raises:
+            ClientInUse: another thread's call is using it now.
+        """
+        if not self._using.acquire(blocking=False):
+            raise ClientInUse(
+                f"the Client of {self.endpoint} was called from thread "
+                f"{threading.current_thread().name!r} while thread {self._user!r} was using "
+                "it: a Client is not thread-safe; give each thread its own Client",
+                reason="client_in_use",
+            )
+        outer, self._user = self._user, threading.current_thread().name
+        try:
+            yield
+        finally:
+            self._user = outer
+            self._using.release()
 
     def __enter__(self) -> Client:
         return self
@@ -550,10 +585,13 @@ class Client(_Base):
         """Send ``cancel`` for ``target`` without waiting: its reply, and the target's
         499, go to no inbox and are dropped."""
         try:
-            sent = self._conv.prepare({"op": "cancel", "target": target}, keep=False)
-            self._sock.send_multipart(sent.frames(), zmq.NOBLOCK)
+            with self._exclusive():
+                sent = self._conv.prepare({"op": "cancel", "target": target}, keep=False)
+                self._sock.send_multipart(sent.frames(), zmq.NOBLOCK)
         except (zmq.ZMQError, EdgeNodeError):
-            pass  # no connection: the node ends the request at its deadline
+            # No connection (the node ends the request at its deadline), or another
+            # thread holds the socket (not ours to touch: the same).
+            pass
 
     def _bodies(self, call: Call) -> Iterator[dict[str, Any]]:
         """Send ``call``'s request (at once: before the first ``next``, for streams) and
@@ -586,12 +624,13 @@ class Client(_Base):
         socket queues only on a live connection (ZMQ_IMMEDIATE), any socket stops at
         its high-water mark."""
         left_ms = max(0, math.ceil((until - time.monotonic()) * 1000))
-        try:
-            if self._sock.poll(left_ms, zmq.POLLOUT):
-                self._sock.send_multipart(sent.frames(), zmq.NOBLOCK)
-                return True
-        except zmq.Again:
-            pass
+        with self._exclusive():
+            try:
+                if self._sock.poll(left_ms, zmq.POLLOUT):
+                    self._sock.send_multipart(sent.frames(), zmq.NOBLOCK)
+                    return True
+            except zmq.Again:
+                pass
         return False
 
     def _course(self, call: Call, first: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
@@ -600,6 +639,8 @@ class Client(_Base):
             while not call.done:
                 try:
                     reply = self._next(call)
+                except ClientInUse:
+                    raise  # this thread's misuse, not the node's answer
                 except EdgeNodeError as exc:
                     yield from call.failed(exc, time.monotonic())
                     continue
@@ -620,14 +661,16 @@ class Client(_Base):
 
         Raises:
             ClientClosed: the client was closed (a stream read after ``close``).
+            ClientInUse: another thread is using the client.
         """
         self._check_open()
         deadline = call.deadline(time.monotonic())
-        while (reply := self._conv.take(call.sent)) is None:
-            left_ms = math.ceil((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not self._sock.poll(left_ms):
-                return None
-            self._conv.file(self._sock.recv_multipart())
+        with self._exclusive():
+            while (reply := self._conv.take(call.sent)) is None:
+                left_ms = math.ceil((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0 or not self._sock.poll(left_ms):
+                    return None
+                self._conv.file(self._sock.recv_multipart())
         return reply
 
 
