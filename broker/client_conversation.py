@@ -18,7 +18,7 @@ from typing import Any
 
 from broker import protocol as p
 from broker.client_request import check_request_id
-from broker.errors import EdgeNodeError, ProtocolError, error_from_wire
+from broker.errors import EdgeNodeError, ErrorCode, ProtocolError, error_from_wire
 
 #: Extra wait beyond the request's own ``timeout_ms`` before a client without a
 #: fallback gives up on the node itself (the node answers 504 at the deadline on
@@ -29,16 +29,24 @@ RequestId = str | int
 #: Replies received for one request id and not read yet, oldest first.
 Inbox = deque[dict[str, Any]]
 
+#: ``Cancelled.reason`` of a request this client cancelled (the node's ``status``
+#: counts the same cancels as ``cancelled_by_client``).
+CLIENT_CANCEL_REASON = "cancelled_by_client"
+
 
 def reply_error(reply: dict[str, Any]) -> EdgeNodeError:
     """The typed exception for an error reply body, with all its fields.
 
     ``code`` picks the class (unknown or missing: ``InternalError``); ``message``,
     ``reason``, ``retry_after_ms`` and ``text`` (as ``partial_text``) are copied
-    when they have their documented types (PROTOCOL §4.4).
+    when they have their documented types (PROTOCOL §4.4). A 499 has no ``reason`` on
+    the wire (PROTOCOL §5.2) and comes only from this client's own ``cancel``: its
+    ``reason`` is ``CLIENT_CANCEL_REASON``, so apps branch on ``reason`` as for any other.
     """
     code, retry, reason = reply.get("code"), reply.get("retry_after_ms"), reply.get("reason")
     text = reply.get("text")
+    if code == ErrorCode.CANCELLED and not isinstance(reason, str):
+        reason = CLIENT_CANCEL_REASON
     return error_from_wire(
         code if isinstance(code, int) else 500,
         str(reply.get("message", "")),

@@ -254,7 +254,7 @@ def _start_background(config: NodeConfig, wait_s: float) -> None:
                 os.close(ready_w)
                 ready_w = -1
                 click.echo(f"starting edgenode (pid {proc.pid}, log {logfile}) ...")
-                n = _wait_started(proc, config, wait_s, logfile, ready_r)
+                n, remote = _wait_started(proc, config, wait_s, logfile, ready_r)
             finally:
                 os.close(ready_r)
                 if ready_w >= 0:
@@ -273,7 +273,8 @@ def _start_background(config: NodeConfig, wait_s: float) -> None:
             " before it launched a node" if proc is None else f"\n{_stop_started(proc, config)}"
         )
         raise click.ClickException(f"start interrupted ({exc.signum.name}){stopped}") from None
-    click.echo(f"edgenode running: {n} worker(s) ready on {config.frontend} (pid {proc.pid})")
+    also = f" (and {remote} remote)" if remote else ""
+    click.echo(f"edgenode running: {n} worker(s) ready{also} on {config.frontend} (pid {proc.pid})")
 
 
 #: How often a background start asks its node's ``status`` while it starts (s); the
@@ -318,10 +319,12 @@ def _wait_started(
     wait_s: float,
     logfile: Path,
     ready_fd: int | None = None,
-) -> int:
+) -> tuple[int, int]:
     """Wait until the node ``proc`` itself answers with every worker ready; returns
-    the number of workers. An answer from any other process (a node that already
-    held the endpoint) does not count: its ``pid`` is not ``proc``'s. Between
+    the numbers of its own workers and of remote agents' workers registered by
+    then (a gateway's: they are no part of this start). An answer from any other
+    process (a node that already held the endpoint) does not count: its ``pid`` is
+    not ``proc``'s. Between
     ``status`` polls it waits on ``ready_fd`` (the node's readiness pipe, if any),
     which the node writes to, or closes, the moment it is ready, failed or gone.
 
@@ -362,7 +365,9 @@ def _wait_started(
                     f"worker failed to start ({reasons}); see {logfile.parent}"
                 )
             if status.get("all_ready"):
-                return len(status["workers"])
+                workers = status["workers"]
+                remote = sum(1 for w in workers if w.get("remote"))
+                return len(workers) - remote, remote
             if time.monotonic() >= deadline:
                 still = _still_loading(processes, loading)
                 if still is None:

@@ -50,7 +50,8 @@ def test_cancel_on_the_same_client_ends_the_stream_with_cancelled(
         assert time.monotonic() - started < 2.0, "the stream must end at once, not at wait_ms"
         assert caught.value.code == ErrorCode.CANCELLED
         assert caught.value.partial_text.startswith("echo: !slow 100")
-        assert caught.value.reason is None  # 499 has no reason (PROTOCOL §5.2)
+        # 499 has no reason on the wire (PROTOCOL §5.2); the client names its own cancel.
+        assert caught.value.reason == "cancelled_by_client"
         assert stream.result is None
         # The request is over: a second cancel finds nothing, and the client still works.
         with pytest.raises(NotFound):
