@@ -925,6 +925,9 @@ class AsyncClient(_Base):
         """Send ``cancel`` for ``target`` without waiting: its reply, and the target's
         499, go to no inbox and are dropped."""
         try:
+            # Only on a running loop (a stream dropped outside one, e.g. collected after
+            # its loop stopped, is not cancelled): pyzmq would make a loop to send on.
+            asyncio.get_running_loop()
             sent = self._conv.prepare({"op": "cancel", "target": target}, keep=False)
             self._send_now(sent)
         except (zmq.ZMQError, EdgeNodeError, RuntimeError):

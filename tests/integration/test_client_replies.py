@@ -117,7 +117,9 @@ def error(rid: Any, code: int, **extra: Any) -> dict[str, Any]:
          TooLarge, "too_large", None, ""),
         (error("r", 504, message="deadline exceeded", text="echo:"),
          DeadlineExceeded, None, None, "echo:"),
-        (error("r", 499, message="cancelled by client", text="x"), Cancelled, None, None, "x"),
+        # 499 has no reason on the wire; the client names it (its own cancel).
+        (error("r", 499, message="cancelled by client", text="x"), Cancelled,
+         "cancelled_by_client", None, "x"),
         (error("r", 500, message="llama.cpp decode failed"), InternalError, None, None, ""),
     ],
 )  # fmt: skip
