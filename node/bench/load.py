@@ -93,9 +93,16 @@ class Dealer:
 
 
 def closed_loop(
-    endpoint: str, tagged: bool, body: dict[str, Any], in_flight: int, seconds: float
+    endpoint: str,
+    tagged: bool,
+    body: dict[str, Any],
+    in_flight: int,
+    seconds: float,
+    drain_s: float = 10.0,
 ) -> Run:
-    """Keep ``in_flight`` copies of ``body`` outstanding for ``seconds``, then drain.
+    """Keep ``in_flight`` copies of ``body`` outstanding for ``seconds``, then drain:
+    wait at most ``drain_s`` for the replies still out (those that do not come count
+    as lost, so ``drain_s`` must exceed one request's longest service time).
 
     Each request gets ``id`` ``c<n>``; a reply is answered at once by the next request.
     """
@@ -114,7 +121,7 @@ def closed_loop(
                 dealer.send({**body, "id": f"c{n}"})
                 n += 1
         window = time.monotonic() - start
-        replies += _drain(dealer, n - len(replies), 10.0)
+        replies += _drain(dealer, n - len(replies), drain_s)
         return Run(replies, n, window, time.monotonic() - start)
     finally:
         dealer.close()

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from node.bench.load import Reply, Run
+import threading
+import time
+
+import zmq
+
+from broker import protocol as p
+from node.bench.load import Reply, Run, closed_loop
 
 
 def reply(status: str, at_s: float) -> Reply:
@@ -23,3 +29,39 @@ def test_a_backlog_served_after_the_window_counts_with_its_time() -> None:
     run = Run(replies, sent=20, window_s=2.0, elapsed_s=4.0)
     assert run.served_per_s() == 20 / 4.0
     assert Run([], sent=3, window_s=2.0, elapsed_s=2.0).served_per_s() == 0.0
+
+
+def test_the_drain_waits_for_requests_longer_than_ten_seconds_would_allow() -> None:
+    """Regression (first full bench run, remote scenario): a 10 s drain counted 128-token
+    requests still being served (~13 s each on one core) as lost. A real DEALER/ROUTER pair;
+    the fake server answers each request 0.4 s after it came."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve() -> None:
+        due: list[tuple[float, list[bytes]]] = []
+        while not stop.is_set():
+            if server.poll(10):
+                frames = server.recv_multipart()
+                body = p.unpack_map(frames[-1])
+                reply = p.pack({"id": body["id"], "status": "ok"})
+                due.append((time.monotonic() + 0.4, [*frames[:-1], reply]))
+            while due and due[0][0] <= time.monotonic():
+                server.send_multipart(due.pop(0)[1])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        endpoint = f"tcp://127.0.0.1:{port}"
+        short = closed_loop(endpoint, False, {"op": "ping"}, 2, 0.05, drain_s=0.1)
+        assert short.lost == 2  # both still out when a too-short drain gives up
+        time.sleep(0.5)  # the late replies go to the closed socket
+        enough = closed_loop(endpoint, False, {"op": "ping"}, 2, 0.05, drain_s=2.0)
+        assert enough.lost == 0 and len(enough.replies) == 2
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close(0)
