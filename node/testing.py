@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -479,3 +480,12 @@ class AgentProcess:
             with contextlib.suppress(OSError):
                 top.rmdir()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on at 127.0.0.1 right now (the kernel's pick; another
+    process may take it before the caller binds it, as with any such pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

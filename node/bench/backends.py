@@ -18,7 +18,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,7 +31,7 @@ from typing import IO, Any, cast
 import psutil
 
 from node.interpreter import module_command
-from node.testing import DIE_WITH_HARNESS, NodeProcess
+from node.testing import DIE_WITH_HARNESS, NodeProcess, free_port
 
 #: The context of every sequence, in every backend (the default ``model.n_ctx``).
 N_CTX = 2048
@@ -368,14 +367,6 @@ class DirectBackend(Backend):
 
 
 # ---------------------------------------------------------------------- llama-server
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class ServerBackend(Backend):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
@@ -21,7 +20,7 @@ import pytest
 import zmq
 
 from node.security.keys import allow, generate
-from node.testing import REPO, NodeProcess
+from node.testing import REPO, NodeProcess, free_port
 
 SOURCE = REPO / "examples" / "c" / "edgenode_client.c"
 #: msgpack-c's pkg-config module is "msgpack-c" from 6.0 on, "msgpack" before (Debian 12: 4.0).
@@ -99,13 +98,6 @@ def test_the_c_client_prints_a_typed_error_and_fails(
 
 
 # ---- CURVE against a real node ---------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture

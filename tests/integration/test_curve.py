@@ -14,7 +14,6 @@ import contextlib
 import multiprocessing
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import time
@@ -34,7 +33,7 @@ from broker.refusal_log import FIRST_KEYS
 from node.engine import EngineSpec
 from node.interpreter import module_command
 from node.security.keys import generate
-from node.testing import REPO, NodeProcess, wait_for
+from node.testing import REPO, NodeProcess, free_port, wait_for
 from node.worker import WorkerSpec
 
 NodeFactory = Callable[..., NodeProcess]
@@ -43,14 +42,6 @@ NodeFactory = Callable[..., NodeProcess]
 ONE_WORKER = {"count": 1, "slots": 1}
 #: How long a refused client waits for a reply before ``Unavailable`` (ms).
 REFUSED_WAIT_MS = 1500
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the kernel's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def edgenode(*args: str) -> subprocess.CompletedProcess[str]:

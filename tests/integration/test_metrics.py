@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker.errors import Cancelled, DeadlineExceeded, Unavailable
 from broker.kinds import ENGINE_KINDS
-from node.testing import NodeProcess, wait_for
+from node.testing import NodeProcess, free_port, wait_for
 
 NodeFactory = Callable[..., NodeProcess]
 #: A stream of 1 + 30 pieces at 100 ms each: still running whenever the test acts on it.
@@ -92,12 +92,6 @@ def scrape_until(port: int, ready: Callable[[Scrape], bool], timeout: float = 10
 
     result: Scrape = wait_for(attempt, timeout=timeout)
     return result
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def listening_ports(pid: int) -> set[int]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,20 +17,13 @@ from typing import Any
 import pytest
 
 from node.remote.agent import STATUS_FILE
-from node.testing import FAST_BROKER, AgentProcess, NodeProcess, wait_for
+from node.testing import FAST_BROKER, AgentProcess, NodeProcess, free_port, wait_for
 
 AGENT = "boardc"
 REMOTE_ID = f"{AGENT}.llm-0"
 TEST_WORKERS = {"engine": "test", "count": 1, "slots": 1, "threads": 1, "test_token_ms": 10}
 NodeFactory = Callable[..., NodeProcess]
 AgentFactory = Callable[..., AgentProcess]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture

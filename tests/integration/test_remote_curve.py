@@ -6,7 +6,6 @@ register, and the gateway counts the refusals."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,16 +13,9 @@ from typing import Any
 import pytest
 
 from node.security.keys import generate
-from node.testing import FAST_BROKER, AgentProcess, Collector, NodeProcess, wait_for
+from node.testing import FAST_BROKER, AgentProcess, Collector, NodeProcess, free_port, wait_for
 
 TEST_WORKERS = {"engine": "test", "count": 1, "slots": 1, "threads": 1, "test_token_ms": 10}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture

@@ -4,26 +4,18 @@ own run dir and cgroups, both with the test engine and 100 ms heartbeats x 3."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from node.testing import FAST_BROKER, AgentProcess, Collector, NodeProcess, wait_for
+from node.testing import FAST_BROKER, AgentProcess, Collector, NodeProcess, free_port, wait_for
 
 AGENT = "boardb"
 REMOTE_ID = f"{AGENT}.llm-0"
 TEST_WORKERS = {"engine": "test", "count": 1, "slots": 1, "threads": 1, "test_token_ms": 10}
 
 Pair = Callable[..., tuple[NodeProcess, AgentProcess]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture

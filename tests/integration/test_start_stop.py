@@ -20,20 +20,12 @@ import pytest
 
 from node.sandbox.cgroupfs import Host
 from node.sandbox.layout import read_layout
-from node.testing import NodeProcess, node_cgroup_dirs, node_processes, wait_for
+from node.testing import NodeProcess, free_port, node_cgroup_dirs, node_processes, wait_for
 
 NodeFactory = Callable[..., NodeProcess]
 
 #: One light worker: ten nodes may start at once on a 2-core machine.
 ONE_WORKER = {"count": 1, "slots": 1}
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the kernel's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture

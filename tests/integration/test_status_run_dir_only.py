@@ -6,26 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 from node.interpreter import module_command
 from node.security.keys import generate
-from node.testing import REPO, NodeProcess
-
-
-def free_port() -> int:
-    """A free TCP port in 58000..58999 (the range this tree's tests by hand use)."""
-    for port in range(58100, 59000):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 58100..58999")
+from node.testing import REPO, NodeProcess, free_port
 
 
 def status_without_config(node: NodeProcess, *args: str) -> subprocess.CompletedProcess[str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,17 +15,9 @@ import psutil
 import pytest
 
 from node.security.keys import generate, local_key_file
-from node.testing import NodeProcess, wait_for
+from node.testing import NodeProcess, free_port, wait_for
 
 NodeFactory = Callable[..., NodeProcess]
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture

@@ -11,17 +11,11 @@ from collections.abc import Callable
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from node.testing import NodeProcess, wait_for
+from node.testing import NodeProcess, free_port, wait_for
 
 pytestmark = pytest.mark.system
 
 NodeFactory = Callable[..., NodeProcess]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

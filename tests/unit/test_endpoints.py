@@ -18,14 +18,7 @@ from broker.errors import ConfigError
 from broker.loop import BrokerLoop, make_router
 from broker.records import BrokerSettings
 from node.endpoints import check_free, connect_endpoint, parse_endpoint
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the kernel's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+from node.testing import free_port
 
 
 def ipv6_loopback() -> bool:
