@@ -26,6 +26,7 @@ from node.endpoints import is_loopback, parse_endpoint
 from node.engine import ModelEngineName
 from node.observe.listen import parse_listen
 from node.observe.logs import LOG_FORMATS, LogFormat
+from node.sandbox.niceness import check_slice
 from node.units import parse_cores, parse_size
 
 if sys.version_info >= (3, 11):
@@ -93,6 +94,8 @@ class WorkersSection:
     cpu_quota: str | float = "max"
     cpus: tuple[int, ...] = ()
     nice: int = 10
+    #: µs; the model workers' scheduler slice (node.sandbox.niceness.set_slice), 0 = the kernel's.
+    slice_us: int = 100
 
 
 @dataclass(frozen=True)
@@ -352,6 +355,7 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "workers.test_load_ms": (0, MAX_DURATION_MS),
     "workers.log_max_bytes": (0, MAX_FILE_BYTES),
     "workers.nice": (0, 19),
+    "workers.slice_us": (0, 100_000),  # and not 1..99: ``check_slice``
     "broker.max_queue": (0, MAX_QUEUE),  # 0 = 8 per pool slot
     "broker.default_timeout_ms": (1, MAX_DURATION_MS),
     "broker.max_timeout_ms": (1, MAX_DURATION_MS),
@@ -618,6 +622,7 @@ def _validate_isolation(w: WorkersSection) -> None:
             f'workers.cpu_quota must be at most {MAX_CPU_QUOTA} cores or "max", got {w.cpu_quota!r}'
         )
     _core_list("workers.cpus", w.cpus)
+    check_slice(w.slice_us)
 
 
 def _validate_pressure(p: PressureSection) -> None:

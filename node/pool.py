@@ -23,7 +23,7 @@ from node.engine import EngineName, EngineSpec
 from node.sandbox.cgroups import Sandbox, cgroup_name, limits_for, options_for
 from node.sandbox.cores import CpuPlan, pin_all_threads, plan_workers
 from node.sandbox.driver import MemoryReading
-from node.sandbox.niceness import process_niceness
+from node.sandbox.niceness import NO_NICENESS, process_niceness
 from node.supervisor import ProcessStatus, Supervisor
 from node.units import format_size
 from node.worker import WorkerSpec
@@ -31,7 +31,6 @@ from node.worker import WorkerSpec
 log = logging.getLogger("edgenode.pool")
 
 RULES_WORKER = "rules-0"
-NO_NICENESS: dict[str, int | None] = {"nice": None, "autogroup_nice": None}
 
 
 class WorkerStatus(ProcessStatus):
@@ -47,6 +46,8 @@ class WorkerStatus(ProcessStatus):
     engine: EngineName
     nice: int | None
     autogroup_nice: int | None
+    #: µs; the main thread's scheduler slice, None = the kernel's default (node.sandbox.niceness).
+    slice_us: int | None
 
 
 class WorkerPool:
@@ -146,6 +147,7 @@ class WorkerPool:
                     heartbeat_liveness=c.broker.heartbeat_liveness,
                     cpus=placement.cpus if self.plan.restricts else (),
                     nice=placement.nice,
+                    slice_us=c.workers.slice_us,
                     max_body_bytes=c.broker.max_body_bytes,
                     curve_server_key=self._server_key,
                     curve_key_file=self._key_file,
@@ -284,6 +286,7 @@ class WorkerPool:
                     engine=spec.engine.kind,
                     nice=niceness["nice"],
                     autogroup_nice=niceness["autogroup_nice"],
+                    slice_us=niceness["slice_us"],
                 )
             )
         return out

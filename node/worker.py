@@ -117,6 +117,8 @@ class WorkerSpec:
     #: Cores to pin to (empty = leave affinity alone) and the nice level.
     cpus: tuple[int, ...] = ()
     nice: int = 0
+    #: µs; the scheduler slice to ask for (``workers.slice_us``; 0 = the kernel's).
+    slice_us: int = 0
     #: ``broker.max_body_bytes``: the socket cap and the reply limits come from it
     #: (``broker.protocol.message_limits``), the same as the broker's.
     max_body_bytes: int = p.DEFAULT_MAX_BODY_BYTES
@@ -740,8 +742,8 @@ def main(argv: list[str] | None = None) -> int:
         # Before the model loads: its page cache is charged to whoever touches
         # it first, and llama.cpp's threads inherit the affinity and nice level.
         join_cgroup(spec.cgroup_procs)
-        if spec.cpus or spec.nice:
-            apply_placement(spec.cpus or tuple(os.sched_getaffinity(0)), spec.nice)
+        if spec.cpus or spec.nice or spec.slice_us:
+            apply_placement(spec.cpus or tuple(os.sched_getaffinity(0)), spec.nice, spec.slice_us)
     except EdgeNodeError as exc:
         log.error("cannot enter the sandbox: %s", exc.message)
         write_exit_message(args.exit_message_file, f"cannot enter the sandbox: {exc.message}")

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from broker.errors import ConfigError, SandboxError
-from node.sandbox.niceness import check_nice, renice, set_autogroup_nice
+from node.sandbox.niceness import check_nice, renice, set_autogroup_nice, set_slice
 from node.units import parse_cores
 
 if TYPE_CHECKING:
@@ -279,18 +279,38 @@ def pin_all_threads(cpus: Collection[int], task_dir: Path = Path("/proc/self/tas
             ) from exc
 
 
-def apply_placement(cpus: Collection[int], nice: int) -> None:
-    """Pin, renice, and renice the autogroup: what a worker does to itself before
-    it starts any thread (so its threads inherit all of it).
+def apply_placement(cpus: Collection[int], nice: int, slice_us: int = 0) -> None:
+    """Pin, renice, renice the autogroup and ask for a ``slice_us`` µs scheduler slice
+    (0 = the kernel's; ``node.sandbox.niceness.set_slice``): what a worker does to
+    itself before it starts any thread (so its threads inherit all of it).
+
+    A slice the kernel refuses is logged and skipped: it only shortens how long a
+    worker thread may delay a woken host thread, and the worker is still fenced.
 
     Raises:
-        SandboxError: the kernel refused one of them.
+        SandboxError: the kernel refused the pinning or a nice level.
     """
     pin(cpus)
     renice(nice)
     grouped = set_autogroup_nice(nice)
+    got = None
+    if slice_us:
+        try:
+            got = set_slice(slice_us)
+        except SandboxError as exc:
+            log.warning("%s; the kernel's default slice applies", exc.message)
+        else:
+            if got is None:
+                log.info(
+                    "this kernel keeps its default scheduler slice (custom slices need "
+                    "Linux 6.12+): a host thread may wait up to a tick behind a worker thread"
+                )
     log.debug(
-        "pinned to %s at nice %d%s", format_cpus(cpus), nice, " (autogroup too)" if grouped else ""
+        "pinned to %s at nice %d%s, slice %s",
+        format_cpus(cpus),
+        nice,
+        " (autogroup too)" if grouped else "",
+        "default" if got is None else f"{got} µs",
     )
 
 

@@ -14,7 +14,7 @@ import zmq
 
 from broker.client import Reply
 from broker.errors import ProtocolError
-from node.sandbox.niceness import autogroups_enabled
+from node.sandbox.niceness import autogroups_enabled, kernel_has_custom_slices, thread_slice_us
 from node.testing import NodeProcess, leftover_processes
 
 NodeFactory = Callable[..., NodeProcess]
@@ -208,6 +208,14 @@ def test_reserved_cores_keep_the_whole_node_off_the_hosts_cores(make_node: NodeF
         # within its own session (node/sandbox/niceness.py).
         assert by_id[wid]["nice"] == 10
         assert by_id[wid]["autogroup_nice"] == (10 if autogroups_enabled() else None)
+        # The shortest scheduler slice, on every thread (llama.cpp's too): a host thread
+        # that wakes on a worker's core waits ~0.1 ms, not a tick (niceness.set_slice).
+        want = 100 if kernel_has_custom_slices() else thread_slice_us(os.getpid())
+        assert by_id[wid]["slice_us"] == want
+        threads = psutil.Process(by_id[wid]["pid"]).threads()
+        assert {thread_slice_us(t.id) for t in threads} == {want}
+    # Ahead of the model: the kernel's default slice, as this test's own.
+    assert by_id["rules-0"]["slice_us"] == thread_slice_us(os.getpid())
     with node.client() as client:
         assert client.generate("go", max_tokens=2).served_by == "llm"
 

@@ -72,6 +72,8 @@ BAD: list[tuple[str, Any]] = [
     ("workers.cpus", [1, 1]),
     ("workers.nice", -1),
     ("workers.nice", 20),
+    ("workers.slice_us", 100_001),
+    ("workers.slice_us", 50),  # the kernel would clamp it to 100: said, not silently
     ("broker.max_body_bytes", 0),
     ("broker.max_queue", -1),
     ("broker.default_timeout_ms", 0),

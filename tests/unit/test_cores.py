@@ -27,10 +27,13 @@ from node.sandbox.cores import (
 from node.sandbox.niceness import (
     autogroup_nice,
     autogroups_enabled,
+    check_slice,
     cpu_weight_v2,
+    kernel_has_custom_slices,
     nice_weight,
     process_niceness,
     set_autogroup_nice,
+    thread_slice_us,
 )
 from node.units import parse_cores, quota_us
 
@@ -278,8 +281,47 @@ def test_process_niceness_reads_nice_and_autogroup() -> None:
     me = process_niceness(os.getpid())
     assert me["nice"] == os.getpriority(os.PRIO_PROCESS, 0)
     assert me["autogroup_nice"] == (autogroup_nice() if autogroups_enabled() else None)
+    assert me["slice_us"] == thread_slice_us(os.getpid())
     gone = process_niceness(2**22 + 12345)  # above pid_max's default: no such process
-    assert gone == {"nice": None, "autogroup_nice": None}
+    assert gone == {"nice": None, "autogroup_nice": None, "slice_us": None}
+
+
+#: A worker asks for a short slice, then starts a thread (llama.cpp's come later).
+SLICE = (
+    "import os, threading; from node.sandbox.niceness import set_slice, thread_slice_us; "
+    "os.setpriority(os.PRIO_PROCESS, 0, 12); before = thread_slice_us(0); got = set_slice(250); "
+    "out = []; read = lambda: out.append(thread_slice_us(threading.get_native_id())); "
+    "t = threading.Thread(target=read); t.start(); t.join(); "
+    "print(before, got, out[0], os.getpriority(os.PRIO_PROCESS, 0))"
+)
+
+
+@pytest.mark.skipif(not kernel_has_custom_slices(), reason="custom slices need Linux 6.12+")
+def test_set_slice_is_inherited_by_later_threads_and_keeps_the_nice_level() -> None:
+    before, got, thread, nice = run_code(SLICE).split()
+    assert before == str(thread_slice_us(os.getpid()))  # the kernel's default, as here
+    assert got == thread == "250"
+    assert nice == "12"  # sched_setattr sets nice too: set_slice passes the current one
+
+
+def test_kernel_has_custom_slices_by_release() -> None:
+    assert kernel_has_custom_slices("6.12.0")
+    assert kernel_has_custom_slices("6.18.44-fc-v1045")
+    assert kernel_has_custom_slices("7.0.1")
+    assert not kernel_has_custom_slices("6.11.9-arch1")
+    assert not kernel_has_custom_slices("5.15.0-91-generic")
+    assert not kernel_has_custom_slices("garbage")
+
+
+@pytest.mark.parametrize("value", [0, 100, 2000, 100_000])
+def test_check_slice_takes_zero_and_the_kernels_range(value: int) -> None:
+    check_slice(value)
+
+
+@pytest.mark.parametrize("value", [1, 99, 100_001, -5])
+def test_check_slice_refuses_what_the_kernel_would_clamp(value: int) -> None:
+    with pytest.raises(ConfigError, match=r"workers\.slice_us"):
+        check_slice(value)
 
 
 #: A process with a thread started before it pins itself, like the node after numpy's import.
