@@ -20,7 +20,11 @@ and cgroup):
   share all of them: a worker runs on the probe's core (at nice 10, its
   autogroup too).
 
-Each of ``--rounds`` rounds probes three cases in a rotating order: both nodes
+* with ``--slice-baseline``, a third: ``unreserved-s0``, the unreserved node with
+  ``workers.slice_us = 0`` (the kernel's default scheduler slice, as before that
+  key): what the short slice buys the host (node.sandbox.niceness).
+
+Each of ``--rounds`` rounds probes the cases in a rotating order: both nodes
 idle; the reserved node's workers all generating flat out; the unreserved
 node's likewise (one client per slot, each streaming long generations back to
 back for the whole probe window; they are cancelled after it). Interleaving
@@ -51,7 +55,7 @@ The layout is the built-in default unless ``--workers``, ``--slots`` or
 ``--threads`` say otherwise.
 
 Usage: ``python scripts/bench_isolation.py [--iterations 3000] [--rounds 3] [--duty 0.5]
-[--workers W] [--slots S] [--threads T] [--json]``.
+[--workers W] [--slots S] [--threads T] [--slice-baseline] [--json]``.
 Needs root (cgroups and cpusets) and at least 2 cores.
 """
 
@@ -144,7 +148,9 @@ def sequences(args: argparse.Namespace) -> int:
 class Config:
     """One node of the comparison, its generators and what was measured with it busy."""
 
-    def __init__(self, name: str, cpus: list[int], args: argparse.Namespace) -> None:
+    def __init__(
+        self, name: str, cpus: list[int], args: argparse.Namespace, **workers: Any
+    ) -> None:
         self.name, self.cpus = name, cpus
         self.node = NodeProcess(
             {
@@ -154,6 +160,7 @@ class Config:
                     "cpus": cpus,
                     "sandbox": "required",
                     **layout(args),
+                    **workers,
                 },
                 "broker": {"stall_timeout_ms": 60_000},
             }
@@ -225,6 +232,8 @@ def run(args: argparse.Namespace, reserved: list[int]) -> dict[str, Any]:
     node's workers busy and beside the unreserved node's, in a rotating order, so
     the host's other load (which the benchmark cannot stop) hits every case alike."""
     configs = [Config("reserved", reserved, args), Config("unreserved", [], args)]
+    if args.slice_baseline:
+        configs.append(Config("unreserved-s0", [], args, slice_us=0))
     idle: list[dict[str, Any]] = []
     try:
         for c in configs:
@@ -233,7 +242,8 @@ def run(args: argparse.Namespace, reserved: list[int]) -> dict[str, Any]:
         pids = [c.node.proc.pid for c in configs if c.node.proc is not None]
         cases: list[Config | None] = [None, *configs]
         for r in range(args.rounds):
-            for case in cases[r % 3 :] + cases[: r % 3]:
+            turn = r % len(cases)
+            for case in cases[turn:] + cases[:turn]:
                 if case is None:
                     idle.append(probe(args.probe_core, args.iterations, args.work, pids))
                 else:
@@ -279,6 +289,11 @@ def main() -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=1024)
     parser.add_argument("--timeout", type=float, default=240.0, help="node start timeout (s)")
+    parser.add_argument(
+        "--slice-baseline",
+        action="store_true",
+        help="also an unreserved node with workers.slice_us = 0 (the kernel's default slice)",
+    )
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
     args = parser.parse_args()
     if os.geteuid() != 0:
