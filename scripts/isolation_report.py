@@ -57,6 +57,19 @@ def report_probe(result: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"\nresp p99 per round: idle {idle['resp_p99_rounds_us']}")
     for c in configs:
         print(f"                    {c['name']} busy {c['busy']['resp_p99_rounds_us']}")
+    print(f"missed % per round: idle {idle['missed_rounds_pct']}")
+    for c in configs:
+        print(f"                    {c['name']} busy {c['busy']['missed_rounds_pct']}")
+    print("\nwithin the idle rounds' spread (the target: at most the highest idle round's):")
+    for c in configs:
+        b = c["busy"]
+        print(
+            f"  {c['name']:<13} resp p99 median {b['resp_p99_median_us']} µs "
+            f"{_within(b['resp_p99_median_us'], idle['resp_p99_rounds_us'])}, "
+            f"rounds {_inside(b['resp_p99_rounds_us'], idle['resp_p99_rounds_us'])}; "
+            f"missed {b['missed_pct']} % {_within(b['missed_pct'], idle['missed_rounds_pct'])}, "
+            f"rounds {_inside(b['missed_rounds_pct'], idle['missed_rounds_pct'])}"
+        )
     print("\nbusy/idle (1.0 = the host does not notice the model):")
     for c in configs:
         b = c["busy"]
@@ -102,3 +115,17 @@ def report_memory(configs: list[dict[str, Any]]) -> None:
 
 def _err(estimate: int, measured: int | None) -> str:
     return f"{(estimate - measured) / measured * 100:+.1f}%" if measured else "-"
+
+
+def _within(value: float, idle_rounds: list[float]) -> str:
+    """ "within" if ``value`` is at most the highest idle round's, else how far above."""
+    top = max(idle_rounds)
+    if value <= top:
+        return "within"
+    return f"above ({value / top:.2f}x the idle max)" if top else "above"
+
+
+def _inside(rounds: list[float], idle_rounds: list[float]) -> str:
+    """How many busy rounds are at most the highest idle round's: "4 of 6 inside"."""
+    top = max(idle_rounds)
+    return f"{sum(r <= top for r in rounds)} of {len(rounds)} inside"

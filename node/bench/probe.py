@@ -145,7 +145,7 @@ def calibrate(core: int, duty: float) -> int:
 
 def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Wake-up lateness and response (µs) over all rounds and per round, missed
-    deadlines, CPU shares."""
+    deadlines (%, over all rounds and per round), CPU shares."""
 
     def us(key: str) -> tuple[list[float], list[list[float]]]:
         per_round = [[ns / 1000 for ns in r[key]] for r in rounds]
@@ -164,6 +164,9 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "resp_p99_rounds_us": [round(percentile(r, 99), 1) for r in resp_rounds],
         "resp_p99_median_us": round(median(percentile(r, 99) for r in resp_rounds), 1),
         "missed_pct": round(100 * sum(x > 1000 for x in resp) / len(resp), 2),
+        "missed_rounds_pct": [
+            round(100 * sum(x > 1000 for x in r) / len(r), 2) for r in resp_rounds
+        ],
         "core_busy": [
             round(statistics.mean(c), 3)
             for c in zip(*(r["core_busy"] for r in rounds), strict=True)
