@@ -278,6 +278,19 @@ def node_processes(run_dir: Path) -> list[int]:
     return found
 
 
+def cgroups_usable(host: Host | None = None) -> bool:
+    """True when this process is root and ``host`` (this machine's by default) has a
+    cgroup hierarchy the sandbox can use (a v1 memory controller or a v2 mount): what a
+    test with ``sandbox = "required"`` needs. An unreadable /proc file counts as no."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        layout = read_layout(host or Host())
+    except OSError:
+        return False
+    return "memory" in layout.v1 or layout.v2 is not None
+
+
 def node_cgroup_dirs(run_dir: Path) -> list[Path]:
     """The node's cgroup trees that exist now, in every hierarchy of this host."""
 

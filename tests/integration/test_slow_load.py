@@ -21,27 +21,14 @@ import psutil
 import pytest
 
 from node.engine import EngineSpec
-from node.sandbox.cgroupfs import Host
-from node.sandbox.layout import read_layout
 from node.supervisor import Supervisor
-from node.testing import REPO, NodeProcess, leftover_processes, wait_for
+from node.testing import REPO, NodeProcess, cgroups_usable, leftover_processes, wait_for
 from node.worker import WorkerSpec
 
 NodeFactory = Callable[..., NodeProcess]
 
 #: Nobody listens there: the worker loads, then waits for a broker forever.
 NO_BROKER = "tcp://127.0.0.1:1"
-
-
-def cgroups_usable() -> bool:
-    """Root and a cgroup hierarchy the sandbox can use (as tests/integration/test_start_stop.py)."""
-    if os.geteuid() != 0:
-        return False
-    try:
-        layout = read_layout(Host())
-    except OSError:
-        return False
-    return "memory" in layout.v1 or layout.v2 is not None
 
 
 def unregistered_spec(worker_id: str = "llm-0") -> WorkerSpec:

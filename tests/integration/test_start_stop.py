@@ -18,9 +18,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from node.sandbox.cgroupfs import Host
-from node.sandbox.layout import read_layout
-from node.testing import NodeProcess, free_port, node_cgroup_dirs, node_processes, wait_for
+from node.testing import (
+    NodeProcess,
+    cgroups_usable,
+    free_port,
+    node_cgroup_dirs,
+    node_processes,
+    wait_for,
+)
 
 NodeFactory = Callable[..., NodeProcess]
 
@@ -43,16 +48,6 @@ def forge_pidfile(run_dir: Path, pid: int) -> None:
     """A pidfile naming ``pid`` with its true start time: it passes the old identity check."""
     created = psutil.Process(pid).create_time()
     (run_dir / "edgenode.pid").write_text(json.dumps({"pid": pid, "create_time": created}))
-
-
-def cgroups_usable() -> bool:
-    if os.geteuid() != 0:
-        return False
-    try:
-        layout = read_layout(Host())
-    except OSError:
-        return False
-    return "memory" in layout.v1 or layout.v2 is not None
 
 
 def run_files(run_dir: Path) -> list[str]:
