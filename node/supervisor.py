@@ -113,8 +113,11 @@ class LoadingStatus(TypedDict):
     #: Since its load last made progress (ms, ``LoadProgress.progressed``); it is
     #: killed past workers.ready_timeout_ms.
     idle_ms: int
-    #: Since it was spawned (ms); it is killed past READY_CAP_FACTOR x the timeout.
+    #: Since it was spawned (ms).
     loading_ms: int
+    #: The hard cap on its load (ms since its spawn, ``READY_CAP_FACTOR`` x
+    #: workers.ready_timeout_ms): it is killed there, progress or not.
+    cap_ms: int
 
 
 class ProcessStatus(TypedDict):
@@ -368,6 +371,7 @@ class Supervisor:
             rss_bytes=seen.rss_pages * PAGE_BYTES,
             idle_ms=round((now - handle.progress_at) * 1000),
             loading_ms=round((now - handle.started_at) * 1000),
+            cap_ms=round(self.ready_cap_s * 1000),
         )
 
     def _exit_message_path(self, handle: WorkerHandle) -> Path:

@@ -59,7 +59,6 @@ from node.pool import WorkerStatus
 from node.sandbox.cores import plan_workers
 from node.security.keys import client_keys, local_key_file, local_keypair
 from node.service.health import judge
-from node.supervisor import READY_CAP_FACTOR
 from node.units import format_size
 
 #: ``edgenode status`` exit code when no node runs (LSB init-script convention).
@@ -324,26 +323,26 @@ def _wait_started(
     the numbers of its own workers and of remote agents' workers registered by
     then (a gateway's: they are no part of this start). An answer from any other
     process (a node that already held the endpoint) does not count: its ``pid`` is
-    not ``proc``'s. Between
-    ``status`` polls it waits on ``ready_fd`` (the node's readiness pipe, if any),
-    which the node writes to, or closes, the moment it is ready, failed or gone.
+    not ``proc``'s. Between ``status`` polls it waits on ``ready_fd`` (the node's
+    readiness pipe, if any), which the node writes to, or closes, the moment it is
+    ready, failed or gone. Past ``wait_s`` it waits on while the node reports
+    every worker not ready as loading (``_StillLoading``).
 
     Raises:
         click.ClickException: the node exited (with its own error), a worker
-            failed, or not ready within ``wait_s``.
+            failed, or not ready within ``wait_s`` (or, loading, within the cap).
     """
     begun = time.monotonic()
     deadline = begun + wait_s
-    # Past wait_s, a start still waits for workers whose load progresses, as the
-    # supervisor does (node.supervisor.READY_CAP_FACTOR), never past this cap.
-    cap = begun + max(wait_s, READY_CAP_FACTOR * config.workers.ready_timeout_ms / 1000)
     answered_by: int | None = None
-    loading: dict[str, int] | None = None  # past wait_s: the loading workers' restarts
+    loading: _StillLoading | None = None
     with Client(connect_endpoint(config.frontend), wait_ms=1000, **_keys(config)) as client:
         late = False  # one poll past wait_s decides whether the start waits on
         while True:
             now = time.monotonic()
-            if now >= cap or (now >= deadline and loading is None and late):
+            if (loading is not None and now >= loading.until) or (
+                loading is None and late and now >= deadline
+            ):
                 break
             late = now >= deadline
             if proc.poll() is not None:
@@ -358,37 +357,19 @@ def _wait_started(
                 ready_fd = _wait_ready_fd(ready_fd, POLL_S)
                 continue
             processes: list[WorkerStatus] = status.get("processes", [])
-            failed = [p for p in processes if p["state"] == "failed"]
-            if failed:
-                reasons = "; ".join(f"{p['worker_id']}: {p['last_exit']}" for p in failed)
-                raise click.ClickException(
-                    f"worker failed to start ({reasons}); see {logfile.parent}"
-                )
+            _raise_if_failed(processes, logfile)
             if status.get("all_ready"):
                 workers = status["workers"]
                 remote = sum(1 for w in workers if w.get("remote"))
                 return len(workers) - remote, remote
             if time.monotonic() >= deadline:
-                still = _still_loading(processes, loading)
-                if still is None:
-                    raise click.ClickException(
-                        f"workers not ready after {time.monotonic() - begun:.0f}s"
-                        f"{_not_ready_reasons(processes)}; see {logfile}"
-                    )
-                if loading is None:
-                    click.echo(
-                        f"workers still loading after {wait_s:g}s and making progress "
-                        f"({_loading_words(processes)}); waiting while they progress, "
-                        f"at most {cap - begun:.0f}s in all (a worker whose load makes no "
-                        f"progress for workers.ready_timeout_ms is killed, and the start "
-                        f"fails). {_serving_words(status)}"
-                    )
-                loading = still
+                loading = _wait_on_loading(status, loading, begun, wait_s, logfile)
             ready_fd = _wait_ready_fd(ready_fd, POLL_S)
     if loading is not None:
         raise click.ClickException(
-            f"workers not ready after {cap - begun:.0f}s, the cap on a load that progresses "
-            f"({READY_CAP_FACTOR} x workers.ready_timeout_ms); see {logfile}"
+            f"workers not ready after {loading.until - begun:.0f}s, the cap on a load that "
+            f"progresses ({loading.cap_s:g}s from a worker's spawn, as the node reports it); "
+            f"see {logfile}"
         )
     other = (
         f"; {config.frontend} is answered by pid {answered_by}, not by the node this start "
@@ -399,21 +380,81 @@ def _wait_started(
     raise click.ClickException(f"workers not ready after {wait_s:g}s{other}; see {logfile}")
 
 
-def _still_loading(
-    processes: list[WorkerStatus], before: dict[str, int] | None
-) -> dict[str, int] | None:
-    """Past ``start --wait-s``: the restart counts of the workers not ready yet, if
-    every one of them is still loading (``starting``, and not restarted since
-    ``before``, the counts of the previous poll); else None (give up). The
-    supervisor kills a load that stops progressing, so "still starting, same
-    process" means "still progressing"."""
-    pending = [p for p in processes if p["state"] != "ready"]
-    counts = {p["worker_id"]: p["restarts"] for p in pending}
-    if not pending or any(p["state"] != "starting" or p.get("loading") is None for p in pending):
-        return None
-    if before is not None and any(before.get(w) != n for w, n in counts.items()):
-        return None
-    return counts
+def _raise_if_failed(processes: list[WorkerStatus], logfile: Path) -> None:
+    """Raises click.ClickException naming each ``failed`` worker and its last exit."""
+    failed = [p for p in processes if p["state"] == "failed"]
+    if failed:
+        reasons = "; ".join(f"{p['worker_id']}: {p['last_exit']}" for p in failed)
+        raise click.ClickException(f"worker failed to start ({reasons}); see {logfile.parent}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _StillLoading:
+    """Past ``start --wait-s``: the workers not ready yet, all loading, as the node
+    reported them (``processes[].loading``), and how long the start waits on them.
+
+    The node's supervisor judges a load (it kills one that stops progressing, or
+    reaches its cap), so the start only reads its verdict: the same process still
+    ``starting`` with a ``loading`` report means still progressing.
+    """
+
+    #: The pid of each worker not ready (another pid: it was killed and respawned).
+    pids: dict[str, int | None]
+    #: When the last of their caps passes (monotonic s): the start waits no longer.
+    until: float
+    #: The longest of their caps (s since a worker's spawn), for the messages.
+    cap_s: float
+
+    @classmethod
+    def judge(
+        cls, processes: list[WorkerStatus], before: _StillLoading | None, now: float
+    ) -> _StillLoading | None:
+        """The loading workers of this ``status`` poll, taken at ``now`` (monotonic s);
+        None (give up) if a worker not ready is not loading, or is not the process
+        it was at the poll before (``before``). The wait's end is fixed at the first
+        poll that found them loading."""
+        pending = [p for p in processes if p["state"] != "ready"]
+        loads = [(p, p.get("loading")) for p in pending if p["state"] == "starting"]
+        reports = [load for _, load in loads if load is not None]
+        if not pending or len(reports) != len(pending):
+            return None
+        pids = {p["worker_id"]: p["pid"] for p in pending}
+        if before is not None:
+            return before if pids == before.pids else None
+        left_s = max(load["cap_ms"] - load["loading_ms"] for load in reports) / 1000
+        return cls(pids, now + left_s, max(load["cap_ms"] for load in reports) / 1000)
+
+
+def _wait_on_loading(
+    status: dict[str, Any],
+    before: _StillLoading | None,
+    begun: float,
+    wait_s: float,
+    logfile: Path,
+) -> _StillLoading:
+    """Past ``--wait-s``: whether the start waits on (``_StillLoading.judge``); says
+    so the first time, with what the node serves meanwhile.
+
+    Raises:
+        click.ClickException: a worker not ready is not loading (any more).
+    """
+    processes: list[WorkerStatus] = status.get("processes", [])
+    now = time.monotonic()
+    loading = _StillLoading.judge(processes, before, now)
+    if loading is None:
+        raise click.ClickException(
+            f"workers not ready after {now - begun:.0f}s"
+            f"{_not_ready_reasons(processes)}; see {logfile}"
+        )
+    if before is None:
+        click.echo(
+            f"workers still loading after {wait_s:g}s and making progress "
+            f"({_loading_words(processes)}); waiting while they progress, "
+            f"at most {loading.until - begun:.0f}s in all (a worker whose load makes no "
+            f"progress for workers.ready_timeout_ms is killed, and the start "
+            f"fails). {_serving_words(status)}"
+        )
+    return loading
 
 
 def _loading_words(processes: list[WorkerStatus]) -> str:

@@ -153,16 +153,20 @@ def test_a_loaded_worker_that_only_heartbeats_is_not_progress_and_is_killed(
         sup.start()
         handle = sup.handles["llm-0"]
         seen: list[float] = []
+        caps: set[int] = set()
 
         def loading() -> bool:
             sup.tick(time.monotonic())
             (row,) = sup.status()
             if row["loading"] is not None:
                 seen.append(row["loading"]["cpu_s"])
+                caps.add(row["loading"]["cap_ms"])
             return handle.state != "starting"
 
         wait_for(loading, timeout=40, every=0.05)
         assert "made no progress" in handle.last_exit, handle.last_exit
         assert seen and max(seen) > 0  # it did run: its imports took CPU time
+        # The cap `edgenode start` reads instead of working it out: 10 x the 1.5 s timeout.
+        assert caps == {15_000}
     finally:
         sup.stop(grace_s=5)

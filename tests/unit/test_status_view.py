@@ -216,7 +216,13 @@ def test_the_security_line_says_when_no_client_key_is_allowed() -> None:
 
 
 def test_a_loading_worker_shows_its_progress_and_its_last_exit() -> None:
-    loading = {"cpu_s": 12.34, "rss_bytes": 310 * 2**20, "idle_ms": 200, "loading_ms": 45_000}
+    loading = {
+        "cpu_s": 12.34,
+        "rss_bytes": 310 * 2**20,
+        "idle_ms": 200,
+        "loading_ms": 45_000,
+        "cap_ms": 600_000,
+    }
     first = {**_proc("llm-0", 10, 10), "state": "starting", "loading": loading}
     again = {**first, "worker_id": "llm-1", "last_exit": "not READY within 60s (killed by SIGKILL)"}
     status = {
