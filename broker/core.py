@@ -46,7 +46,14 @@ from broker.errors import EdgeNodeError, ErrorCode, ProtocolError
 from broker.exits import ExitCause, blames_its_request, not_retried
 from broker.handover import Handover
 from broker.jobs import JobTable
-from broker.kinds import PRESSURE_LEVELS, CpuLevel, EngineKind, FinalOutcome, ShedReason
+from broker.kinds import (
+    PRESSURE_LEVELS,
+    CpuLevel,
+    EngineKind,
+    FinalOutcome,
+    RoutingMode,
+    ShedReason,
+)
 from broker.lifecycle import Lifecycle
 from broker.liveness import Liveness
 from broker.observations import Ended, TokenGap
@@ -253,7 +260,7 @@ class Broker:
             self.router.breaker.release(route.permit, now)
         return verdict
 
-    def _copy_to_model(self, primary: Job, mode: str, now: float) -> None:
+    def _copy_to_model(self, primary: Job, mode: RoutingMode, now: float) -> None:
         """Give the model a copy of ``primary`` (answered by the rules) to compare."""
         if len(self.queue) > self.pressure.queue_bound(
             self.workers.total_slots(), self.settings.max_queue

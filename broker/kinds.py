@@ -19,6 +19,25 @@ ENGINE_KINDS: tuple[EngineKind, ...] = get_args(EngineKind)
 DispatchOrder = Literal["local_first", "credit"]
 DISPATCH_ORDERS: tuple[DispatchOrder, ...] = get_args(DispatchOrder)
 
+#: The migration stage ``routing.mode`` (``broker.routing``), in the order a device
+#: adopts the model: ``shadow`` -> ``dual`` -> ``degrade`` -> ``full``.
+RoutingMode = Literal["shadow", "dual", "degrade", "full"]
+ROUTING_MODES: tuple[RoutingMode, ...] = get_args(RoutingMode)
+
+#: Why a ``shadow``/``dual`` request's model copy was not made: a migration record's
+#: ``reason`` (``event: copy_skipped``, ``broker.routing.Router.copy_skipped``).
+CopySkipReason = Literal["no_model_worker", "no_credit", "queue_full", "circuit_open"]
+
+#: A registered worker's state in ``status`` (``workers[].state``,
+#: ``broker.workers.WorkerState.state``): ``busy`` while it holds any request, else
+#: ``ready``; either can take work while it has credit.
+RegisteredState = Literal["ready", "busy"]
+REGISTERED_STATES: tuple[RegisteredState, ...] = get_args(RegisteredState)
+
+#: What a worker says of itself in each HEARTBEAT's ``state`` (docs/PROTOCOL.md:
+#: informational, the broker ignores it): ``busy`` while it runs any request.
+HeartbeatState = Literal["idle", "busy"]
+
 #: A request's class (``priority`` on the wire, docs/PROTOCOL.md §3).
 Priority = Literal["critical", "normal", "sheddable"]
 #: Dispatch order, highest first; eviction takes from the end.

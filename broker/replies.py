@@ -11,7 +11,7 @@ from typing import Any
 
 from broker import protocol as p
 from broker.errors import ErrorCode
-from broker.kinds import FinalOutcome
+from broker.kinds import EngineKind, FinalOutcome
 from broker.records import Job
 from broker.rounding import ms
 
@@ -68,7 +68,7 @@ def confidence(value: object) -> float:
 
 
 def final_reply(
-    job: Job, kind: str, worker_id: str, body: dict[str, Any], now: float
+    job: Job, kind: EngineKind, worker_id: str, body: dict[str, Any], now: float
 ) -> tuple[dict[str, Any], FinalOutcome]:
     """Turn a worker's FINAL ``body`` for ``job`` into the client's reply.
 

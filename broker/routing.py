@@ -23,19 +23,18 @@ broker's outbox (``broker.outbox``), beside the breaker's transitions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from broker.breaker import BreakerSettings, CircuitBreaker, Permit
 from broker.client_request import ClientRequest
 from broker.errors import ErrorCode
-from broker.kinds import DegradeReason, EngineKind
+from broker.kinds import CopySkipReason, DegradeReason, EngineKind, RoutingMode
 from broker.outbox import Outbox
 from broker.records import Job
 from broker.rounding import ms
 from broker.service_time import RETRY_AFTER_MIN_MS
 from broker.snapshot import PoolView
 
-MODES = ("shadow", "dual", "degrade", "full")
 #: How much of a prompt a migration record keeps (chars).
 PROMPT_CHARS = 500
 
@@ -45,7 +44,7 @@ class RoutingSettings:
     """``mode`` (see above); ``ttft_budget_ms``: degrade mode's latency budget to
     the first token (the seed's example: 200 ms)."""
 
-    mode: str = "degrade"
+    mode: RoutingMode = "degrade"
     ttft_budget_ms: int = 200
 
 
@@ -54,7 +53,7 @@ class Route:
     """A decision: the engine ``kind``, why it is a fallback (``degraded``, None
     if not), the breaker permit of a model call, whether the model also
     gets a ``copy`` (``shadow`` or ``dual``), and why a copy was not made
-    (``copy_skipped``: ``no_credit``, ``no_model_worker``; "" if none was due).
+    (``copy_skipped``: ``no_credit``, ``no_model_worker``; None if none was due).
     ``ttft_budget_s``: arm the latency budget to the first token, this many s
     (None: not watched); ``hedge``: the model's wait already exceeds it, so ask
     the rules at once as well.
@@ -64,9 +63,9 @@ class Route:
     kind: EngineKind
     degraded: DegradeReason | None = None
     permit: Permit | None = None
-    copy: str = ""
+    copy: Literal["shadow", "dual", ""] = ""
     ttft_budget_s: float | None = None
-    copy_skipped: str = ""
+    copy_skipped: CopySkipReason | None = None
     hedge: bool = False
     circuit_open_ms: int | None = None
 
@@ -87,7 +86,8 @@ class Router:
         self._pairs: dict[int, dict[str, Any]] = {}
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> RoutingMode:
+        """The configured migration stage (``routing.mode``)."""
         return self.settings.mode
 
     def route(self, req: ClientRequest, pool: PoolView, now: float) -> Route:
@@ -191,13 +191,13 @@ class Router:
             "llm": None,
         }
 
-    def copy_skipped(self, job: Job, reason: str) -> None:
+    def copy_skipped(self, job: Job, reason: CopySkipReason) -> None:
         """The model copy of ``job`` was not made (no free credit, queue full)."""
         self.outbox.records.append(
             {"event": "copy_skipped", "mode": self.mode, "id": job.req.id, "reason": reason}
         )
 
-    def _half(self, rid: int, side: str, job: Job, body: dict[str, Any], now: float) -> None:
+    def _half(self, rid: int, side: EngineKind, job: Job, body: dict[str, Any], now: float) -> None:
         pair = self._pairs.get(rid)
         if pair is None:
             return

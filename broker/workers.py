@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker.errors import ProtocolError
-from broker.kinds import DispatchOrder, EngineKind
+from broker.kinds import DispatchOrder, EngineKind, RegisteredState
 
 
 @dataclass
@@ -66,7 +66,7 @@ class WorkerState:
         return max(0, self.slots - len(self.active))
 
     @property
-    def state(self) -> str:
+    def state(self) -> RegisteredState:
         """``busy`` while it holds any request, else ``ready``."""
         return "busy" if self.active else "ready"
 
@@ -177,7 +177,7 @@ class WorkerRegistry:
         """Unregister and return the worker, or None if it was not registered."""
         return self._by_identity.pop(identity, None)
 
-    def pick(self, kind: str, order: DispatchOrder = "local_first") -> WorkerState | None:
+    def pick(self, kind: EngineKind, order: DispatchOrder = "local_first") -> WorkerState | None:
         """The worker of ``kind`` that takes the next request.
 
         ``local_first``: a local worker (not ``remote``) with free credit before
@@ -195,11 +195,11 @@ class WorkerRegistry:
                 best, best_key = w, key
         return best
 
-    def of_kind(self, kind: str) -> list[WorkerState]:
+    def of_kind(self, kind: EngineKind) -> list[WorkerState]:
         """The registered workers of ``kind`` (``llm`` or ``rules``)."""
         return [w for w in self._by_identity.values() if w.kind == kind]
 
-    def min_n_ctx(self, kind: str) -> int | None:
+    def min_n_ctx(self, kind: EngineKind) -> int | None:
         """The smallest context (tokens) among workers of ``kind``, if any reported one."""
         sizes = [
             w.info["n_ctx"]
@@ -208,7 +208,7 @@ class WorkerRegistry:
         ]
         return min(sizes) if sizes else None
 
-    def slots(self, kind: str) -> int:
+    def slots(self, kind: EngineKind) -> int:
         """Sequences the workers of ``kind`` run at once."""
         return sum(w.slots for w in self._by_identity.values() if w.kind == kind)
 

@@ -18,9 +18,10 @@ from typing import Any, get_args
 from broker.breaker import BreakerSettings
 from broker.client_request import MAX_TOKENS_LIMIT
 from broker.errors import ConfigError
+from broker.kinds import ROUTING_MODES
 from broker.protocol import message_limits
 from broker.records import BrokerSettings
-from broker.routing import MODES, RoutingSettings
+from broker.routing import RoutingSettings
 from node.capacity.worker_limits import validate_memory
 from node.endpoints import is_loopback, parse_endpoint
 from node.engine import ModelEngineName
@@ -392,7 +393,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.kv_type": KV_TYPE_NAMES,
     "workers.engine": ENGINES,
     "workers.sandbox": SANDBOX_MODES,
-    "routing.mode": MODES,
+    "routing.mode": ROUTING_MODES,
     "logging.format": LOG_FORMATS,
 }
 #: Keys with a check of their own in ``validate`` (or, for ``[breaker]`` and

@@ -43,6 +43,7 @@ import zmq.auth
 
 from broker import protocol as p
 from broker.errors import EdgeNodeError, ErrorCode, InternalError
+from broker.kinds import HeartbeatState
 from broker.protocol import WorkerCommand
 from node.config import MAX_DURATION_MS as MAX_POLL_MS
 from node.engine import (
@@ -348,7 +349,7 @@ class WorkerLoop:
             log.warning("broker not reading: dropped %s", command.name)
 
     def _heartbeat(self) -> None:
-        state = "busy" if self.running else "idle"
+        state: HeartbeatState = "busy" if self.running else "idle"
         body = {"state": state, "progress": self._progress(), "started": self.started}
         self._send(WorkerCommand.HEARTBEAT, body)
 

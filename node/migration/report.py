@@ -21,6 +21,7 @@ Conventions:
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import re
 from collections import Counter
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from broker.kinds import ROUTING_MODES, RoutingMode
 from broker.rounding import percent
 from node.bench.stats import percentiles
 
@@ -44,8 +46,8 @@ MAX_SKIPPED_PCT = 10.0
 MAX_FALLBACK_PCT = 1.0
 
 TOP_FIELDS = 5
-MODE_ORDER = ("shadow", "dual", "degrade", "full")
-_NEXT = {"shadow": "dual", "dual": "degrade", "degrade": "full"}
+#: The stage after each one but the last (``broker.kinds.ROUTING_MODES``' order).
+_NEXT: dict[str, RoutingMode] = dict(itertools.pairwise(ROUTING_MODES))
 _BACKUP = re.compile(r"\.(\d+)$")
 
 
@@ -238,7 +240,8 @@ def _parse(line: str) -> dict[str, Any] | None:
 def _in_mode_order(by_mode: dict[str, _Tally]) -> list[tuple[str, _Tally]]:
     def key(item: tuple[str, _Tally]) -> tuple[int, str]:
         mode = item[0]
-        return (MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER), mode)
+        order: tuple[str, ...] = ROUTING_MODES
+        return (order.index(mode) if mode in order else len(order), mode)
 
     return sorted(by_mode.items(), key=key)
 

@@ -31,12 +31,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from broker.breaker import BreakerState
+from broker.kinds import REGISTERED_STATES
 from node.pool import RULES_WORKER
 
 #: What ``judge`` concludes; only ``serving`` is ready.
 HealthState = Literal["serving", "starting", "stopping", "unavailable"]
-#: Registered workers' states (``broker.workers.WorkerState.state``): each can take work.
-REGISTERED = ("ready", "busy")
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,7 @@ def judge(status: Mapping[str, Any]) -> Health:
     routing = status.get("routing") or {}
     mode = str(routing.get("mode", "degrade"))
     breaker = str((routing.get("breaker") or {}).get("state", BreakerState.CLOSED.value))
-    registered = [w for w in status.get("workers") or [] if w.get("state") in REGISTERED]
+    registered = [w for w in status.get("workers") or [] if w.get("state") in REGISTERED_STATES]
     model_up = sum(1 for w in registered if w.get("kind") == "llm")
     rules_up = any(w.get("kind") == "rules" for w in registered)
     processes = list(status.get("processes") or [])

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from broker.kinds import REGISTERED_STATES
+from broker.workers import WorkerState
 from node.cli.watch import Sample, rates
 from node.service.health import judge
 from node.service.notify import Notifier, socket_address, watchdog_interval_s
@@ -67,6 +69,18 @@ def test_serving_follows_the_routing_mode(
     assert health.ready == (expected == "serving")
     assert health.line.startswith(expected)
     assert f"model {model}/2 ready" in health.line
+
+
+@pytest.mark.parametrize("active", [set(), {7}], ids=["idle", "busy"])
+def test_a_worker_the_broker_registered_counts_ready_or_busy(active: set[int]) -> None:
+    # The broker's own status entry (broker.kinds.RegisteredState), not a hand-made one.
+    entry = WorkerState(b"w", "llm-0", "llm", slots=2, last_seen=0.0, active=active).snapshot(0.0)
+    assert entry["state"] in REGISTERED_STATES
+    serving = status("full", model=0, rules=False)
+    serving["workers"] = [entry]
+    assert judge(serving).state == "serving"
+    serving["workers"] = [{**entry, "state": "gone"}]
+    assert judge(serving).state == "unavailable"
 
 
 def test_stopping_beats_serving() -> None:
