@@ -55,14 +55,44 @@ OVERSHOOT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 
 class EventMetrics:
-    """The metrics that move with each request's end, each token and each breaker move.
+    """The metrics that move with each request's end, each token and each breaker move:
+    the request counts, the request latencies, and the breaker's transitions.
 
     Args:
         registry: where they are registered (the node's own, never the global one).
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        engine = ("engine",)
+        self.counts = RequestCounts(registry)
+        self.latencies = RequestLatencies(registry)
+        self.transitions = Counter(
+            "edgenode_breaker_transitions",
+            "The model pool's circuit breaker state changes.",
+            ("from_state", "to_state"),
+            registry=registry,
+        )
+
+    def observe(self, observations: list[Observation], transitions: list[Transition]) -> None:
+        """Record what one ``Outbox.take`` held."""
+        for item in observations:
+            if isinstance(item, TokenGap):
+                self.latencies.token_gap(item)
+            else:
+                self.counts.ended(item)
+                self.latencies.ended(item)
+        for t in transitions:
+            self.transitions.labels(t.old.value, t.new.value).inc()
+
+
+class RequestCounts:
+    """How requests ended (engine, outcome, reason; sheds and fallbacks by reason) and
+    the tokens of those answered ok.
+
+    Args:
+        registry: where they are registered.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
             "edgenode_requests",
             "Client requests ended, by engine, outcome (ok or error_<code>) and reason.",
@@ -84,15 +114,44 @@ class EventMetrics:
         self.prompt_tokens = Counter(
             "edgenode_prompt_tokens",
             "Prompt tokens of requests answered ok (the worker's usage).",
-            engine,
+            ("engine",),
             registry=registry,
         )
         self.generation_tokens = Counter(
             "edgenode_generation_tokens",
             "Tokens generated for requests answered ok (the worker's usage).",
-            engine,
+            ("engine",),
             registry=registry,
         )
+        # Per engine series exist from the start (at zero): a rate() over a series
+        # that appears only with its first event misses that event.
+        for kind in ENGINE_KINDS:
+            self.prompt_tokens.labels(kind)
+            self.generation_tokens.labels(kind)
+
+    def ended(self, e: Ended) -> None:
+        """Count one request's end."""
+        self.requests.labels(e.engine, e.outcome, e.reason).inc()
+        if e.outcome != "ok" and e.reason in SHED_REASONS:
+            self.shed.labels(e.engine, e.reason).inc()
+        if e.engine == "rules" and e.degraded is not None:
+            self.fallbacks.labels(e.degraded).inc()
+        if e.prompt_tokens:
+            self.prompt_tokens.labels(e.engine).inc(e.prompt_tokens)
+        if e.completion_tokens:
+            self.generation_tokens.labels(e.engine).inc(e.completion_tokens)
+
+
+class RequestLatencies:
+    """The requests' times (s), per engine: queue, first token, between tokens, the
+    whole request (also by outcome) and a deadline answer's overshoot.
+
+    Args:
+        registry: where they are registered.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        engine = ("engine",)
         self.queue = Histogram(
             "edgenode_queue_seconds",
             "Acceptance to dispatch onto a worker.",
@@ -128,40 +187,17 @@ class EventMetrics:
             buckets=OVERSHOOT_BUCKETS,
             registry=registry,
         )
-        self.transitions = Counter(
-            "edgenode_breaker_transitions",
-            "The model pool's circuit breaker state changes.",
-            ("from_state", "to_state"),
-            registry=registry,
-        )
-        # Per engine series exist from the start (at zero): a rate() over a series
-        # that appears only with its first event misses that event.
+        # At zero from the start, as RequestCounts' (duration has an outcome label too).
         for kind in ENGINE_KINDS:
-            for metric in (self.prompt_tokens, self.generation_tokens, self.queue, self.ttft):
+            for metric in (self.queue, self.ttft, self.inter_token, self.overshoot):
                 metric.labels(kind)
-            self.inter_token.labels(kind)
-            self.overshoot.labels(kind)
 
-    def observe(self, observations: list[Observation], transitions: list[Transition]) -> None:
-        """Record what one ``Outbox.take`` held."""
-        for item in observations:
-            if isinstance(item, TokenGap):
-                self.inter_token.labels(item.engine).observe(item.seconds)
-            else:
-                self._ended(item)
-        for t in transitions:
-            self.transitions.labels(t.old.value, t.new.value).inc()
+    def token_gap(self, gap: TokenGap) -> None:
+        """One interval between two tokens of a request."""
+        self.inter_token.labels(gap.engine).observe(gap.seconds)
 
-    def _ended(self, e: Ended) -> None:
-        self.requests.labels(e.engine, e.outcome, e.reason).inc()
-        if e.outcome != "ok" and e.reason in SHED_REASONS:
-            self.shed.labels(e.engine, e.reason).inc()
-        if e.engine == "rules" and e.degraded is not None:
-            self.fallbacks.labels(e.degraded).inc()
-        if e.prompt_tokens:
-            self.prompt_tokens.labels(e.engine).inc(e.prompt_tokens)
-        if e.completion_tokens:
-            self.generation_tokens.labels(e.engine).inc(e.completion_tokens)
+    def ended(self, e: Ended) -> None:
+        """The times of one request's end, those it has (one never dispatched has no queue time)."""
         if e.queue_s is not None:
             self.queue.labels(e.engine).observe(e.queue_s)
         if e.ttft_s is not None:
