@@ -273,6 +273,10 @@ def _row(name: str, values: list[float], goal: float | None) -> tuple[Any, ...]:
     )
 
 
+#: A measure's samples (ms) and its budget (ms; None: reported, no budget).
+Measure = tuple[list[float], float | None]
+
+
 def section(
     ctx: BenchContext,
     decode: list[tuple[float, float]],
@@ -282,8 +286,42 @@ def section(
     false_deaths: int,
 ) -> Section:
     """The report of ``run``'s measurements."""
+    measures = _measures(decode, prefill, kills, stops)
+    table = Table(
+        ("measure", "n", "p50 ms", "p99 ms", "max ms", "budget ms"),
+        [_row(name, values, goal) for name, (values, goal) in measures.items()],
+    )
+    lost = sum(f["lost"] for f in kills + stops)
+    beats = BrokerSettings()  # the node runs with the defaults (node_sections)
+    text = (
+        f"Engine `{ctx.engine}`, {COUNT} one-slot workers, default heartbeats "
+        f"({beats.heartbeat_interval_ms} ms x {beats.heartbeat_liveness}). "
+        f"Around each fault {1 + NEIGHBOURS} requests were in flight or queued; "
+        f"replies lost: {lost}; false deaths (restarts beyond one per signal): {false_deaths}.\n\n"
+        + sigstop_note(beats)
+    )
+    data = {
+        "engine": ctx.engine,
+        "measures": {k: v for k, (v, _goal) in measures.items()},
+        "lost": lost,
+        "false_deaths": false_deaths,
+        "sigstop_bound_ms": sigstop_bound_ms(beats),
+    }
+    goals = _goals(measures, lost, false_deaths)
+    return Section("faults", "Faults and deadlines", text, [table], goals, [], data)
+
+
+def _measures(
+    decode: list[tuple[float, float]],
+    prefill: list[tuple[float, float]],
+    kills: list[dict[str, Any]],
+    stops: list[dict[str, Any]],
+) -> dict[str, Measure]:
+    """Each measure by its name in the table: deadline overshoot and worker freed
+    (``decode``/``prefill``: (overshoot, free) ms per deadline run), and detection and
+    recovery around each fault (``kills``, ``stops``: ``fault``'s results)."""
     g = GOALS_MS
-    measures: dict[str, tuple[list[float], float | None]] = {
+    return {
         "deadline overshoot, decoding (reply)": ([d[0] for d in decode], g["overshoot"]),
         "deadline overshoot, prompt eval (reply)": ([p[0] for p in prefill], g["overshoot"]),
         "worker free after deadline, decoding": ([d[1] for d in decode], g["free"]),
@@ -293,16 +331,17 @@ def section(
         "detection, SIGSTOP": ([s["detected_ms"] for s in stops], g["sigstop"]),
         "recovery, SIGSTOP (all ready again)": ([s["recovered_ms"] for s in stops], None),
     }
-    table = Table(
-        ("measure", "n", "p50 ms", "p99 ms", "max ms", "budget ms"),
-        [_row(name, values, goal) for name, (values, goal) in measures.items()],
-    )
-    lost = sum(f["lost"] for f in kills + stops)
+
+
+def _goals(measures: dict[str, Measure], lost: int, false_deaths: int) -> list[Goal]:
+    """The run's goals (``GOALS_MS``): the worst of the ``measures`` that have a budget,
+    no reply lost around faults and no false death."""
+    g = GOALS_MS
 
     def worst(*names: str) -> float:
         return max(max(measures[n][0]) for n in names)
 
-    goals = [
+    return [
         Goal("kill -9 detected (max)", worst("detection, kill -9"), g["kill9"], "<=", " ms"),
         Goal("SIGSTOP detected (max)", worst("detection, SIGSTOP"), g["sigstop"], "<=", " ms"),
         Goal("replies lost around faults", float(lost), 0, "=="),
@@ -326,19 +365,3 @@ def section(
             " ms",
         ),
     ]
-    beats = BrokerSettings()  # the node runs with the defaults (node_sections)
-    text = (
-        f"Engine `{ctx.engine}`, {COUNT} one-slot workers, default heartbeats "
-        f"({beats.heartbeat_interval_ms} ms x {beats.heartbeat_liveness}). "
-        f"Around each fault {1 + NEIGHBOURS} requests were in flight or queued; "
-        f"replies lost: {lost}; false deaths (restarts beyond one per signal): {false_deaths}.\n\n"
-        + sigstop_note(beats)
-    )
-    data = {
-        "engine": ctx.engine,
-        "measures": {k: v for k, (v, _goal) in measures.items()},
-        "lost": lost,
-        "false_deaths": false_deaths,
-        "sigstop_bound_ms": sigstop_bound_ms(beats),
-    }
-    return Section("faults", "Faults and deadlines", text, [table], goals, [], data)

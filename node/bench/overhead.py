@@ -121,51 +121,30 @@ def run(ctx: BenchContext) -> Section:
     return section(results, seconds)
 
 
+#: The columns of ``section``'s table, one row per level in flight.
+HEADERS = (
+    "in flight",
+    "node req/s",
+    "raw relay req/s",
+    "node / relay",
+    "node RTT p50 ms",
+    "relay RTT p50 ms",
+    "node RTT p99 ms",
+    "relay RTT p99 ms",
+    "node lost or not ok",
+)
+
+
 def section(results: dict[str, dict[int, dict[str, Any]]], seconds: float) -> Section:
     """The report of ``run``'s measurements."""
-    rows = []
-    shares: dict[int, float | None] = {}
-    for level in LEVELS:
-        n, r = results["node"][level], results["relay"][level]
-        shares[level] = ratio(n["req_per_s"], r["req_per_s"])
-        rows.append(
-            (
-                level,
-                n["req_per_s"],
-                r["req_per_s"],
-                share(shares[level]),
-                n["rtt_p50_ms"],
-                r["rtt_p50_ms"],
-                n["rtt_p99_ms"],
-                r["rtt_p99_ms"],
-                n["lost"] + n["not_ok"],
-            )
-        )
-    headers = (
-        "in flight",
-        "node req/s",
-        "raw relay req/s",
-        "node / relay",
-        "node RTT p50 ms",
-        "relay RTT p50 ms",
-        "node RTT p99 ms",
-        "relay RTT p99 ms",
-        "node lost or not ok",
-    )
+    shares = {
+        lv: ratio(results["node"][lv]["req_per_s"], results["relay"][lv]["req_per_s"])
+        for lv in LEVELS
+    }
     text = (
         f"Closed loop from one DEALER for {seconds:.0f} s per level; {WORKERS} workers x "
         f"{SLOTS} slots on both sides; the node runs the test engine with no token delay, "
         "the baseline is a raw pyzmq ROUTER/ROUTER relay (`node.bench.relay`)."
-    )
-    plot = Plot(
-        "broker",
-        "broker overhead: node vs raw relay",
-        "requests in flight",
-        "req/s",
-        [
-            Series("node", list(LEVELS), [results["node"][lv]["req_per_s"] for lv in LEVELS]),
-            Series("raw relay", list(LEVELS), [results["relay"][lv]["req_per_s"] for lv in LEVELS]),
-        ],
     )
     top = shares[max(LEVELS)]
     goal = Goal(
@@ -181,12 +160,37 @@ def section(results: dict[str, dict[int, dict[str, Any]]], seconds: float) -> Se
         "relay": results["relay"],
         "share": shares,
     }
-    return Section(
+    table = Table(HEADERS, [_row(lv, results, shares[lv]) for lv in LEVELS])
+    return Section("broker", "Broker overhead", text, [table], [goal], [_plot(results)], data)
+
+
+def _row(
+    level: int, results: dict[str, dict[int, dict[str, Any]]], node_share: float | None
+) -> tuple[Any, ...]:
+    """``HEADERS``' row of one level in flight (``node_share``: node / relay req/s)."""
+    n, r = results["node"][level], results["relay"][level]
+    return (
+        level,
+        n["req_per_s"],
+        r["req_per_s"],
+        share(node_share),
+        n["rtt_p50_ms"],
+        r["rtt_p50_ms"],
+        n["rtt_p99_ms"],
+        r["rtt_p99_ms"],
+        n["lost"] + n["not_ok"],
+    )
+
+
+def _plot(results: dict[str, dict[int, dict[str, Any]]]) -> Plot:
+    """req/s over the levels in flight, the node's beside the raw relay's."""
+    return Plot(
         "broker",
-        "Broker overhead",
-        text,
-        [Table(headers, rows)],
-        [goal],
-        [plot],
-        data,
+        "broker overhead: node vs raw relay",
+        "requests in flight",
+        "req/s",
+        [
+            Series("node", list(LEVELS), [results["node"][lv]["req_per_s"] for lv in LEVELS]),
+            Series("raw relay", list(LEVELS), [results["relay"][lv]["req_per_s"] for lv in LEVELS]),
+        ],
     )

@@ -108,41 +108,58 @@ def run(ctx: BenchContext) -> Section:
     return section(ctx, saturation, rows, seconds)
 
 
+#: The columns of ``section``'s table, one row per load level.
+HEADERS = (
+    "load",
+    "offered req/s",
+    "goodput req/s",
+    "goodput / saturation",
+    "shed",
+    "shed p99 ms",
+    "queue p99 ms",
+    "served p99 ms",
+    "lost",
+)
+
+
 def section(
     ctx: BenchContext, saturation: float, rows: list[dict[str, Any]], seconds: float
 ) -> Section:
-    """The report of ``run``'s measurements."""
+    """The report of ``run``'s measurements; adds each level's ``goodput_share`` (of
+    ``saturation``) to its row in ``rows``."""
     for r in rows:
         r["goodput_share"] = ratio(r["goodput_rps"], saturation)
-    table = Table(
-        (
-            "load",
-            "offered req/s",
-            "goodput req/s",
-            "goodput / saturation",
-            "shed",
-            "shed p99 ms",
-            "queue p99 ms",
-            "served p99 ms",
-            "lost",
-        ),
-        [
-            (
-                f"{r['factor']:g}x",
-                r["offered_rps"],
-                r["goodput_rps"],
-                share(r["goodput_share"]),
-                share(r["shed_share"]),
-                r["shed_p99_ms"],
-                r["queue_p99_ms"],
-                r["ok_p99_ms"],
-                r["lost"],
-            )
-            for r in rows
-        ],
+    table = Table(HEADERS, [_row(r) for r in rows])
+    text = (
+        f"Engine `{ctx.engine}`, {WORKERS} one-slot workers, `max_queue` {MAX_QUEUE}. "
+        f"Saturation (closed loop, {SATURATION_IN_FLIGHT} in flight: every slot and the "
+        f"queue): **{saturation:.2f} req/s**, the baseline of the goodput shares; each level "
+        f"offered open loop for {seconds:.0f} s."
     )
+    data = {"engine": ctx.engine, "saturation_rps": saturation, "seconds": seconds, "levels": rows}
+    plot = _plot(ctx, saturation, rows)
+    return Section("overload", "Overload curve", text, [table], _goals(rows), [plot], data)
+
+
+def _row(r: dict[str, Any]) -> tuple[Any, ...]:
+    """``HEADERS``' row of one load level."""
+    return (
+        f"{r['factor']:g}x",
+        r["offered_rps"],
+        r["goodput_rps"],
+        share(r["goodput_share"]),
+        share(r["shed_share"]),
+        r["shed_p99_ms"],
+        r["queue_p99_ms"],
+        r["ok_p99_ms"],
+        r["lost"],
+    )
+
+
+def _goals(rows: list[dict[str, Any]]) -> list[Goal]:
+    """Goodput at 3x and 10x saturation, as a share of it (None: the level was not run)."""
     by_factor = {r["factor"]: r for r in rows}
-    goals = [
+    return [
         Goal(
             f"goodput at {f:g}x, share of saturation",
             100 * by_factor[f]["goodput_share"] if f in by_factor else None,
@@ -152,8 +169,12 @@ def section(
         )
         for f in (3.0, 10.0)
     ]
+
+
+def _plot(ctx: BenchContext, saturation: float, rows: list[dict[str, Any]]) -> Plot:
+    """Goodput and the shed share over the offered load (log x), beside saturation."""
     offered = [r["offered_rps"] for r in rows]
-    plot = Plot(
+    return Plot(
         "overload",
         f"offered load vs goodput (engine {ctx.engine})",
         "offered load (req/s)",
@@ -166,11 +187,3 @@ def section(
         right_label="shed (%)",
         log_x=True,
     )
-    text = (
-        f"Engine `{ctx.engine}`, {WORKERS} one-slot workers, `max_queue` {MAX_QUEUE}. "
-        f"Saturation (closed loop, {SATURATION_IN_FLIGHT} in flight: every slot and the "
-        f"queue): **{saturation:.2f} req/s**, the baseline of the goodput shares; each level "
-        f"offered open loop for {seconds:.0f} s."
-    )
-    data = {"engine": ctx.engine, "saturation_rps": saturation, "seconds": seconds, "levels": rows}
-    return Section("overload", "Overload curve", text, [table], goals, [plot], data)
