@@ -4,7 +4,7 @@ The one breaker of edgenode: the broker core keeps one over its model pool, and 
 defensive client (``broker.client_guard.NodeGuard``) one over the node as its app sees it.
 
 The model follows Resilience4j's ``CircuitBreaker`` (resilience4j/resilience4j@af9e7c9,
-``CircuitBreakerConfig.java``; see ../shared/references/isolation_resilience_anchors.md §4-§6),
+``CircuitBreakerConfig.java``),
 because the Python breakers (pybreaker, circuitbreaker, purgatory) only count consecutive
 failures and have neither a rate window nor a slow-call rate::
 

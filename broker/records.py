@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal
+from typing import Literal, get_args
 
 from broker import protocol as p
 from broker.breaker import Permit
@@ -17,8 +17,10 @@ from broker.errors import ConfigError
 from broker.exits import ExitCause
 from broker.kinds import DISPATCH_ORDERS, DegradeReason, DispatchOrder, EngineKind
 
-#: ``BrokerSettings.service_estimate`` values.
-SERVICE_ESTIMATES = ("size", "mean")
+#: ``BrokerSettings.service_estimate``: how admission predicts a request's service
+#: time, by its size (tokens) or by the mean of the recent ones.
+ServiceEstimate = Literal["size", "mean"]
+SERVICE_ESTIMATES: tuple[ServiceEstimate, ...] = get_args(ServiceEstimate)
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class BrokerSettings:
     stall_timeout_ms: int = 15_000
     cancel_grace_ms: int = 2000
     max_in_flight_per_client: int = 16
-    service_estimate: str = "size"
+    service_estimate: ServiceEstimate = "size"
     client_backlog: int = 64
     retry_ttl_ms: int = 30_000
     retry_cache_entries: int = 1024

@@ -177,7 +177,7 @@ class Router:
                 {"event": "llm", "mode": self.mode, "id": job.req.id, **outcome}
             )
 
-    def open_pair(self, primary: Job, mode: str) -> None:
+    def open_pair(self, primary: Job, mode: RoutingMode) -> None:
         """``primary`` (answered by the rules) will be compared with a model copy."""
         req = primary.req
         prompt = req.prompt if req.prompt is not None else (req.messages or (("", ""),))[-1][1]

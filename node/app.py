@@ -45,14 +45,20 @@ from broker.token_count import TokenCounter
 from node.capacity.budget import tightest_limit
 from node.capacity.plan import check_fits
 from node.capacity.worker_limits import describe, memory_max_bytes
-from node.config import NodeConfig
+from node.config import BACKEND_SOCKET, FRONTEND_SOCKET, NodeConfig
 from node.endpoints import check_free, connect_endpoint
 from node.engine import BackgroundCounter, EngineSpec, make_token_counter
 from node.migration.log import MigrationLog, migration_log_path
 from node.model import RULES_SNAPSHOT, resolve_model, resolve_rules, snapshot_rules
 from node.observe.listen import parse_listen
 from node.observe.logs import about_request, event_extra
-from node.pidfile import RunLock, inherited_lock_fd, remove_pidfile, write_pidfile
+from node.pidfile import (
+    PIDFILE_NAME,
+    RunLock,
+    inherited_lock_fd,
+    remove_pidfile,
+    write_pidfile,
+)
 from node.pool import WorkerPool
 from node.pressure import CpuPressureMonitor, PressureMonitor, cpu_psi_file
 from node.sandbox.cgroupfs import Host
@@ -218,7 +224,7 @@ class Node:
     def __init__(self, config: NodeConfig, *, start_wait_s: float = START_WAIT_S) -> None:
         self.config = config
         self.run_dir = config.run_dir
-        self.pidfile = self.run_dir / "edgenode.pid"
+        self.pidfile = self.run_dir / PIDFILE_NAME
         #: Where a client on this host connects (a wildcard bind becomes loopback).
         self.frontend = connect_endpoint(config.frontend)
         #: Where workers connect.
@@ -541,7 +547,7 @@ class Node:
             if not self._own_signals and pool.plan.node:
                 _restore_affinity(affinity)
             # Free or stale when checked, under this node's lock: they are this node's.
-            for name in ("frontend.sock", "workers/backend.sock"):
+            for name in (FRONTEND_SOCKET, BACKEND_SOCKET):
                 (self.run_dir / name).unlink(missing_ok=True)
 
     def _serve(self, pool: WorkerPool, model: str) -> int:

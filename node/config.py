@@ -27,6 +27,7 @@ from node.endpoints import is_loopback, parse_endpoint
 from node.engine import ModelEngineName
 from node.observe.listen import parse_listen
 from node.observe.logs import LOG_FORMATS, LogFormat
+from node.sandbox.driver import SANDBOX_MODES, SandboxMode
 from node.sandbox.niceness import check_slice
 from node.units import parse_cores, parse_size
 
@@ -37,7 +38,10 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 SYSTEM_CONFIG = Path("/etc/edgenode/edgenode.toml")
 ENGINES: tuple[str, ...] = get_args(ModelEngineName)
-SANDBOX_MODES = ("auto", "required", "off")
+#: The node's ipc socket files in its run directory, when ``node.frontend`` /
+#: ``node.backend`` are not set (the node removes them when it stops).
+FRONTEND_SOCKET = "frontend.sock"
+BACKEND_SOCKET = "workers/backend.sock"
 #: The most sequences (slots) one worker may run: ``workers.slots`` in [1, MAX_SLOTS].
 MAX_SLOTS = 64
 #: ``workers.slots = "auto"``: sized by ``node.capacity.plan.resolve_slots``.
@@ -88,7 +92,7 @@ class WorkersSection:
     #: Bytes; a worker's log above it is rotated when the worker (re)spawns (0 = never).
     log_max_bytes: int = 4 * 1024 * 1024
     # Isolation: see etc/edgenode.toml, node.sandbox.cgroups and node.sandbox.cores.
-    sandbox: str = "auto"
+    sandbox: SandboxMode = "auto"
     cgroup_root: str = ""
     memory_max: str | int = "1G"
     memory_high: str | int = ""
@@ -214,12 +218,12 @@ class NodeConfig:
     @property
     def frontend(self) -> str:
         """The client endpoint."""
-        return self.node.frontend or f"ipc://{self.run_dir}/frontend.sock"
+        return self.node.frontend or f"ipc://{self.run_dir / FRONTEND_SOCKET}"
 
     @property
     def backend(self) -> str:
         """The worker endpoint (its ipc directory is made 0700)."""
-        return self.node.backend or f"ipc://{self.run_dir}/workers/backend.sock"
+        return self.node.backend or f"ipc://{self.run_dir / BACKEND_SOCKET}"
 
 
 def resolve_run_dir(configured: str = "") -> Path:

@@ -24,7 +24,7 @@ import zmq
 
 from broker.client import Client
 from broker.errors import EdgeNodeError
-from node.config import from_dict
+from node.config import FRONTEND_SOCKET, from_dict
 from node.endpoints import connect_endpoint
 from node.interpreter import module_command
 from node.sandbox.cgroupfs import Host
@@ -120,7 +120,9 @@ class NodeProcess:
         configured = sections.get("node", {}).get("frontend")
         # Where a client connects: a wildcard bind (tcp://*:PORT) is no connect address.
         self.frontend = (
-            connect_endpoint(configured) if configured else f"ipc://{self.run_dir}/frontend.sock"
+            connect_endpoint(configured)
+            if configured
+            else f"ipc://{self.run_dir / FRONTEND_SOCKET}"
         )
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = self.run_dir / "node-stdout.log"

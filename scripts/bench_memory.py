@@ -181,7 +181,7 @@ def measure(proc: dict[str, Any], model: str) -> dict[str, Any]:
     )
 
 
-def pct(estimate: int, measured: int) -> str:
+def error_pct(estimate: int, measured: int) -> str:
     """The estimate's error against the measurement, ``+3.1%``."""
     return f"{(estimate - measured) / measured * 100:+.1f}%" if measured else "-"
 
@@ -233,8 +233,8 @@ def report(result: dict[str, Any]) -> dict[str, Any]:
         pss_sum += pss
         print(
             f"{m['id']:>8} {m['pid']:>7} {mib(est):>9} {mib(peak):>9} "
-            f"{pct(est, peak) if peak else '-':>7} {mib(wset):>9} {mib(private):>9} "
-            f"{pct(est, private):>7} {mib(pss):>9} {pct(est, pss):>7} "
+            f"{error_pct(est, peak) if peak else '-':>7} {mib(wset):>9} {mib(private):>9} "
+            f"{error_pct(est, private):>7} {mib(pss):>9} {error_pct(est, pss):>7} "
             f"{mib(m['model_pss']):>9} {mib(private - s * plan.kv_per_seq):>9}"
         )
     others = [("node", result["node"])] + [(m["id"], m) for m in result["rules"]]
@@ -244,9 +244,10 @@ def report(result: dict[str, Any]) -> dict[str, Any]:
     print(
         f"model workers: PSS without the model file {format_size(pss_sum)} + the model file"
         f" resident once {format_size(weights)} = {format_size(measured_total)}"
-        f" vs plan total less grammar {format_size(planned)} ({pct(planned, measured_total)});"
+        f" vs plan total less grammar {format_size(planned)}"
+        f" ({error_pct(planned, measured_total)});"
         f" cgroup peaks {format_size(cg_sum)} vs {format_size(w * est)}"
-        f" ({pct(w * est, cg_sum) if cg_sum else '-'})"
+        f" ({error_pct(w * est, cg_sum) if cg_sum else '-'})"
     )
     for name, p in others:
         what = "the broker" if name == "node" else "the rule worker, not a model worker"
@@ -273,9 +274,9 @@ def summary(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         print(
             f"{r['layout']:>7} {r['sequences']:>5} {mib(r['planned']):>9} {mib(r['pss']):>9} "
-            f"{pct(r['planned'], r['pss']):>7} {mib(r['pss'] // r['sequences']):>9} "
+            f"{error_pct(r['planned'], r['pss']):>7} {mib(r['pss'] // r['sequences']):>9} "
             f"{mib(r['cgroup_planned']):>9} {mib(r['cgroup'] or None):>9} "
-            f"{pct(r['cgroup_planned'], r['cgroup']) if r['cgroup'] else '-':>7}"
+            f"{error_pct(r['cgroup_planned'], r['cgroup']) if r['cgroup'] else '-':>7}"
         )
 
 

@@ -54,7 +54,7 @@ from node.capacity.plan import check_fits
 from node.config import NodeConfig
 from node.endpoints import is_loopback, parse_endpoint
 from node.model import resolve_model
-from node.pidfile import RunLock, remove_pidfile, write_pidfile
+from node.pidfile import PIDFILE_NAME, RunLock, remove_pidfile, write_pidfile
 from node.pool import WorkerPool
 from node.remote.registration import REGISTERED_DIR_ENV, read_note
 from node.security.keys import load_keypair, load_public
@@ -197,7 +197,7 @@ class HostAgent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the loop to reap at once
-        pidfile = self.run_dir / "edgenode.pid"
+        pidfile = self.run_dir / PIDFILE_NAME
         try:
             with RunLock(self.run_dir):
                 write_pidfile(pidfile)

@@ -71,10 +71,17 @@ from pathlib import Path
 
 from broker.errors import SandboxError
 from node.capacity.worker_limits import PlannedLimits, memory_high_bytes, memory_max_bytes
-from node.config import SANDBOX_MODES, WorkersSection
+from node.config import WorkersSection
 from node.sandbox.cgroupfs import NODE_LEAF, Host, join, pids_in
 from node.sandbox.cores import CpuPlan
-from node.sandbox.driver import CgroupDriver, Limits, MemoryReading, NoCgroups, SandboxOptions
+from node.sandbox.driver import (
+    SANDBOX_MODES,
+    CgroupDriver,
+    Limits,
+    MemoryReading,
+    NoCgroups,
+    SandboxOptions,
+)
 from node.sandbox.layout import Layout, read_layout
 from node.sandbox.v1 import V1Driver
 from node.sandbox.v2 import V2Driver

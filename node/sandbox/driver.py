@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 from broker.errors import SandboxError
 from node.sandbox.cgroupfs import (
@@ -27,6 +27,11 @@ from node.sandbox.cgroupfs import (
     remove_tree,
 )
 from node.units import DEFAULT_PERIOD_US
+
+#: ``workers.sandbox``: ``auto`` runs without cgroups (a warning) when they cannot
+#: be made, ``required`` fails the start, ``off`` makes none.
+SandboxMode = Literal["auto", "required", "off"]
+SANDBOX_MODES: tuple[SandboxMode, ...] = get_args(SandboxMode)
 
 log = logging.getLogger("edgenode.sandbox")
 
@@ -62,7 +67,7 @@ class SandboxOptions:
             tree gets its weight (its own leaf keeps nice 0's inside it).
     """
 
-    mode: str = "auto"
+    mode: SandboxMode = "auto"
     cgroup_root: str = ""
     name: str = "edgenode"
     need: frozenset[str] = frozenset({"memory"})
