@@ -13,9 +13,11 @@ llama.cpp's own server does it (tools/server: slots, ``update_slots``):
   over several steps while the other slots keep decoding;
 * every request samples through its own ``llama_sampler`` chain (special-token
   mask, its ``json_schema`` grammar, temperature/top_p/seed), except that a
-  greedy one's token is the argmax of its logits row (the chain's token, without
-  the chain's copy of the whole vocabulary: ``LlamaEngine._argmax``); a finished,
-  cancelled or failed request leaves its slot at once;
+  greedy one's token is the argmax of its logits row, and another request without
+  a ``json_schema`` runs its chain over the row's top-K candidates only (the
+  chain's token, without the chain's copy of the whole vocabulary:
+  ``LlamaEngine._argmax``, ``LlamaEngine._top_k``); a finished, cancelled or
+  failed request leaves its slot at once;
 * a slot keeps its sequence's KV after a request: the next request goes to the
   free slot sharing the longest prompt prefix, and only the rest is evaluated
   (``node.llama.slots.pick_slot``; llama-server's ``cache_prompt``).
@@ -64,6 +66,7 @@ from broker.errors import (
     Unavailable,
 )
 from node.engine import Emit, EngineSpec, Outcome, flash_attn_on
+from node.llama.candidates import TopK
 from node.llama.grammar import check_grammar, check_schema, trim_heap
 from node.llama.log import LLAMA_LOG as _LOG
 from node.llama.log import LOG_QUIET
@@ -163,6 +166,7 @@ class LlamaEngine:
         self._n_vocab = llama_c.llama_vocab_n_tokens(self._vocab)
         self._masked = np.zeros(self._n_vocab, dtype=bool)
         self._masked[masked] = True
+        self._candidates = TopK(self._masked, TOP_K)  # engine thread only: one buffer
         self._piece = ctypes.create_string_buffer(64)  # detokenize's, reused: engine thread only
         self._chat = _chat_formatter(self.llm, spec.chat_format)  # ValueError: unknown name
         self._slots = [Slot(seq) for seq in range(self.slots)]
@@ -329,7 +333,10 @@ class LlamaEngine:
         """Sample ``slot``'s next token from batch row ``row``; its end, if it ended."""
         job = slot.job
         assert job is not None
-        token = self._argmax(row) if job.greedy else None
+        if job.greedy:
+            token = self._argmax(row)
+        else:
+            token = None if job.schema else self._top_k(job, row)
         if token is None:
             token = llama_c.llama_sampler_sample(job.sampler, self._ctx, row)
         if llama_c.llama_vocab_is_eog(self._vocab, token):
@@ -367,6 +374,22 @@ class LlamaEngine:
         if self._masked[token] or logits[token] != logits[token]:
             return None
         return token
+
+    def _top_k(self, job: SlotJob, row: int) -> int | None:
+        """The token ``job``'s chain (mask, top_k, top_p, min_p, temperature, seeded
+        draw; no grammar) picks from batch row ``row``, accepted into the chain; or
+        None, the chain untouched, if only ``llama_sampler_sample`` can tell.
+
+        The chain runs over the row's ``TOP_K`` highest unmasked logits instead of
+        all 262,144 (``node.llama.candidates``: why each sampler gives the same
+        token, and when it declines: a NaN, or equal logits among the K+1 highest).
+        A grammar must see every token, so a ``json_schema`` request never comes here.
+        """
+        pointer = llama_c.llama_get_logits_ith(self._ctx, row)
+        if not pointer:  # no logits at that row: the chain reports it as it always did
+            return None
+        logits = np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
+        return self._candidates.sample(job.sampler, logits)
 
     def _finish(self, slot: Slot, reason: str, flush: bool) -> tuple[int, Outcome]:
         job = slot.job

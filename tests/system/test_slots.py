@@ -203,6 +203,47 @@ def test_a_full_engine_refuses_and_a_failed_prompt_keeps_the_slot_free(one: Llam
     assert one.busy == 0
 
 
+def fast_and_chain(
+    engine: LlamaEngine,
+    monkeypatch: pytest.MonkeyPatch,
+    fast: str,
+    requests: list[dict[str, Any]],
+) -> list[tuple[int | None, int]]:
+    """Run ``requests`` in ``engine``'s slots together until all end. At every
+    token, (what the engine's fast path ``fast`` picked: a method whose last
+    argument is the batch row, None if it declined; what ``llama_sampler_sample``
+    picks from the same row with a twin of the request's chain). A twin is made
+    from the same request (same seed) and draws once per token, as the request's
+    own chain does on either path, so the two stay in step."""
+    twins = [engine._sampler(request) for request in requests]
+    pairs: list[tuple[int | None, int]] = []
+    current = [0]  # the rid being sampled: _sample is the one caller of the fast paths
+    sample, method = engine._sample, getattr(engine, fast)
+
+    def sample_noting(slot: Any, row: int) -> Any:
+        current[0] = slot.job.rid
+        return sample(slot, row)
+
+    def both(*args: Any) -> int | None:
+        token: int | None = method(*args)
+        twin = twins[current[0]]
+        pairs.append((token, llama_c.llama_sampler_sample(twin, engine._ctx, args[-1])))
+        return token
+
+    monkeypatch.setattr(engine, "_sample", sample_noting)
+    monkeypatch.setattr(engine, fast, both)
+    ended: dict[int, Outcome] = {}
+    try:
+        for rid, request in enumerate(requests):
+            engine.submit(rid, request, threading.Event(), lambda _: None)
+        step_until_idle(engine, ended)
+    finally:
+        for twin in twins:
+            llama_c.llama_sampler_free(twin)
+    assert len(ended) == len(requests)
+    return pairs
+
+
 def test_the_greedy_argmax_picks_what_the_sampler_chain_picks(
     four: LlamaEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -210,22 +251,60 @@ def test_the_greedy_argmax_picks_what_the_sampler_chain_picks(
     its logits row), not ``llama_sampler_sample``: at every step of four slots
     decoded together, the greedy chain (special-token mask, greedy) picks the
     same token from the same row."""
-    chain = four._sampler({"temperature": 0.0})
-    pairs: list[tuple[int | None, int]] = []
-    argmax = four._argmax
-
-    def both(row: int) -> int | None:
-        token = argmax(row)
-        pairs.append((token, llama_c.llama_sampler_sample(chain, four._ctx, row)))
-        return token
-
-    monkeypatch.setattr(four, "_argmax", both)
-    ended: dict[int, Outcome] = {}
-    try:
-        for i, prompt in enumerate(PROMPTS[:4]):
-            four.submit(i, greedy(prompt, 64), threading.Event(), lambda _: None)
-        step_until_idle(four, ended)
-    finally:
-        llama_c.llama_sampler_free(chain)
-    assert len(ended) == 4 and len(pairs) >= 4 * 64
+    requests = [greedy(prompt, 64) for prompt in PROMPTS[:4]]
+    pairs = fast_and_chain(four, monkeypatch, "_argmax", requests)
+    assert len(pairs) >= 4 * 64
     assert [fast for fast, _ in pairs] == [slow for _, slow in pairs]
+
+
+#: (seed, temperature, top_p) per slot: cool and hot, with and without a top_p cut.
+SETTINGS = [
+    [(1, 0.8, 0.95), (7, 1.0, 1.0), (42, 1.5, 0.9), (1234, 0.3, 0.5)],
+    [(99, 0.8, 0.95), (5, 2.0, 1.0), (31337, 0.6, 0.8), (2, 1.2, 0.99)],
+]
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_the_top_k_candidates_give_what_the_whole_chain_gives(
+    four: LlamaEngine,
+    monkeypatch: pytest.MonkeyPatch,
+    settings: list[tuple[int, float, float]],
+) -> None:
+    """A sampled request without a schema runs its chain over its row's 40 highest
+    unmasked logits (``LlamaEngine._top_k``), not the whole vocabulary: at every
+    step of four slots decoded together, each with its own seed, temperature and
+    top_p, a twin of its chain given the whole row picks the same token. The
+    fast path must really be taken: it declines only on a NaN or a tie."""
+    requests = [
+        {"op": "generate", "prompt": prompt, "max_tokens": 72, "temperature": temperature}
+        | {"seed": seed, "top_p": top_p}
+        for prompt, (seed, temperature, top_p) in zip(PROMPTS[4:8], settings, strict=True)
+    ]
+    pairs = fast_and_chain(four, monkeypatch, "_top_k", requests)
+    assert len(pairs) >= 4 * 64
+    taken = [(fast, slow) for fast, slow in pairs if fast is not None]
+    assert len(taken) >= 0.9 * len(pairs)
+    assert [fast for fast, _ in taken] == [slow for _, slow in taken]
+
+
+def test_a_schema_request_samples_through_its_whole_chain(
+    four: LlamaEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``json_schema`` request never takes the top-K path (its grammar must see
+    every token), whatever its temperature; one without a schema does."""
+    fast: list[int] = []
+    top_k = four._top_k
+
+    def noting(job: Any, row: int) -> int | None:
+        fast.append(job.rid)
+        return top_k(job, row)
+
+    monkeypatch.setattr(four, "_top_k", noting)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    ask = {"op": "generate", "prompt": "A JSON object:", "max_tokens": 12, "temperature": 0.8}
+    four.submit(1, ask | {"json_schema": schema}, threading.Event(), lambda _: None)
+    four.submit(2, ask, threading.Event(), lambda _: None)
+    ended: dict[int, Outcome] = {}
+    step_until_idle(four, ended)
+    assert set(ended) == {1, 2} and not isinstance(ended[1], EdgeNodeError)
+    assert fast and set(fast) == {2}
