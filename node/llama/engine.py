@@ -333,10 +333,11 @@ class LlamaEngine:
         """Sample ``slot``'s next token from batch row ``row``; its end, if it ended."""
         job = slot.job
         assert job is not None
+        token: int | None = None
         if job.greedy:
             token = self._argmax(row)
-        else:
-            token = None if job.schema else self._top_k(job, row)
+        elif not job.schema:  # a grammar must see every token: the whole chain
+            token = self._top_k(job, row)
         if token is None:
             token = llama_c.llama_sampler_sample(job.sampler, self._ctx, row)
         if llama_c.llama_vocab_is_eog(self._vocab, token):

@@ -45,7 +45,8 @@ class SlotJob:
     sampled last and not yet decoded (None during prompt evaluation).
     ``sampler`` is the request's own ``llama_sampler`` chain (a ctypes pointer),
     freed by the engine when the request leaves its slot; ``greedy`` says it is
-    the special-token mask and greedy only (the engine may pick its token itself).
+    the special-token mask and greedy only (the engine may pick its token itself),
+    ``schema`` that it has a grammar (which must see every token: the whole chain).
     """
 
     rid: int
