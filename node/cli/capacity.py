@@ -250,8 +250,14 @@ def _model_lines(plan: Plan, meta: ModelMeta) -> list[str]:
         f"KV/seq      {plan.kv_per_token:,} B x {kv_cells(plan.n_ctx)} cells"
         f" (n_ctx {plan.n_ctx}, padded to 256) = {s(plan.kv_per_seq)}",
         f"runtime     {s(plan.runtime_overhead)} overhead + {s(plan.scratch)} attention scratch"
-        f"{' (flash attention)' if plan.flash_attn else ''} = {s(plan.runtime_per_worker)}"
-        " per worker",
+        f"{' (flash attention)' if plan.flash_attn else ''}"
+        + (
+            f" + {plan.slots - 1} x {s(plan.slot_runtime)} per further slot (logits row and"
+            " sampler candidates)"
+            if plan.slots > 1 and plan.slot_runtime
+            else ""
+        )
+        + f" = {s(plan.runtime_per_worker)} per worker",
         f"grammar     {plan.n_vocab:,} vocabulary tokens x {GRAMMAR_BYTES_PER_TOKEN} B"
         f" = {s(plan.grammar)} per worker (a json_schema request's sampler peak;"
         " once, whatever the slots: they sample one at a time)",

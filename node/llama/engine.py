@@ -8,9 +8,10 @@ llama.cpp's own server does it (tools/server: slots, ``update_slots``):
   cells of its own, so one slot can never starve another of KV cache;
 * each ``step`` builds one ``llama_batch``: the token each generating slot
   sampled last, then prompt chunks of the slots still evaluating their prompt,
-  up to ``n_batch`` tokens in all (``PROMPT_BESIDE_DECODE`` beside generating
-  slots). A new request joins at the next step, and a long prompt is evaluated
-  over several steps while the other slots keep decoding;
+  the shortest remaining first, up to ``n_batch`` tokens in all
+  (``PROMPT_BESIDE_DECODE`` beside generating slots). A new request joins at the
+  next step, and a long prompt is evaluated over several steps while the other
+  slots keep decoding, and while short prompts that came after it start;
 * every request samples through its own ``llama_sampler`` chain (special-token
   mask, its ``json_schema`` grammar, temperature/top_p/seed), except that a
   greedy one's token is the argmax of its logits row, and another request without
@@ -300,8 +301,9 @@ class LlamaEngine:
         return ended
 
     def _fill_batch(self) -> list[tuple[Slot, list[int], int | None]]:
-        """Fill the batch: generating slots' last tokens first, then prompt chunks
-        in arrival order. Returns per slot (its tokens, its logits row or None)."""
+        """Fill the batch: generating slots' last tokens first, then prompt chunks,
+        the shortest remaining prompt first. Returns per slot (its tokens, its logits
+        row or None)."""
         batch = self._batch
         rows: list[tuple[Slot, list[int], int | None]] = []
         n = 0
@@ -311,7 +313,13 @@ class LlamaEngine:
                 _put(batch, n, job.next_token, len(slot.cached), slot.seq, True)
                 rows.append((slot, [job.next_token], n))
                 n += 1
-        waiting = sorted((s for s in self._slots if s.prefilling), key=lambda s: s.used)
+        # Shortest remaining prompt first (then arrival): a short prompt that arrives
+        # while a long one is being evaluated starts at the next step instead of after
+        # the long one's last chunk; the long one still gets the rest of every step.
+        waiting = sorted(
+            (s for s in self._slots if s.prefilling),
+            key=lambda s: (len(s.job.prompt) - len(s.cached) if s.job else 0, s.used),
+        )
         # Beside generating slots a step carries fewer prompt tokens, so their
         # streams pause for a fraction of a second, not for a whole n_batch chunk.
         limit = self.n_batch if n == 0 else min(self.n_batch, n + PROMPT_BESIDE_DECODE)

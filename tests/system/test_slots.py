@@ -115,6 +115,29 @@ def test_each_slot_writes_what_it_writes_alone(
     assert all(ended[i]["usage"]["completion_tokens"] == TOKENS for i in texts)  # type: ignore[index]
 
 
+def test_a_short_prompt_arriving_during_a_long_prompts_evaluation_starts_at_the_next_step(
+    four: LlamaEngine,
+) -> None:
+    """Shortest remaining prompt first: a short prompt that arrives while a long one
+    is being evaluated gets its first token at the next step, not after the long
+    one's last chunk (a new user saw two short streams wait 22 s behind an
+    1,800-token prompt, the worker's slots free)."""
+    long_text = " ".join(["orange mango"] * 700)  # ~1,400 tokens: three n_batch chunks
+    ended: dict[int, Outcome] = {}
+    streams: dict[int, list[str]] = {0: [], 1: []}
+    four.submit(0, greedy(long_text, 2), threading.Event(), streams[0].append)
+    ended.update(four.step())  # the long prompt's first chunk
+    four.submit(1, greedy("The weather today is", 4), threading.Event(), streams[1].append)
+    ended.update(four.step())
+    assert streams[1], "the short prompt waited for the long one's evaluation"
+    assert not streams[0] and 0 not in ended  # the long one is still being evaluated
+    step_until_idle(four, ended)
+    long_done, short_done = ended[0], ended[1]
+    assert isinstance(long_done, dict) and isinstance(short_done, dict)
+    assert long_done["usage"]["prompt_tokens"] > 2 * four.n_batch
+    assert short_done["usage"]["completion_tokens"] == 4
+
+
 def run_with_a_cancel(
     engine: LlamaEngine, prompts: list[str], victim: str, when: str
 ) -> dict[int, Outcome]:

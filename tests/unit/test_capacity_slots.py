@@ -237,6 +237,10 @@ def test_cli_shows_workers_times_slots(tmp_path: Path, gemma: ModelMeta) -> None
     out = result.output
     assert "layout      2 worker(s) x 4 slots = 8 sequences (workers.slots = 4)" in out
     assert "per worker  KV 4 x 36 MiB + runtime 132 MiB + grammar 176 MiB = 452 MiB" in out
+    # The runtime line adds up: overhead + scratch + each further slot's logits and candidates.
+    runtime = "runtime     88 MiB overhead + 32 MiB attention scratch + 3 x 4 MiB per further slot"
+    assert runtime in out
+    assert "= 132 MiB per worker" in out
     assert "for 2 worker(s) x 4 slots = 8 sequences" in out
     assert "verdict     OK: 2 worker(s) asked, 13 fit (of 4 slots each)" in out
     data = json.loads(run_cli(tmp_path, "--slots", "4", "--json", toml=MODEL_TOML).output)
