@@ -124,6 +124,10 @@ class V1Driver:
                 put(self.host, d / "cpuset.cpus", cpus)
             if "memory" in tree.controllers:
                 _set_v1_memory(self.host, d, limits.memory_max)
+                # A respawn reuses the cgroup: its peak starts again with the new process
+                # (any write resets the watermark, cgroup-v1/memory.rst; v2's memory.peak
+                # cannot be reset for every reader).
+                write_if_present(self.host, d / "memory.max_usage_in_bytes", "0")
             if "cpu" in tree.controllers:
                 put(self.host, d / "cpu.cfs_period_us", str(limits.cpu_period_us))
                 put(self.host, d / "cpu.cfs_quota_us", str(limits.cpu_quota_us or -1))

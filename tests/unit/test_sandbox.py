@@ -527,6 +527,17 @@ def test_v1_readings_unlimited_oom_control_failcnt_and_watermark(kernel: FakeKer
         assert node is not None and node.high is None
 
 
+def test_v1_a_respawned_worker_does_not_show_the_dead_ones_peak(kernel: FakeKernel) -> None:
+    # A new user saw PEAK 402 MiB for a worker still loading at 80 KiB after a restart.
+    dirs = v1_host(kernel, hybrid=False)
+    with Sandbox(opts(), kernel.host()) as box:
+        box.create_worker("llm-0", LIMITS)
+        w = dirs["memory"] / "edgenode" / "worker-llm-0"
+        (w / "memory.max_usage_in_bytes").write_text("421527552")  # the dead process's peak
+        box.create_worker("llm-0", LIMITS)  # the respawn reuses the cgroup
+        assert (w / "memory.max_usage_in_bytes").read_text() == "0"
+
+
 def test_v1_without_memsw_writes_only_the_limit(kernel: FakeKernel) -> None:
     dirs = v1_host(kernel)
     for d in (dirs["memory"], dirs["memory"].parent, dirs["memory"].parent.parent):
