@@ -43,6 +43,7 @@ import itertools
 import json
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,12 @@ RANDOM_SEED = 0xFFFFFFFF
 PROMPT_BESIDE_DECODE = 128
 #: llama_decode's return code when the abort callback stopped it (llama.h).
 DECODE_ABORTED = 2
+#: s; after a step this slow, decode-only steps run with the abort callback too. A
+#: decode step takes 20-150 ms here (1-8 slots); one of seconds means the host
+#: starves the worker's threads, and a cancel must not wait for the step to end:
+#: the broker kills a worker that has not answered a CANCEL within
+#: broker.cancel_grace_ms (2 s) as hung.
+SLOW_STEP_S = 0.5
 
 
 def kv_buffer_bytes(load_log: str) -> int | None:
@@ -180,6 +187,7 @@ class LlamaEngine:
         self._abort_cb = llama_cpp.ggml_abort_callback(self._should_abort)
         self._watching = True
         self._watch(False)
+        self.last_step_s = 0.0  # s, wall time of the last llama_decode (SLOW_STEP_S)
 
     def _should_abort(self, _data: ctypes.c_void_p) -> bool:
         # ggml-cpu calls this after every graph node: it doubles as the proof
@@ -188,13 +196,17 @@ class LlamaEngine:
         return any(flag.is_set() for flag in self._in_batch)
 
     def _watch(self, on: bool) -> None:
-        """Install the abort callback for batches with prompt chunks only.
+        """Install the abort callback for batches with prompt chunks, and for every
+        batch after a step slower than ``SLOW_STEP_S``.
 
         A chunk of ``n_batch`` prompt tokens takes seconds on one core, so a
         cancel must reach inside it; a decode step ends within tens of ms, and the
         cancel is seen before the next one. Without the callback there, ggml's
         first thread no longer stops for the interpreter after each of a step's
-        ~460 graph nodes while the others wait at its barrier.
+        ~460 graph nodes while the others wait at its barrier. On a host that
+        starves the worker a decode step takes seconds too (two busy host
+        processes left one worker ~2 tokens in 30 s): then the callback is back
+        until a step is fast.
         """
         if on != self._watching:
             callback = self._abort_cb if on else llama_cpp.ggml_abort_callback()  # NULL
@@ -276,11 +288,14 @@ class LlamaEngine:
             return ended
         batch_slots = list(dict.fromkeys(slot for slot, _, _ in rows))
         self._in_batch = [s.job.cancelled for s in batch_slots if s.job is not None]
-        self._watch(any(len(tokens) > 1 for _, tokens, _ in rows))
+        prompt_chunk = any(len(tokens) > 1 for _, tokens, _ in rows)
+        self._watch(prompt_chunk or self.last_step_s >= SLOW_STEP_S)
+        began = time.monotonic()
         try:
             code = llama_c.llama_decode(self._ctx, self._batch)
         finally:
             self._in_batch = []
+            self.last_step_s = time.monotonic() - began
         self.steps += 1
         if code != 0:
             # Aborted or failed: none of the batch's tokens count. Remove what it

@@ -20,7 +20,7 @@ import pytest
 
 from broker.errors import Cancelled, EdgeNodeError
 from node.engine import EngineSpec, Outcome
-from node.llama.engine import LlamaEngine
+from node.llama.engine import SLOW_STEP_S, LlamaEngine
 from node.model import resolve_model
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(240)]
@@ -136,6 +136,31 @@ def test_a_short_prompt_arriving_during_a_long_prompts_evaluation_starts_at_the_
     assert isinstance(long_done, dict) and isinstance(short_done, dict)
     assert long_done["usage"]["prompt_tokens"] > 2 * four.n_batch
     assert short_done["usage"]["completion_tokens"] == 4
+
+
+def test_after_a_starved_step_a_decode_step_can_be_aborted_inside_llama_decode(
+    four: LlamaEngine,
+) -> None:
+    """A step slower than SLOW_STEP_S (a host starving the worker's threads) puts the
+    abort callback back on decode-only steps, so a cancel is seen after a graph node,
+    not after a step of seconds: a starved worker whose step outlasted the broker's
+    cancel grace was killed as hung and reloaded."""
+    ended: dict[int, Outcome] = {}
+    for i in (0, 1):
+        four.submit(i, greedy(PROMPTS[i + 1]), threading.Event(), lambda _: None)
+    for _ in range(4):  # the prompts, then decode-only steps
+        ended.update(four.step())
+    four.last_step_s = 0.0  # the last step was fast (set, not timed: the test may be slow)
+    before = four.steps
+    ended.update(four.step())
+    assert four.steps == before + 1  # a decode step after a fast one: no callback inside it
+    four.last_step_s = SLOW_STEP_S  # as if the host had starved the last step
+    before = four.steps
+    ended.update(four.step())
+    # ggml called the callback after each of the step's graph nodes (it counts them).
+    assert four.steps > before + 100
+    step_until_idle(four, ended)
+    assert not any(isinstance(outcome, EdgeNodeError) for outcome in ended.values())
 
 
 def run_with_a_cancel(
