@@ -30,7 +30,11 @@ class CurveRouter:
     """A CURVE ROUTER answering ``ping`` and ``generate`` (``echo: <prompt>``) from a thread."""
 
     def __init__(self, server: Keys, allowed_dir: Path | str) -> None:
-        ctx = zmq.Context.instance()
+        # A context of its own: ZAP binds inproc://zeromq.zap.01 once per context, and
+        # libzmq frees an inproc name only after the socket's asynchronous close, so a
+        # router sharing zmq.Context.instance() with the previous test's could find it
+        # still taken (EADDRINUSE at setup, seen once in CI).
+        self.ctx = ctx = zmq.Context()
         self.auth = ThreadAuthenticator(ctx)
         self.auth.start()
         # ``allowed_dir``: the allowlist's directory, or ``zmq.auth.CURVE_ALLOW_ANY``.
@@ -64,6 +68,7 @@ class CurveRouter:
         self._stop.set()
         self._thread.join(5)
         self.auth.stop()
+        self.ctx.destroy(linger=0)  # the thread closed its socket; nothing else is left
 
 
 def make_keys(where: Path, name: str) -> Keys:
