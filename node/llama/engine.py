@@ -332,8 +332,7 @@ class LlamaEngine:
         # while a long one is being evaluated starts at the next step instead of after
         # the long one's last chunk; the long one still gets the rest of every step.
         waiting = sorted(
-            (s for s in self._slots if s.prefilling),
-            key=lambda s: (len(s.job.prompt) - len(s.cached) if s.job else 0, s.used),
+            (s for s in self._slots if s.prefilling), key=lambda s: (s.prompt_left, s.used)
         )
         # Beside generating slots a step carries fewer prompt tokens, so their
         # streams pause for a fraction of a second, not for a whole n_batch chunk.

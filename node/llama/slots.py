@@ -75,9 +75,14 @@ class Slot:
     used: int = 0
 
     @property
+    def prompt_left(self) -> int:
+        """Prompt tokens its request still has to evaluate (0 without a request)."""
+        return 0 if self.job is None else max(0, len(self.job.prompt) - len(self.cached))
+
+    @property
     def prefilling(self) -> bool:
         """Whether its request still has prompt tokens to evaluate."""
-        return self.job is not None and len(self.cached) < len(self.job.prompt)
+        return self.prompt_left > 0
 
 
 #: Fewest shared tokens worth reusing a slot for. Below it the least recently

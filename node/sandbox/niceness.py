@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import platform
 from pathlib import Path
@@ -205,6 +206,12 @@ class _SchedAttr(ctypes.Structure):
     ]
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, loaded once (``status`` reads every worker's slice per call)."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _sched_attr_call(which: int, tid: int, attr: _SchedAttr) -> None:
     """``sched_getattr`` (which=1) or ``sched_setattr`` (which=0) of thread ``tid``
     (0 = the calling thread). Raises OSError, or NotImplementedError on a machine
@@ -212,7 +219,7 @@ def _sched_attr_call(which: int, tid: int, attr: _SchedAttr) -> None:
     numbers = _SCHED_ATTR_CALLS.get(platform.machine())
     if numbers is None:
         raise NotImplementedError(f"sched_setattr on {platform.machine()}")
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc()
     args = (tid, ctypes.byref(attr), 0) if which == 0 else (tid, ctypes.byref(attr), 56, 0)
     if libc.syscall(numbers[which], *args) != 0:
         err = ctypes.get_errno()

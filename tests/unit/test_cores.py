@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from broker.errors import ConfigError, SandboxError
+from node.config import from_dict, validate
 from node.sandbox import niceness
 from node.sandbox.cores import (
     Placement,
@@ -315,7 +316,9 @@ def test_kernel_has_custom_slices_by_release() -> None:
 
 @pytest.mark.parametrize("value", [0, 100, 2000, 100_000])
 def test_check_slice_takes_zero_and_the_kernels_range(value: int) -> None:
-    check_slice(value)
+    check_slice(value)  # raises ConfigError otherwise (the test below)
+    config = validate(from_dict({"workers": {"slice_us": value}}))
+    assert config.workers.slice_us == value
 
 
 @pytest.mark.parametrize("value", [1, 99, 100_001, -5])
