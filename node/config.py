@@ -70,7 +70,7 @@ class ModelSection:
     chat_format: str = ""
     repack: bool = False
     kv_type: str = "f16"
-    flash_attn: bool = False
+    flash_attn: bool = True  # node.engine.flash_attn_on: why on, and what it changes
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ class EngineSpec:
     chat_format: str = ""
     repack: bool = False
     kv_type: str = "f16"  # model.kv_type: the K and V cache element type
-    flash_attn: bool = False  # model.flash_attn (a quantized kv_type forces it on)
+    flash_attn: bool = True  # model.flash_attn (a quantized kv_type forces it on)
     slots: int = 1  # workers.slots: sequences served at once
     test_token_ms: int = 20
     test_load_ms: int = 0
@@ -58,18 +58,22 @@ class EngineSpec:
 
 def flash_attn_on(kv_type: str, wanted: bool) -> bool:
     """Whether the llama engine runs llama.cpp's flash attention: when
-    ``model.flash_attn`` asks for it, and always for a quantized KV cache (a
-    quantized V cache needs it: src/llama-context.cpp, ``llama_init_from_model``
-    refuses it otherwise, "quantized V cache requires flash_attn to be enabled").
+    ``model.flash_attn`` asks for it (the default, as llama-server's
+    ``--flash-attn auto`` on CPU), and always for a quantized KV cache (a quantized
+    V cache needs it: src/llama-context.cpp, ``llama_init_from_model`` refuses it
+    otherwise, "quantized V cache requires flash_attn to be enabled").
 
-    Off by default, although it decoded the default model 7-14 % faster on this
-    machine's AVX2 cores (1 and 4 slots, f16 KV): ggml's CPU kernel takes a
-    different path for one query row of one sequence (the KV split across
-    threads), for several sequences and for prompt chunks of a tile or more
-    (ggml-cpu/ops.cpp, ``ggml_compute_forward_flash_attn_ext_f16``), so a greedy
-    slot's text can change with its neighbours and with prefix reuse (near
-    ties; tests/system/test_slots.py fails with it). The capacity model plans
-    its smaller attention scratch (``node.capacity.plan.attention_scratch``).
+    On by default: it decoded the default model 7-14 % faster on this machine's
+    AVX2 cores (1 and 4 slots, f16 KV; docs/bench/figures.md §node.llama.engine)
+    and plans a smaller attention scratch (``node.capacity.plan.attention_scratch``).
+    ggml's CPU kernel (ggml-cpu/ops.cpp, ``ggml_compute_forward_flash_attn_ext_f16``)
+    has three paths: per row (every decode step), tiled (64 or more rows of one
+    sequence: long prompt chunks) and KV split across threads (one row of one
+    sequence alone in a step, with 512 or more cells). The engine keeps every
+    prompt chunk under the tile (``node.llama.engine.FLASH_PROMPT_ROWS``), so a
+    prompt evaluated whole and its tail after prefix reuse round alike; a slot
+    decoding alone with a long context still takes the split path, so a greedy
+    answer there can differ near a tie from the same answer beside other slots.
     """
     return wanted or kv_type != "f16"
 

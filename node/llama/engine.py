@@ -9,7 +9,8 @@ llama.cpp's own server does it (tools/server: slots, ``update_slots``):
 * each ``step`` builds one ``llama_batch``: the token each generating slot
   sampled last, then prompt chunks of the slots still evaluating their prompt,
   the shortest remaining first, up to ``n_batch`` tokens in all
-  (``PROMPT_BESIDE_DECODE`` beside generating slots). A new request joins at the
+  (``PROMPT_BESIDE_DECODE`` beside generating slots; under flash attention at
+  most ``FLASH_PROMPT_ROWS`` of one slot). A new request joins at the
   next step, and a long prompt is evaluated over several steps while the other
   slots keep decoding, and while short prompts that came after it start;
 * every request samples through its own ``llama_sampler`` chain (special-token
@@ -104,6 +105,15 @@ DECODE_ABORTED = 2
 #: the broker kills a worker that has not answered a CANCEL within
 #: broker.cancel_grace_ms (2 s) as hung.
 SLOW_STEP_S = 0.5
+#: Most tokens of one slot's prompt in a step under flash attention: one less than
+#: ggml-cpu's query tile (GGML_FA_TILE_Q = 64, ggml-cpu/common.h). At a tile or more
+#: rows of one sequence, ``ggml_compute_forward_flash_attn_ext_f16`` takes its tiled
+#: kernel, which rounds differently from the per-row one every decode step uses: a
+#: prompt evaluated whole (tiled) and the same prompt's tail after prefix reuse
+#: (per row) then gave different greedy answers. Below the tile every prompt row
+#: goes through the per-row kernel; prompt evaluation measured ~4 % slower
+#: (docs/bench/figures.md §node.llama.engine).
+FLASH_PROMPT_ROWS = 63
 
 
 def kv_buffer_bytes(load_log: str) -> int | None:
@@ -141,6 +151,9 @@ class LlamaEngine:
         self.slots = max(1, spec.slots)
         self.n_ctx = -(-spec.n_ctx // CTX_PAD) * CTX_PAD  # per slot, as llama.cpp pads it
         self.n_batch = spec.n_batch
+        self.flash_attn = flash_attn_on(spec.kv_type, spec.flash_attn)
+        #: Most prompt tokens of one slot per step (FLASH_PROMPT_ROWS under flash attention).
+        self.prompt_rows = min(self.n_batch, FLASH_PROMPT_ROWS) if self.flash_attn else self.n_batch
         with (
             _model_params(use_extra_bufts=spec.repack),
             _context_params(n_seq_max=self.slots),
@@ -155,7 +168,7 @@ class LlamaEngine:
                 n_threads_batch=spec.threads,
                 type_k=kv,
                 type_v=kv,
-                flash_attn=flash_attn_on(spec.kv_type, spec.flash_attn),
+                flash_attn=self.flash_attn,
                 verbose=False,
             )
         self.kv_cache_bytes = kv_buffer_bytes("".join(load_log))
@@ -340,7 +353,7 @@ class LlamaEngine:
         for slot in waiting:
             assert slot.job is not None
             start = len(slot.cached)
-            chunk = slot.job.prompt[start : start + limit - n]
+            chunk = slot.job.prompt[start : start + min(limit - n, self.prompt_rows)]
             if not chunk:
                 break
             last = start + len(chunk) == len(slot.job.prompt)

@@ -4,8 +4,10 @@ slot never shows its previous request (issue 10's engine tests).
 
 Greedy sampling everywhere, so outputs compare exactly. llama.cpp's batched
 kernels may round differently near a tie: a slot beside others may then pick
-the other of two near-equal tokens (seen: 1 of 20 prompts here, at its 17th
-token); the test allows one such prompt in twenty.
+the other of two near-equal tokens; the test allows one such prompt in twenty.
+Seen here: none of 20 with plain attention; with flash attention (the default)
+"Step 1: open the valve." at its third token, with 1 and 2 threads, its 7 prompt
+tokens evaluated beside 3 decoding slots.
 """
 
 from __future__ import annotations
@@ -222,6 +224,9 @@ def test_a_reused_slot_never_shows_its_previous_request(one: LlamaEngine) -> Non
 
 
 def test_a_shared_prefix_is_reused_and_changes_nothing(one: LlamaEngine) -> None:
+    """The fresh prompt (~100 tokens) and the reused one's tail (~10) must take the
+    same flash-attention kernel: failed when a whole prompt went in one chunk
+    (``node.llama.engine.FLASH_PROMPT_ROWS``)."""
     system = "You are the controller of a greenhouse. Answer in one short sentence. " * 6
     first, second = system + "Q: Is it too hot?\nA:", system + "Q: Should I water?\nA:"
     alone(one, "Unrelated text to empty the cache of its prefix.", 4)

@@ -25,4 +25,4 @@ def test_the_pool_passes_model_kv_type_to_every_model_worker(tmp_path: Path, kv_
 def test_flash_attention_is_asked_for_or_forced_by_a_quantized_kv_cache() -> None:
     assert flash_attn_on("f16", True) and not flash_attn_on("f16", False)
     assert flash_attn_on("q8_0", False) and flash_attn_on("q4_0", False)
-    assert not EngineSpec(kind="llama", model_path="m", n_ctx=1, n_batch=1, threads=1).flash_attn
+    assert EngineSpec(kind="llama", model_path="m", n_ctx=1, n_batch=1, threads=1).flash_attn

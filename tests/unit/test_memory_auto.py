@@ -189,6 +189,7 @@ def test_start_and_capacity_agree_on_auto_slots_and_their_limits(
     toml = (
         '[workers]\ncount = 2\nslots = "auto"\nthreads = 2\nmemory_max = "auto"\n'
         '[capacity]\nmemory_budget = "2.3G"\nreserve = "1G"\nruntime_overhead = "88M"\n'
+        "[model]\nflash_attn = false\n"  # the arithmetic below: plain attention's 32 MiB scratch
     )
     (tmp_path / "edgenode.toml").write_text(toml)
     started = check_fits(load_config(str(tmp_path / "edgenode.toml")))
