@@ -129,8 +129,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="comma-separated (default node,direct,llama-server)",
     )
     parser.add_argument("--quick", action="store_true", help="1 round, levels 1 and 4, fewer")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "throughput.md")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=REPO / "docs" / "bench" / "throughput.md",
+        help="the Markdown report (the raw JSON goes beside it, .json)",
+    )
+    args = parser.parse_args(argv)
+    if args.out.is_dir():  # found after a 25-minute run otherwise
+        parser.error(f"--out {args.out} is a directory: give the report's file name")
+    return args
 
 
 def terminated(signum: int, _frame: object) -> None:

@@ -128,7 +128,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], levels: Sequence[int
 
 
 FLASH_ATTN_WORDS = {
-    "default": "each backend's default (node and llama-cpp-python off, llama-server auto = on)",
+    "default": "each backend's default (node on, llama-cpp-python off, llama-server auto = on)",
     "on": "on in every backend",
     "off": "off in every backend",
 }

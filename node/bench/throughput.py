@@ -51,7 +51,7 @@ The backends:
 ``--flash-attn on|off`` sets flash attention alike in every backend (the node's
 ``model.flash_attn``, ``Llama(flash_attn=)``, ``llama-server -fa``), so ratios
 compare like with like; the default leaves each backend at its own default (the
-node and llama-cpp-python off, llama-server ``auto``, which is on for CPU).
+node on, llama-cpp-python off, llama-server ``auto``, which is on for CPU).
 
 Every process is pinned to ``--cpus`` (default: every core this process may use):
 the baselines with ``taskset``, the node by starting it from a thread pinned there
