@@ -56,6 +56,18 @@ class EngineSpec:
     test_load_ms: int = 0
 
 
+#: Most tokens of one slot's prompt in a step under flash attention: one less than
+#: ggml-cpu's query tile (GGML_FA_TILE_Q = 64, ggml-cpu/common.h). At a tile or more
+#: rows of one sequence, ``ggml_compute_forward_flash_attn_ext_f16`` takes its tiled
+#: kernel, which rounds differently from the per-row one every decode step uses: a
+#: prompt evaluated whole (tiled) and the same prompt's tail after prefix reuse
+#: (per row) then gave different greedy answers. Below the tile every prompt row
+#: goes through the per-row kernel; prompt evaluation measured ~4 % slower
+#: (docs/bench/figures.md §node.llama.engine). The capacity plan's attention
+#: scratch counts the rows a step can then carry (``node.capacity.plan``).
+FLASH_PROMPT_ROWS = 63
+
+
 def flash_attn_on(kv_type: str, wanted: bool) -> bool:
     """Whether the llama engine runs llama.cpp's flash attention: when
     ``model.flash_attn`` asks for it (the default, as llama-server's
@@ -70,7 +82,7 @@ def flash_attn_on(kv_type: str, wanted: bool) -> bool:
     has three paths: per row (every decode step), tiled (64 or more rows of one
     sequence: long prompt chunks) and KV split across threads (one row of one
     sequence alone in a step, with 512 or more cells). The engine keeps every
-    prompt chunk under the tile (``node.llama.engine.FLASH_PROMPT_ROWS``), so a
+    prompt chunk under the tile (``FLASH_PROMPT_ROWS``), so a
     prompt evaluated whole and its tail after prefix reuse round alike; a slot
     decoding alone with a long context still takes the split path, so a greedy
     answer there can differ near a tie from the same answer beside other slots.

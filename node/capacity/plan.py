@@ -58,7 +58,7 @@ from node.capacity.budget import config_size, configured_budget, node_limit
 from node.capacity.gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ModelMeta, read_gguf_meta
 from node.capacity.worker_limits import is_auto, memory_high_bytes, memory_max_bytes
 from node.config import MAX_SLOTS, is_auto_slots
-from node.engine import flash_attn_on
+from node.engine import FLASH_PROMPT_ROWS, flash_attn_on
 from node.model import resolve_model
 from node.sandbox.cores import worker_threads
 from node.units import format_size as _format_size
@@ -124,20 +124,28 @@ def kv_cells(n_ctx: int) -> int:
     return -(-n_ctx // CTX_PAD) * CTX_PAD
 
 
-def attention_scratch(meta: ModelMeta, n_ctx: int, n_batch: int, flash_attn: bool = False) -> int:
-    """Bytes of llama.cpp's attention scratch that grow with the context, with n_ubatch
-    = min(n_ctx, n_batch, 512) as llama-cpp-python sets it.
+def attention_scratch(
+    meta: ModelMeta, n_ctx: int, n_batch: int, flash_attn: bool = False, slots: int = 1
+) -> int:
+    """Bytes of llama.cpp's attention scratch that grow with the context, for the
+    most rows a step evaluates: n_ubatch = min(n_ctx, n_batch, 512) as
+    llama-cpp-python sets it, and under flash attention at most ``slots x
+    FLASH_PROMPT_ROWS`` (the engine's cap on each slot's prompt chunk; a step's
+    decode rows fit in it: ``node.engine.FLASH_PROMPT_ROWS``).
 
     Without flash attention: f32 ``KQ`` + ``softmax(KQ)``, ``2 x 4 x n_head x
     n_ubatch x cells`` (src/llama-graph.cpp, ``build_attn_mha``). With it
-    (``ggml_flash_attn_ext``, no ``KQ``): ``4 x n_ubatch x (cells + 4 x n_head x
+    (``ggml_flash_attn_ext``, no ``KQ``): ``4 x rows x (cells + 4 x n_head x
     key_length)``, fitted on the default model's private memory after a full
-    prompt (docs/bench/figures.md §node.capacity.plan); read it as the
-    f16 ``KQ`` masks of Gemma 3's two KV caches plus four f32 Q-sized tensors.
+    prompt in 512-row chunks (docs/bench/figures.md §node.capacity.plan); read it
+    as the f16 ``KQ`` masks of Gemma 3's two KV caches plus four f32 Q-sized
+    tensors, all one row per token of the step. llama.cpp reserves the buffer for
+    n_ubatch rows; the pages of rows a step never carries stay untouched.
     """
     ubatch = min(n_ctx, n_batch, N_UBATCH)
     if flash_attn:
-        return 4 * ubatch * (kv_cells(n_ctx) + 4 * meta.n_head * meta.key_length)
+        rows = min(ubatch, slots * FLASH_PROMPT_ROWS)
+        return 4 * rows * (kv_cells(n_ctx) + 4 * meta.n_head * meta.key_length)
     return 2 * 4 * meta.n_head * ubatch * kv_cells(n_ctx)
 
 
@@ -289,7 +297,7 @@ def model_plan(meta: ModelMeta, **ask: Any) -> Plan:
         kv_per_seq=per_token * kv_cells(ask["n_ctx"]),
         model=meta.name,
         kv_per_token=per_token,
-        scratch=attention_scratch(meta, ask["n_ctx"], ask["n_batch"], flash),
+        scratch=attention_scratch(meta, ask["n_ctx"], ask["n_batch"], flash, ask.get("slots", 1)),
         flash_attn=flash,
         n_vocab=meta.n_vocab,
         grammar=grammar_allowance(meta.n_vocab),

@@ -10,7 +10,7 @@ llama.cpp's own server does it (tools/server: slots, ``update_slots``):
   sampled last, then prompt chunks of the slots still evaluating their prompt,
   the shortest remaining first, up to ``n_batch`` tokens in all
   (``PROMPT_BESIDE_DECODE`` beside generating slots; under flash attention at
-  most ``FLASH_PROMPT_ROWS`` of one slot). A new request joins at the
+  most ``node.engine.FLASH_PROMPT_ROWS`` of one slot). A new request joins at the
   next step, and a long prompt is evaluated over several steps while the other
   slots keep decoding, and while short prompts that came after it start;
 * every request samples through its own ``llama_sampler`` chain (special-token
@@ -68,7 +68,7 @@ from broker.errors import (
     TooLarge,
     Unavailable,
 )
-from node.engine import Emit, EngineSpec, Outcome, flash_attn_on
+from node.engine import FLASH_PROMPT_ROWS, Emit, EngineSpec, Outcome, flash_attn_on
 from node.llama.candidates import TopK
 from node.llama.grammar import check_grammar, check_schema, trim_heap
 from node.llama.log import LLAMA_LOG as _LOG
@@ -105,15 +105,6 @@ DECODE_ABORTED = 2
 #: the broker kills a worker that has not answered a CANCEL within
 #: broker.cancel_grace_ms (2 s) as hung.
 SLOW_STEP_S = 0.5
-#: Most tokens of one slot's prompt in a step under flash attention: one less than
-#: ggml-cpu's query tile (GGML_FA_TILE_Q = 64, ggml-cpu/common.h). At a tile or more
-#: rows of one sequence, ``ggml_compute_forward_flash_attn_ext_f16`` takes its tiled
-#: kernel, which rounds differently from the per-row one every decode step uses: a
-#: prompt evaluated whole (tiled) and the same prompt's tail after prefix reuse
-#: (per row) then gave different greedy answers. Below the tile every prompt row
-#: goes through the per-row kernel; prompt evaluation measured ~4 % slower
-#: (docs/bench/figures.md §node.llama.engine).
-FLASH_PROMPT_ROWS = 63
 
 
 def kv_buffer_bytes(load_log: str) -> int | None:

@@ -226,7 +226,7 @@ def test_a_reused_slot_never_shows_its_previous_request(one: LlamaEngine) -> Non
 def test_a_shared_prefix_is_reused_and_changes_nothing(one: LlamaEngine) -> None:
     """The fresh prompt (~100 tokens) and the reused one's tail (~10) must take the
     same flash-attention kernel: failed when a whole prompt went in one chunk
-    (``node.llama.engine.FLASH_PROMPT_ROWS``)."""
+    (``node.engine.FLASH_PROMPT_ROWS``)."""
     system = "You are the controller of a greenhouse. Answer in one short sentence. " * 6
     first, second = system + "Q: Is it too hot?\nA:", system + "Q: Should I water?\nA:"
     alone(one, "Unrelated text to empty the cache of its prefix.", 4)

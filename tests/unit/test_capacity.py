@@ -28,6 +28,7 @@ from node.capacity.plan import (
     kv_cells,
 )
 from node.config import from_dict
+from node.engine import FLASH_PROMPT_ROWS
 from node.sandbox.cgroupfs import Host
 from node.units import parse_size
 
@@ -129,10 +130,19 @@ def test_attention_scratch_grows_with_context_and_micro_batch(gemma: ModelMeta) 
 
 
 def test_flash_attention_scratch_has_no_kq(gemma: ModelMeta) -> None:
-    # Fitted on the default model's private memory after a full prompt, n_ctx 1024-4096.
-    assert attention_scratch(gemma, 2048, 512, flash_attn=True) == 4 * 512 * (2048 + 4 * 4 * 256)
-    assert attention_scratch(gemma, 2048, 512, flash_attn=True) == 12 * MiB
-    assert attention_scratch(gemma, 4096, 512, flash_attn=True) == 16 * MiB  # vs 64 without
+    # Fitted on the default model's private memory after a full prompt in 512-row
+    # chunks, n_ctx 1024-4096: the rows are n_ubatch when the slots may fill it.
+    assert attention_scratch(gemma, 2048, 512, True, slots=9) == 4 * 512 * (2048 + 4 * 4 * 256)
+    assert attention_scratch(gemma, 2048, 512, True, slots=9) == 12 * MiB
+    assert attention_scratch(gemma, 4096, 512, True, slots=9) == 16 * MiB  # vs 64 without
+
+
+def test_flash_attention_scratch_counts_the_rows_a_step_carries(gemma: ModelMeta) -> None:
+    # Each slot's prompt chunk stays under ggml's 64-row tile (FLASH_PROMPT_ROWS).
+    row = 4 * (2048 + 4 * 4 * 256)
+    assert attention_scratch(gemma, 2048, 512, flash_attn=True) == FLASH_PROMPT_ROWS * row
+    assert attention_scratch(gemma, 2048, 512, True, slots=4) == 4 * FLASH_PROMPT_ROWS * row
+    assert attention_scratch(gemma, 2048, 128, True, slots=4) == 128 * row  # n_batch caps it
 
 
 def test_a_quantized_kv_type_plans_flash_attention_even_when_it_is_turned_off(
@@ -142,14 +152,16 @@ def test_a_quantized_kv_type_plans_flash_attention_even_when_it_is_turned_off(
     q8, _ = config_plan(config(model={"kv_type": "q8_0", "flash_attn": False}))
     assert not f16.flash_attn and q8.flash_attn and q8.as_dict()["flash_attn"]
     assert q8.kv_per_seq == 9_792 * 2048
-    assert q8.runtime_per_worker == 88 * MiB + 12 * MiB
+    scratch = FLASH_PROMPT_ROWS * 4 * (2048 + 4 * 4 * 256)  # one slot's 63 rows, 1.5 MiB
+    assert q8.runtime_per_worker == 88 * MiB + scratch
     assert f16.runtime_per_worker == 88 * MiB + 32 * MiB
 
 
 def test_flash_attention_is_planned_when_turned_on(gemma: ModelMeta) -> None:
     assert from_dict({}).model.flash_attn  # on by default: see node.engine.flash_attn_on
     plan, _ = config_plan(config(model={"flash_attn": True}))
-    assert plan.flash_attn and plan.runtime_per_worker == 88 * MiB + 12 * MiB
+    scratch = FLASH_PROMPT_ROWS * 4 * (2048 + 4 * 4 * 256)
+    assert plan.flash_attn and plan.runtime_per_worker == 88 * MiB + scratch
     again, _ = config_plan(config(), kv_type="q8_0")  # a quantized replan turns it on
     assert again.flash_attn and again.kv_per_seq == 9_792 * 2048
 
@@ -429,8 +441,8 @@ def test_cli_rejects_bad_sizes_and_half_manual_mode(tmp_path: Path) -> None:
 
 def test_check_fits_refuses_a_worker_limit_below_one_workers_need() -> None:
     config = from_dict({"workers": {"memory_max": "100M", "slots": 1}})
-    # 36 MiB of KV + 88 + 12 MiB (flash attention's scratch, the default) + 176 MiB of grammar
-    with pytest.raises(ConfigError, match=r"workers.memory_max 100 MiB is below the 312 MiB"):
+    # 36 MiB of KV + 88 + 1.5 MiB (flash attention's scratch, the default) + 176 of grammar
+    with pytest.raises(ConfigError, match=r"workers.memory_max 100 MiB is below the 301.5 MiB"):
         check_fits(config)
 
 
