@@ -253,7 +253,7 @@ def _start_background(config: NodeConfig, wait_s: float) -> None:
                 os.close(ready_w)
                 ready_w = -1
                 click.echo(f"starting edgenode (pid {proc.pid}, log {logfile}) ...")
-                n, remote = _wait_started(proc, config, wait_s, logfile, ready_r)
+                ready = _wait_started(proc, config, wait_s, logfile, ready_r)
             finally:
                 os.close(ready_r)
                 if ready_w >= 0:
@@ -272,8 +272,32 @@ def _start_background(config: NodeConfig, wait_s: float) -> None:
             " before it launched a node" if proc is None else f"\n{_stop_started(proc, config)}"
         )
         raise click.ClickException(f"start interrupted ({exc.signum.name}){stopped}") from None
-    also = f" (and {remote} remote)" if remote else ""
-    click.echo(f"edgenode running: {n} worker(s) ready{also} on {config.frontend} (pid {proc.pid})")
+    click.echo(f"edgenode running: {ready} on {config.frontend} (pid {proc.pid})")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ready:
+    """The workers a started node's ``status`` lists: its own model workers, its
+    own rule workers (the fallback: no model), and remote agents' workers."""
+
+    model: int
+    rules: int
+    remote: int
+
+    @classmethod
+    def of(cls, workers: list[dict[str, Any]]) -> _Ready:
+        """Count ``status``'s ``workers`` entries (``kind`` llm or rules, ``remote``)."""
+        own = [w for w in workers if not w.get("remote")]
+        rules = sum(1 for w in own if w.get("kind") == "rules")
+        return cls(len(own) - rules, rules, len(workers) - len(own))
+
+    def __str__(self) -> str:
+        said = f"{self.model} model worker(s) ready"
+        if self.rules:
+            said += f", the rule worker{'s' if self.rules > 1 else ''} too"
+        if self.remote:
+            said += f" (and {self.remote} remote)"
+        return said
 
 
 #: How often a background start asks its node's ``status`` while it starts (s); the
@@ -318,15 +342,15 @@ def _wait_started(
     wait_s: float,
     logfile: Path,
     ready_fd: int | None = None,
-) -> tuple[int, int]:
+) -> _Ready:
     """Wait until the node ``proc`` itself answers with every worker ready; returns
-    the numbers of its own workers and of remote agents' workers registered by
-    then (a gateway's: they are no part of this start). An answer from any other
-    process (a node that already held the endpoint) does not count: its ``pid`` is
-    not ``proc``'s. Between ``status`` polls it waits on ``ready_fd`` (the node's
-    readiness pipe, if any), which the node writes to, or closes, the moment it is
-    ready, failed or gone. Past ``wait_s`` it waits on while the node reports
-    every worker not ready as loading (``_StillLoading``).
+    who is ready (``_Ready``: its own model workers, its rule worker, and remote
+    agents' workers registered by then, a gateway's: no part of this start). An
+    answer from any other process (a node that already held the endpoint) does
+    not count: its ``pid`` is not ``proc``'s. Between ``status`` polls it waits on
+    ``ready_fd`` (the node's readiness pipe, if any), which the node writes to, or
+    closes, the moment it is ready, failed or gone. Past ``wait_s`` it waits on
+    while the node reports every worker not ready as loading (``_StillLoading``).
 
     Raises:
         click.ClickException: the node exited (with its own error), a worker
@@ -359,9 +383,7 @@ def _wait_started(
             processes: list[WorkerStatus] = status.get("processes", [])
             _raise_if_failed(processes, logfile)
             if status.get("all_ready"):
-                workers = status["workers"]
-                remote = sum(1 for w in workers if w.get("remote"))
-                return len(workers) - remote, remote
+                return _Ready.of(status["workers"])
             if time.monotonic() >= deadline:
                 loading = _wait_on_loading(status, loading, begun, wait_s, logfile)
             ready_fd = _wait_ready_fd(ready_fd, POLL_S)

@@ -107,10 +107,13 @@ DELIVERY_COUNTERS = (
 
 
 def _replies_line(counters: dict[str, int], delivery: dict[str, Any]) -> str:
-    """What became of the replies sent to clients, and what waits for slow readers."""
+    """What became of the replies sent to clients, and what waits for slow readers.
+    Finals are every op's (PROTOCOL §12.1): each ``status`` and ``ping`` answered
+    counts one, so the line says so (a user polling ``status`` saw them grow)."""
     n = {k: counters.get(k, 0) for k in DELIVERY_COUNTERS}
     return (
-        f"replies: finals {n['finals_delivered']} delivered, {n['finals_backlogged']} waited, "
+        f"replies: finals {n['finals_delivered']} delivered (every op's, status included), "
+        f"{n['finals_backlogged']} waited, "
         f"{n['finals_undeliverable']} undeliverable; partials {n['partials_delivered']} "
         f"delivered, {n['partials_dropped']} dropped; waiting now {delivery.get('backlog', 0)} "
         f"for {delivery.get('backlog_clients', 0)} client(s) (max "

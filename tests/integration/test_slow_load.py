@@ -118,7 +118,7 @@ def test_a_cpu_starved_load_past_the_ready_timeout_is_not_killed_and_start_waits
             assert (llm["pid"], llm["state"], llm["restarts"]) == (pid, "ready", 0), llm
             assert llm["last_exit"] == "" and llm["loading"] is None, llm
             assert "still loading after 6s and making progress" in out, out
-            assert "edgenode running: 1 worker(s) ready" in out
+            assert "edgenode running: 1 model worker(s) ready" in out
             assert "not READY" not in (node.run_dir / "logs" / "node.log").read_text()
         finally:
             if start.poll() is None:

@@ -123,7 +123,7 @@ def test_a_node_on_a_wildcard_frontend_starts_answers_status_and_stops(
     )
     started = node.cli("start", "--wait-s", "60")
     assert started.returncode == 0, started.stderr
-    assert "edgenode running: 1 worker(s) ready" in started.stdout
+    assert "edgenode running: 1 model worker(s) ready" in started.stdout
     [pid] = node_processes(node.run_dir)
     status = node.cli("status", "--json")
     assert status.returncode == 0, status.stderr

@@ -137,7 +137,8 @@ def test_replies_to_clients_get_their_own_line() -> None:
     assert requests == "requests: client_gone 1, ok 20"
     (replies,) = [line for line in lines if line.startswith("replies:")]
     assert replies == (
-        "replies: finals 22 delivered, 12 waited, 1 undeliverable; partials 2500 delivered,"
+        "replies: finals 22 delivered (every op's, status included), 12 waited, 1 undeliverable; "
+        "partials 2500 delivered,"
         " 3560 dropped; waiting now 3 for 1 client(s) (max 64 each), 0 overflowed"
     )
 
