@@ -341,27 +341,25 @@ def test_the_bench_scripts_list_options_are_checked_alike(
     script: str, args: list[str], message: str
 ) -> None:
     """``split_list`` through argparse (``list_type``): refused before anything runs."""
+    done = run_script(script, *args)
+    assert done.returncode == 2, done.stderr
+    assert f"error: argument {message}" in done.stderr
+
+
+def run_script(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python scripts/<script> args`` with this checkout on the path."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(REPO / "scripts" / script), *args],
         capture_output=True,
         text=True,
         env=env,
         timeout=30,
     )
-    assert done.returncode == 2, done.stderr
-    assert f"error: argument {message}" in done.stderr
 
 
 def test_bench_throughput_refuses_a_directory_for_its_report(tmp_path: Path) -> None:
     # Found only when the report was written, after a 25-minute run.
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_throughput.py"), "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=30,
-    )
+    done = run_script("bench_throughput.py", "--out", str(tmp_path))
     assert done.returncode == 2, done.stderr
     assert f"--out {tmp_path} is a directory: give the report's file name" in done.stderr
