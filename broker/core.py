@@ -406,6 +406,7 @@ class Broker:
         if command is WorkerCommand.HEARTBEAT:
             self.liveness.note_progress(worker, body.get("progress"), now)
             worker.note_started(body.get("started"))
+            worker.note_compute_threads(body.get("compute_threads"))
         elif command is WorkerCommand.PARTIAL:
             self._on_partial(worker, body, now)
         elif command is WorkerCommand.FINAL:

@@ -35,6 +35,9 @@ class WorkerState:
             until a heartbeat carried one.
         host: the remote host agent that runs it (READY's ``host``), or None for
             a worker of this node's own pool; ``pick`` prefers local ones.
+        compute_threads: the threads its engine computes with now, from its last
+            HEARTBEAT (a llama worker drops to 1 while the host starves them); None
+            until a heartbeat carried one.
     """
 
     identity: bytes
@@ -49,6 +52,7 @@ class WorkerState:
     info: dict[str, Any] = field(default_factory=dict)
     started: int | None = None
     host: str | None = None
+    compute_threads: int | None = None
 
     @property
     def remote(self) -> bool:
@@ -59,6 +63,11 @@ class WorkerState:
         """A HEARTBEAT's ``started`` count; anything but a non-negative int is ignored."""
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             self.started = value
+
+    def note_compute_threads(self, value: object) -> None:
+        """A HEARTBEAT's ``compute_threads``; anything but a positive int is ignored."""
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            self.compute_threads = value
 
     @property
     def credit(self) -> int:
@@ -80,6 +89,7 @@ class WorkerState:
             "slots": self.slots,
             "active": len(self.active),
             "started": self.started,
+            "compute_threads": self.compute_threads,
             "last_seen_ms": max(0, round((now - self.last_seen) * 1000)),
             "host": self.host,
             "remote": self.remote,

@@ -80,6 +80,9 @@ class WorkersSection:
     count: int = 1
     engine: ModelEngineName = "llama"
     threads: int = 2
+    #: Compute on one thread while the host starves the workers' threads
+    #: (``node.llama.threads``); false keeps ``threads`` always.
+    adaptive_threads: bool = True
     #: Sequences per model worker: an integer in [1, ``MAX_SLOTS``] or "auto"
     #: (``node.capacity.plan.resolve_slots`` turns it into an int at start).
     slots: int | str = 4

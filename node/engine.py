@@ -52,6 +52,7 @@ class EngineSpec:
     kv_type: str = "f16"  # model.kv_type: the K and V cache element type
     flash_attn: bool = True  # model.flash_attn (a quantized kv_type forces it on)
     slots: int = 1  # workers.slots: sequences served at once
+    adaptive_threads: bool = True  # workers.adaptive_threads: 1 thread while starved
     test_token_ms: int = 20
     test_load_ms: int = 0
 
@@ -129,6 +130,8 @@ class BatchEngine(Protocol):
     n_ctx: int
     steps: int
     slots: int
+    #: The threads it computes with now (HEARTBEAT ``compute_threads``).
+    compute_threads: int
 
     @property
     def busy(self) -> int:

@@ -133,6 +133,7 @@ class WorkerPool:
                 kv_type=c.model.kv_type,
                 flash_attn=c.model.flash_attn,
                 slots=self.slots,
+                adaptive_threads=c.workers.adaptive_threads,
                 test_token_ms=c.workers.test_token_ms,
                 test_load_ms=c.workers.test_load_ms,
             )

@@ -350,7 +350,13 @@ class WorkerLoop:
 
     def _heartbeat(self) -> None:
         state: HeartbeatState = "busy" if self.running else "idle"
-        body = {"state": state, "progress": self._progress(), "started": self.started}
+        body: dict[str, Any] = {
+            "state": state,
+            "progress": self._progress(),
+            "started": self.started,
+        }
+        if isinstance(self.engine, BatchEngine):
+            body["compute_threads"] = self.engine.compute_threads
         self._send(WorkerCommand.HEARTBEAT, body)
 
     def _progress(self) -> int:

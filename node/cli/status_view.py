@@ -88,7 +88,7 @@ def _remote_lines(workers: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"{w.get('worker_id')!s:<20} {w.get('host')!s:<12} {w.get('state')!s:<6} "
             f"{w.get('pid', '-')!s:>7} {str(w.get('credit')) + '/' + str(w.get('slots')):>6} "
-            f"{len(cpus) if isinstance(cpus, list) else '-':>5} {w.get('threads', '-')!s:>3} "
+            f"{len(cpus) if isinstance(cpus, list) else '-':>5} {_threads(w.get('threads'), w):>3} "
             f"{str(w.get('last_seen_ms')) + 'ms':>7}"
         )
     return lines
@@ -228,10 +228,19 @@ def _worker_line(proc: WorkerStatus, reg: dict[str, Any] | None) -> str:
     cpus = ",".join(str(c) for c in proc.get("cpus") or []) or "all"
     return (
         f"{proc['worker_id']:<8} {state:<10} {proc['pid'] or '-':>7} {credit:>6} "
-        f"{proc['restarts']:>8} {cpus:>5} {proc.get('threads', '-'):>3} {_nice(proc):>5} "
+        f"{proc['restarts']:>8} {cpus:>5} {_threads(proc.get('threads'), reg):>3} {_nice(proc):>5} "
         f"{used:>13} {_size(memory.get('peak')):>7} {proc.get('oom_kills', 0):>3}  "
         f"{_last_column(proc)}"
     )
+
+
+def _threads(configured: Any, reg: dict[str, Any] | None) -> str:
+    """THR: the configured threads; ``1/2`` while the worker computes on fewer (its
+    last HEARTBEAT's ``compute_threads``: a starved llama worker drops to one)."""
+    now = (reg or {}).get("compute_threads")
+    if configured is None:
+        return "-"
+    return f"{now}/{configured}" if now is not None and now != configured else str(configured)
 
 
 def _last_column(proc: WorkerStatus) -> str:

@@ -42,6 +42,7 @@ import contextlib
 import ctypes
 import itertools
 import json
+import logging
 import re
 import threading
 import time
@@ -74,7 +75,10 @@ from node.llama.grammar import check_grammar, check_schema, trim_heap
 from node.llama.log import LLAMA_LOG as _LOG
 from node.llama.log import LOG_QUIET
 from node.llama.slots import Slot, SlotJob, TextOut, pick_slot
+from node.llama.threads import WINDOW_S, Switch, ThreadPolicy, read_task_times
 from node.llama.vocab import TooManyTokens, Vocab, around_text, special_tokens
+
+log = logging.getLogger(__name__)
 
 #: ``model.kv_type`` -> ggml_type (ggml.h), as llama_context_params.type_k/type_v take it.
 KV_GGML_TYPES = {
@@ -122,11 +126,14 @@ class LlamaEngine:
             step, all slots together), ``threads`` (the cores this worker may
             really use: llama-cpp-python's default of ``cpu_count()//2`` ignores
             affinity and CPU quotas), ``kv_type`` and ``flash_attn`` (``node.engine.flash_attn_on``)
-            and ``slots``.
+            and ``slots``; with ``adaptive_threads`` the context computes on one
+            thread while the host starves its threads (``node.llama.threads``).
 
     ``kv_cache_bytes`` is the KV cache llama.cpp allocated, from its load log
-    (None if it printed none). The worker drives ``submit`` and ``step`` from one
-    thread; ``run`` serves one request alone.
+    (None if it printed none). ``compute_threads`` is the thread count llama.cpp
+    computes with now: ``spec.threads``, or 1 while the host starves them. The
+    worker drives ``submit`` and ``step`` from one thread; ``run`` serves one
+    request alone.
 
     Raises:
         ValueError: llama.cpp could not load the model, or the chat format is unknown.
@@ -186,18 +193,78 @@ class LlamaEngine:
         self._uses = itertools.count(1)
         self._in_batch: list[threading.Event] = []
         self.steps = 0
-        self.aborts = 0  # batches stopped inside llama_decode by a cancel
+        self.aborts = 0  # batches stopped inside llama_decode by a cancel (not starved_aborts)
         # Keep a reference: ctypes frees the trampoline when the object dies.
         self._abort_cb = llama_cpp.ggml_abort_callback(self._should_abort)
         self._watching = True
         self._watch(False)
         self.last_step_s = 0.0  # s, wall time of the last llama_decode (SLOW_STEP_S)
+        self.compute_threads = spec.threads
+        self._policy = ThreadPolicy(spec.threads) if spec.adaptive_threads else None
+        self._switch: Switch | None = None  # decided inside llama_decode, applied after it
+        self._last_end = 0.0  # monotonic s at the end of the last llama_decode
+        self.starved_aborts = 0  # batches stopped inside llama_decode to drop to one thread
 
     def _should_abort(self, _data: ctypes.c_void_p) -> bool:
         # ggml-cpu calls this after every graph node: it doubles as the proof
         # that computation advances (the worker's progress counter).
         self.steps += 1
-        return any(flag.is_set() for flag in self._in_batch)
+        return any(flag.is_set() for flag in self._in_batch) or self._starved_inside()
+
+    def _starved_inside(self) -> bool:
+        """Inside a watched ``llama_decode``: whether the window that ended now
+        starves the threads, so the step stops and runs again on one thread. A
+        starved 2-thread step takes seconds (~15 s with two busy host loops); the
+        work thrown away is at most one window."""
+        policy = self._policy
+        if policy is None or self.compute_threads == 1 or self._switch is not None:
+            return False
+        now = time.monotonic()
+        if not policy.due(now):
+            return False
+        self._switch = policy.observe(now, read_task_times())
+        if self._switch is not None and self._switch.threads < self.compute_threads:
+            self.starved_aborts += 1
+            return True
+        return False
+
+    def _before_decode(self, now: float) -> bool:
+        """Before a step's ``llama_decode`` at ``now`` (monotonic s): a step after an
+        idle gap begins the thread policy's window (the idle time says nothing of
+        the host). Returns whether the step must run with the abort callback: a
+        probe's window, so that a probe on a starved host ends inside its step."""
+        policy = self._policy
+        if policy is None:
+            return False
+        if now - self._last_end > WINDOW_S:
+            policy.restart(now, read_task_times())
+        return policy.probing
+
+    def _adapt_threads(self, ended: float) -> None:
+        """After a step's ``llama_decode``, at ``ended`` (monotonic s): feed the
+        thread policy when a window is due, and apply its change (or the one
+        ``_starved_inside`` decided)."""
+        policy = self._policy
+        if policy is None:
+            return
+        self._last_end = ended
+        if self._switch is None and policy.due(ended):
+            self._switch = policy.observe(ended, read_task_times())
+        switch, self._switch = self._switch, None
+        if switch is None or switch.threads == self.compute_threads:
+            return
+        llama_c.llama_set_n_threads(self._ctx, switch.threads, switch.threads)
+        log.info(
+            "compute threads %d -> %d (%s): the busiest thread waited for a core %.0f%% "
+            "of %.2f s%s",
+            self.compute_threads,
+            switch.threads,
+            switch.reason,
+            100 * switch.share,
+            switch.window_s,
+            f"; next probe in {switch.hold_s:.0f} s" if switch.hold_s else "",
+        )
+        self.compute_threads = switch.threads
 
     def _watch(self, on: bool) -> None:
         """Install the abort callback for batches with prompt chunks, and for every
@@ -293,20 +360,23 @@ class LlamaEngine:
         batch_slots = list(dict.fromkeys(slot for slot, _, _ in rows))
         self._in_batch = [s.job.cancelled for s in batch_slots if s.job is not None]
         prompt_chunk = any(len(tokens) > 1 for _, tokens, _ in rows)
-        self._watch(prompt_chunk or self.last_step_s >= SLOW_STEP_S)
         began = time.monotonic()
+        probe, starved_before = self._before_decode(began), self.starved_aborts
+        self._watch(prompt_chunk or self.last_step_s >= SLOW_STEP_S or probe)
         try:
             code = llama_c.llama_decode(self._ctx, self._batch)
         finally:
             self._in_batch = []
-            self.last_step_s = time.monotonic() - began
+            done_at = time.monotonic()
+            self.last_step_s = done_at - began
+        self._adapt_threads(done_at)
         self.steps += 1
         if code != 0:
             # Aborted or failed: none of the batch's tokens count. Remove what it
             # may have left in the KV cache, so each slot resumes where it was.
             for slot in batch_slots:
                 llama_c.llama_memory_seq_rm(self._mem, slot.seq, len(slot.cached), -1)
-            self.aborts += code == DECODE_ABORTED
+            self.aborts += code == DECODE_ABORTED and self.starved_aborts == starved_before
             if code != DECODE_ABORTED:
                 error = InternalError(f"llama.cpp decode failed (llama_decode returned {code})")
                 ended += [self._end(s, error) for s in batch_slots if s.job is not None]
