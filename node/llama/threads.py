@@ -46,11 +46,12 @@ from typing import Literal
 TaskTimes = Mapping[int, tuple[int, int]]
 
 #: A window's wait share at or above which the configured threads are starved.
-#: Two threads beat one while ``(1 - share) x s2 > 1``, ``s2`` the quiet speedup
-#: of the configured threads over one (~1.6 here at 4 slots: docs/bench/figures.md
-#: §node.llama.engine), i.e. below a share of ``1 - 1/s2`` ~ 0.4; ``1 - share``
-#: overstates what two lockstep threads get (both must run at once), so at this
-#: share one thread is already no slower. Quiet windows measure 0.00-0.10.
+#: Two threads beat one while ``(1 - share) x s2 > 1``, ``s2`` the quiet speedup of
+#: two threads over one (1.2-1.5 here: docs/bench/figures.md §node.llama.threads),
+#: i.e. below a share of ``1 - 1/s2`` = 0.17-0.33; and ``1 - share`` overstates what
+#: two lockstep threads get (both must run at once). 0.4 leans to the configured
+#: count: at it one thread is no slower. The node's own windows at 4 busy slots
+#: measured a median of 0.05-0.10; two busy host loops 0.76-1.0.
 STARVED_SHARE = 0.4
 #: s; the shortest window a decision is made on: ~12 decode steps at 4 slots,
 #: long enough that one burst of another process does not decide it.
