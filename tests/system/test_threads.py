@@ -47,6 +47,7 @@ def spec(adaptive: bool = True) -> EngineSpec:
         threads=2,
         slots=2,
         adaptive_threads=adaptive,
+        flash_attn=False,  # the prompt in one step (under it, steps of 63 prompt tokens)
     )
 
 
