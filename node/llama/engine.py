@@ -262,7 +262,7 @@ class LlamaEngine:
             switch.reason,
             100 * switch.share,
             switch.window_s,
-            f"; next probe in {switch.hold_s:.0f} s" if switch.hold_s else "",
+            f"; next probe in {switch.hold_s:.0f} s at the earliest" if switch.hold_s else "",
         )
         self.compute_threads = switch.threads
 
