@@ -448,6 +448,7 @@ FREE_KEYS = frozenset(
     {
         "model.repack",
         "model.flash_attn",
+        "workers.adaptive_threads",
         "model.chat_format",
         "fallback.rules",
         "security.backend_secret_key",  # a key file: read (and refused) at start
