@@ -406,7 +406,8 @@ class Client(_Base):
     ``id`` (str of 1-128 characters or int in [0, 2**63); default ``"<pid in hex>-<n>"``;
     another raises ``ProtocolError`` before anything is sent),
     ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
-    ``json_schema``, ``timeout_ms`` (ms), ``route``, ``priority``. An ``id`` that
+    ``json_schema``, ``timeout_ms`` (ms), ``route``, ``priority``, ``cache_prompt``
+    (bool; False: no prompt prefix reuse, for reproducible greedy answers). An ``id`` that
     is still in flight on this client raises ``ProtocolError`` with ``reason``
     ``"duplicate_id"`` before anything is sent.
 

@@ -37,6 +37,8 @@ class ClientRequest:
     node's defaults. ``target`` is the id a ``cancel`` op refers to. ``retry``:
     this message resends an earlier ``generate``/``chat`` of the same id (safe
     retry, ``broker.reply_cache``); it never changes what the request asks for.
+    ``cache_prompt``: False asks a model worker to evaluate the whole prompt,
+    reusing no slot's cached prefix (llama-server's field of the same name).
     """
 
     id: str | int
@@ -55,6 +57,7 @@ class ClientRequest:
     priority: Priority = "normal"
     target: str | int | None = None
     retry: bool = False
+    cache_prompt: bool = True
 
     def engine_fields(self) -> dict[str, Any]:
         """The fields a worker needs to run this request, as a msgpack-ready map."""
@@ -69,6 +72,8 @@ class ClientRequest:
                 body[name] = value
         if self.stop:
             body["stop"] = list(self.stop)
+        if not self.cache_prompt:  # sent only when off: the default is the worker's
+            body["cache_prompt"] = False
         return body
 
 
@@ -111,6 +116,7 @@ def parse_client_request(msg: dict[str, Any]) -> ClientRequest:
     kwargs["stop"] = opt(msg, "stop", _check_stop) or ()
     kwargs["stream"] = opt(msg, "stream", _check_bool) or False
     kwargs["retry"] = opt(msg, "retry", _check_bool) or False
+    kwargs["cache_prompt"] = opt(msg, "cache_prompt", _check_bool) is not False
     kwargs["route"] = opt(msg, "route", lambda n, v: _check_choice(n, v, ROUTES)) or "auto"
     kwargs["priority"] = (
         opt(msg, "priority", lambda n, v: _check_choice(n, v, PRIORITIES)) or "normal"
@@ -121,7 +127,7 @@ def parse_client_request(msg: dict[str, Any]) -> ClientRequest:
 _CLIENT_FIELDS = {
     "id", "op", "prompt", "messages", "max_tokens", "temperature", "top_p", "seed", "stop",
     "json_schema", "timeout_ms", "stream", "route", "priority", "target",
-    "retry",
+    "retry", "cache_prompt",
 }  # fmt: skip
 
 

@@ -819,7 +819,15 @@ def _status_or_none(client: Client) -> dict[str, Any] | None:
     "--temperature",
     type=click.FloatRange(min=0.0),
     default=None,
-    help="Sampling temperature; 0 = greedy (the same answer every time). Default: the node's 0.8.",
+    help="Sampling temperature; 0 = greedy (the same answer every time with "
+    "--no-cache-prompt on an otherwise idle worker). Default: the node's 0.8.",
+)
+@click.option(
+    "--cache-prompt/--no-cache-prompt",
+    default=True,
+    show_default=True,
+    help="Reuse the prompt prefix a slot's KV cache holds; --no-cache-prompt evaluates "
+    "the whole prompt (reproducible greedy answers, at its whole prompt's time).",
 )
 @click.pass_context
 def ask(
@@ -831,6 +839,7 @@ def ask(
     raw: bool,
     route: str,
     temperature: float | None,
+    cache_prompt: bool,
 ) -> None:
     """Ask the running node TEXT and print the answer with its usage counts
     (``--json``: the whole final reply as JSON)."""
@@ -841,6 +850,8 @@ def ask(
         fields["timeout_ms"] = timeout_ms
     if temperature is not None:
         fields["temperature"] = temperature
+    if not cache_prompt:
+        fields["cache_prompt"] = False
     messages = [{"role": "user", "content": text}]
     address = connect_endpoint(config.frontend)
     secured = _keys(config)
@@ -875,10 +886,11 @@ def ask(
         click.echo(json.dumps(reply.raw, indent=2))
         return
     u = reply.usage
+    cached = f" ({u['cached_tokens']} cached)" if "cached_tokens" in u else ""
     click.echo(
-        f"[{u.get('prompt_tokens', '?')} prompt + {u.get('completion_tokens', '?')} completion "
-        f"tokens, {reply.finish_reason}, {reply.total_ms} ms, served by {reply.served_by} "
-        f"{reply.raw.get('worker', '')}{_degraded(reply.raw)}]",
+        f"[{u.get('prompt_tokens', '?')} prompt{cached} + {u.get('completion_tokens', '?')} "
+        f"completion tokens, {reply.finish_reason}, {reply.total_ms} ms, "
+        f"served by {reply.served_by} {reply.raw.get('worker', '')}{_degraded(reply.raw)}]",
         err=True,
     )
 

@@ -308,7 +308,7 @@ class LlamaEngine:
             raise Unavailable("worker has no free slot")
         prompt, stops, lstrip = self._prompt(job, cancelled)
         sampler = self._sampler(job)  # last: nothing to free if the prompt failed
-        slot, keep = pick_slot(self._slots, prompt)
+        slot, keep = pick_slot(self._slots, prompt, job.get("cache_prompt") is not False)
         if keep < len(slot.cached) and not llama_c.llama_memory_seq_rm(
             self._mem, slot.seq, keep, -1
         ):

@@ -92,7 +92,7 @@ class Slot:
 MIN_REUSE = 16
 
 
-def pick_slot(slots: Sequence[Slot], prompt: Sequence[int]) -> tuple[Slot, int]:
+def pick_slot(slots: Sequence[Slot], prompt: Sequence[int], reuse: bool = True) -> tuple[Slot, int]:
     """The free slot to run ``prompt`` in, and how many of its cached tokens to keep.
 
     The free slot sharing the longest prefix with ``prompt`` wins if it shares at
@@ -100,7 +100,9 @@ def pick_slot(slots: Sequence[Slot], prompt: Sequence[int]) -> tuple[Slot, int]:
     ``--slot-prompt-similarity``; a long question after a shared system prompt
     would then never reuse it); else the least recently used one (never used
     first). At least the prompt's last token is evaluated again, since sampling
-    needs its logits.
+    needs its logits. Without ``reuse`` (a request's ``cache_prompt: false``) the
+    free slot sharing the least is taken, so the caches most worth keeping stay,
+    and nothing of it is kept: the whole prompt is evaluated from position 0.
 
     Raises:
         ValueError: no slot is free.
@@ -108,6 +110,8 @@ def pick_slot(slots: Sequence[Slot], prompt: Sequence[int]) -> tuple[Slot, int]:
     free = [s for s in slots if s.job is None]
     if not free:
         raise ValueError("no free slot")
+    if not reuse:
+        return min(free, key=lambda s: (common_prefix(s.cached, prompt), s.used)), 0
     best = max(free, key=lambda s: (common_prefix(s.cached, prompt), -s.used))
     shared = common_prefix(best.cached, prompt)
     if shared < MIN_REUSE and shared < len(prompt):  # a short prompt cached whole is reused

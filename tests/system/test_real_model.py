@@ -29,13 +29,13 @@ def test_real_model_answers_through_the_whole_path(make_node: NodeFactory) -> No
         # Greedy: at the default temperature a third of the answers name no colour.
         answer = node.cli(
             "ask", "Name three primary colors.", "--max-tokens", "40", "--temperature", "0",
-            timeout=120,
+            "--no-cache-prompt", timeout=120,
         )  # fmt: skip
         assert answer.returncode == 0, answer.stderr
         text = answer.stdout.strip().lower()
         assert len(text) > 10
         assert any(color in text for color in ("red", "blue", "yellow", "green"))
-        assert "completion tokens" in answer.stderr
+        assert "completion tokens" in answer.stderr and "(0 cached)" in answer.stderr
 
         with node.client() as c:
             stream = c.stream_chat(
@@ -53,6 +53,12 @@ def test_real_model_answers_through_the_whole_path(make_node: NodeFactory) -> No
             assert "france" in reply.text.lower()  # a base model continues the sentence
             assert (reply.finish_reason, reply.usage["completion_tokens"]) == ("length", 8)
             assert reply.served_by == "llm" and reply.ttft_ms <= reply.total_ms
+            # The field reaches the engine: the whole prompt evaluated, nothing reused
+            # (that it then repeats its text: tests/system/test_slots.py).
+            whole = c.generate(
+                "The capital of France is", max_tokens=8, temperature=0.0, cache_prompt=False
+            )
+            assert whole.usage["cached_tokens"] == 0 and "france" in whole.text.lower()
     finally:
         stopped = node.cli("stop")
     assert stopped.returncode == 0, stopped.stderr

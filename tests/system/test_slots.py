@@ -239,6 +239,29 @@ def test_a_shared_prefix_is_reused_and_changes_nothing(one: LlamaEngine) -> None
     assert reused["text"] == fresh["text"]
 
 
+def test_cache_prompt_false_evaluates_the_whole_prompt_and_repeats_its_answer(
+    one: LlamaEngine,
+) -> None:
+    """A reused prefix leaves only the tail to evaluate, in other chunks than the
+    whole prompt's: near a tie that changes a greedy answer (README "Workers and
+    slots"). Seen here, with "Once upon a time in a small village": after 7 of 8
+    previous requests sharing 5-8 of its tokens (itself included) the reused answer
+    was "a young man named John ..." or differed later, not the fresh "a family of
+    four ...". Without reuse it is evaluated the same way whatever the slot held."""
+    prompt = "Once upon a time in a small village"
+    whole = greedy(prompt) | {"cache_prompt": False}
+    first = one.run(whole, threading.Event(), lambda _: None)
+    assert first["usage"]["cached_tokens"] == 0
+    for before in ("Once upon a time in a small town", prompt, "Once upon"):
+        alone(one, before, 8)
+        reused = one.run(greedy(prompt), threading.Event(), lambda _: None)
+        assert reused["usage"]["cached_tokens"] >= 5  # the slot held a shared prefix
+        alone(one, before, 8)
+        again = one.run(whole, threading.Event(), lambda _: None)
+        assert again["usage"]["cached_tokens"] == 0
+        assert again["text"] == first["text"], before
+
+
 def test_a_full_engine_refuses_and_a_failed_prompt_keeps_the_slot_free(one: LlamaEngine) -> None:
     flag = threading.Event()
     one.submit(1, greedy("Hello", 4), flag, lambda _: None)

@@ -52,6 +52,16 @@ def test_a_prompt_cached_whole_still_evaluates_its_last_token() -> None:
     assert keep == MIN_REUSE  # the sampler needs the last prompt token's logits
 
 
+def test_without_reuse_the_slot_sharing_least_is_emptied() -> None:
+    # cache_prompt: false: the whole prompt from position 0, in the slot whose cache
+    # is least worth keeping for this prompt's neighbours.
+    slots = [Slot(0, [*SYSTEM, 2], used=1), Slot(1, [5, 6], used=4), Slot(2, [5], used=2)]
+    slot, keep = pick_slot(slots, [*SYSTEM, 2, 3], reuse=False)
+    assert slot.seq == 2 and keep == 0  # shares nothing, used before slot 1
+    slot, keep = pick_slot(slots[:1], [*SYSTEM, 2, 3], reuse=False)
+    assert slot.seq == 0 and keep == 0  # even the only slot keeps nothing
+
+
 def test_no_free_slot_is_an_error() -> None:
     with pytest.raises(ValueError, match="no free slot"):
         pick_slot([busy(0)], [1])

@@ -404,6 +404,16 @@ def test_engine_fields_carry_only_what_a_worker_needs() -> None:
     }
 
 
+def test_cache_prompt_false_reaches_the_worker_and_true_is_the_default() -> None:
+    assert parse_client_request(valid()).cache_prompt is True
+    off = parse_client_request(valid(cache_prompt=False))
+    assert off.cache_prompt is False and off.engine_fields()["cache_prompt"] is False
+    # On is the worker's default: sent or not, a worker reuses prefixes.
+    assert "cache_prompt" not in parse_client_request(valid(cache_prompt=True)).engine_fields()
+    assert_rejected(valid(cache_prompt="no"), "'cache_prompt'")
+    assert_rejected(valid(cache_prompt=0), "'cache_prompt'")
+
+
 # --------------------------------------------------------------------------- replies
 
 
