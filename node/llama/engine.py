@@ -213,9 +213,9 @@ class LlamaEngine:
 
     def _starved_inside(self) -> bool:
         """Inside a watched ``llama_decode``: whether the window that ended now
-        starves the threads, so the step stops and runs again on one thread. A
-        starved 2-thread step takes seconds (~15 s with two busy host loops); the
-        work thrown away is at most one window."""
+        completes a starved streak (``STARVED_WINDOWS``), so the step stops and runs
+        again on one thread. A starved 2-thread step takes seconds (~15 s with two
+        busy host loops); the work thrown away is at most the streak's windows."""
         policy = self._policy
         if policy is None or self.compute_threads == 1 or self._switch is not None:
             return False

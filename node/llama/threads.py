@@ -22,8 +22,9 @@ largest of theirs, since the slowest thread sets the pace of the barrier.
 ``ThreadPolicy`` is the decision, pure: readings and the time are its arguments.
 The engine reads, feeds it, and applies what it returns (``node.llama.engine``):
 
-* at the configured count: a window whose share reaches ``STARVED_SHARE`` drops to
-  one thread for ``HOLD_S``;
+* at the configured count: ``STARVED_WINDOWS`` windows in a row whose share reaches
+  ``STARVED_SHARE`` drop to one thread for ``HOLD_S`` (one window may be a burst:
+  the node's own start, its clients and first prompts all wanting a core at once);
 * at one thread: when the hold is over, a *probe* goes back to the configured count
   for one window, unless one thread alone still waits that much (then the other
   threads would not get a core either: the hold starts again). A probe whose
@@ -56,6 +57,10 @@ STARVED_SHARE = 0.4
 #: s; the shortest window a decision is made on: ~12 decode steps at 4 slots,
 #: long enough that one burst of another process does not decide it.
 WINDOW_S = 0.5
+#: Starved windows in a row that drop the configured count: a lone one was the
+#: burst of a node starting beside its first requests (docs/bench/figures.md,
+#: node.llama.threads); a host that starves the threads does it in every window.
+STARVED_WINDOWS = 2
 #: Share of a window a thread must have wanted a core (run + wait) to count as
 #: a compute thread. A compute thread between steps sleeps only briefly (libgomp's
 #: team barrier); the worker's I/O thread wants a few % of the window.
@@ -126,6 +131,7 @@ class ThreadPolicy:
         self._start: float | None = None  # the window's start, None before a reading
         self._before: TaskTimes = {}
         self._hold_until = 0.0
+        self._streak = 0  # starved windows in a row at the configured count
 
     def due(self, now: float) -> bool:
         """Whether the engine should read ``schedstat`` at ``now`` and call
@@ -142,8 +148,10 @@ class ThreadPolicy:
 
     def restart(self, now: float, reading: TaskTimes) -> None:
         """Begin a window at ``now`` without deciding: after the engine was idle, whose
-        time says nothing of the host (its compute threads slept)."""
+        time says nothing of the host (its compute threads slept); a streak of
+        starved windows ends there too."""
         self._start, self._before = now, reading
+        self._streak = 0
 
     def observe(self, now: float, reading: TaskTimes) -> Switch | None:
         """End the window at ``now`` with ``reading``, begin the next one, and return
@@ -155,7 +163,7 @@ class ThreadPolicy:
             return None
         span = now - self._start
         share = wait_share(self._before, reading, span)
-        self.restart(now, reading)
+        self._start, self._before = now, reading
         if share is None:
             return None
         if self.threads == 1:
@@ -169,11 +177,16 @@ class ThreadPolicy:
         if share < STARVED_SHARE:
             if self.probing:
                 self.probing, self.hold_s = False, HOLD_S
+            self._streak = 0
             return None
         reason: SwitchReason = "starved"
-        if self.probing:
+        if self.probing:  # a probe is one window's trial: it fails at once
             reason, self.hold_s = "probe_failed", min(2 * self.hold_s, HOLD_MAX_S)
-        self.threads, self.probing = 1, False
+        else:
+            self._streak += 1
+            if self._streak < STARVED_WINDOWS:
+                return None
+        self.threads, self.probing, self._streak = 1, False, 0
         self._hold_until = now + self.hold_s
         return Switch(1, share, span, reason, self.hold_s)
 

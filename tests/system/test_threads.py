@@ -33,8 +33,8 @@ from node.sandbox.cores import pin_all_threads
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(60)]
 
-#: ~500 tokens: one prompt chunk (n_batch 512) of more than a second on two threads,
-#: longer than two windows (0.5 s each).
+#: ~500 tokens: one prompt chunk (n_batch 512) of about a second on two threads,
+#: longer than a starved streak of the fake host's windows (2 x 0.2 s).
 LONG_PROMPT = "The valve opened and the pressure fell. " * 55
 
 
@@ -102,6 +102,10 @@ def fake_host(monkeypatch: pytest.MonkeyPatch) -> FakeHost:
     host = FakeHost()
     monkeypatch.setattr(engine_module, "read_task_times", host)
     monkeypatch.setattr(threads_module, "HOLD_S", 1.0)  # a probe within the test's time
+    # Shorter windows: a starved streak (STARVED_WINDOWS of them) well inside the
+    # long prompt's step, however fast the machine.
+    monkeypatch.setattr(threads_module, "WINDOW_S", 0.2)
+    monkeypatch.setattr(engine_module, "WINDOW_S", 0.2)
     return host
 
 
