@@ -66,8 +66,11 @@ STARVED_WINDOWS = 2
 #: team barrier); the worker's I/O thread wants a few % of the window.
 DEMAND_MIN = 0.25
 #: s; how long one thread is kept before a probe; doubled after each failed
-#: probe, up to HOLD_MAX_S. A failed probe costs about one window of slow steps.
-HOLD_S = 10.0
+#: probe, up to HOLD_MAX_S. A failed probe costs about one window of slow steps;
+#: a hold too long costs more: the node's own start (its broker loading the token
+#: counter, ~2.4 s of CPU beside the first requests) dropped every fresh node, and
+#: 10 s at one thread cost a 27 s benchmark round ~12 % (docs/bench/figures.md).
+HOLD_S = 3.0
 HOLD_MAX_S = 160.0
 
 #: Why the count changed: ``starved`` (configured -> 1), ``probe`` (1 -> configured

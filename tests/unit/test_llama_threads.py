@@ -184,7 +184,7 @@ def test_a_failed_probe_doubles_the_hold_up_to_its_ceiling() -> None:
         failed = policy.observe(host.now + WINDOW_S, starved(host))
         assert failed is not None and (failed.threads, failed.reason) == (1, "probe_failed")
         holds.append(failed.hold_s)
-    assert holds == [20.0, 40.0, 80.0, 160.0, 160.0, 160.0, 160.0, 160.0]
+    assert holds == [6.0, 12.0, 24.0, 48.0, 96.0, 160.0, 160.0, 160.0]
     assert HOLD_MAX_S == 160.0
 
 
