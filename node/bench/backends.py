@@ -37,6 +37,9 @@ from node.testing import DIE_WITH_HARNESS, NodeProcess, free_port
 N_CTX = 2048
 #: The node's request budget (ms): large, so admission never refuses a queued request.
 TIMEOUT_MS = 600_000
+#: s; how long a started node may take to load the broker's token counter (~2.4 s of
+#: CPU here) before the node backend gives up.
+COUNTER_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,14 @@ class NodeBackend(Backend):
         self.node = NodeProcess(self.sections)
         with pinned(self.cpus):
             self.node.start(timeout=180)
+        # Measured once the node's work after ready is done, as llama-server is after
+        # its load: the broker's token counter (~2.4 s of CPU) starved the worker's
+        # first seconds (an adaptive worker drops to one thread for them).
+        loaded_by = time.monotonic() + COUNTER_WAIT_S
+        while self.node.status().get("token_counter") in ("waiting", "loading"):
+            if time.monotonic() > loaded_by:
+                raise RuntimeError(f"the node's token counter did not load in {COUNTER_WAIT_S} s")
+            time.sleep(0.2)
         processes = self.node.status()["processes"]
         self.workers = [
             {k: p.get(k) for k in ("worker_id", "pid", "threads", "slots", "cpus", "nice")}
