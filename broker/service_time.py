@@ -11,11 +11,12 @@ should *come back* (``retry_after_ms``). It predicts in one of two ways:
   ``max_tokens`` at the batch level it would run at (``broker.service_model``);
 * **by the mean** (before the first measured request, and always with
   ``"mean"``, which benchmarks compare): one EWMA of dispatch-to-final time
-  per engine kind; a request is then only asked to *start* in time.
+  per engine kind and class (``ServiceClass``: ``json_schema`` or not); a
+  request is then only asked to *start* in time.
 
 The per-token rates by batch level are ``broker.service_model.ServiceModel``'s;
 each worker's batch level over time is ``broker.batch_levels.BatchLevels``'s.
-The estimator owns one of each, and the mean service time per engine kind.
+The estimator owns one of each, and the mean service time per engine kind and class.
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ RETRY_AFTER_MAX_MS = 30_000
 
 #: The mean service time (s) assumed before any measurement; the first one replaces it.
 INITIAL_SERVICE_S = 1.0
+
+#: What a mean service time is kept per: the engine kind and whether the request is
+#: constrained by a ``json_schema``. Its grammar slows every decode step several
+#: times over (docs/bench/figures.md, broker.service_model), so the size model learns
+#: nothing from such requests; one mean over both let four long schema prompts
+#: (7.4 s) price a flood of short plain ones at 7.4 s each: 503s advising 26-30 s for
+#: a backlog that cleared in 14 s (break-it finding D2, tests/unit/test_admission_retry.py).
+ServiceClass = tuple[EngineKind, bool]
 
 #: The pool as the estimator plays it forward: per worker, when each of its
 #: usable slots is free (s from now; a heap).
@@ -76,7 +85,8 @@ class ServiceEstimator:
     on every change of a worker's running set: dispatch, ``on_final``, a lost
     worker; ``levels.first_token`` on a request's first token) to tell each
     finished request's batch level. The mean is one EWMA per kind: a rule answer (milliseconds)
-    must not dilute the model's (seconds), nor the model's make rules look slow.
+    must not dilute the model's (seconds), nor the model's make rules look slow; and within
+    a kind one per class (``ServiceClass``): a grammar-bound request must not price plain ones.
     """
 
     def __init__(self, by_size: bool = True, default_max_tokens: int = 128) -> None:
@@ -84,20 +94,24 @@ class ServiceEstimator:
         self.default_max_tokens = default_max_tokens
         self.sizes = ServiceModel()
         self.levels = BatchLevels()
-        self._mean: dict[EngineKind, float] = {}
-        self._samples: Counter[EngineKind] = Counter()
+        self._mean: dict[ServiceClass, float] = {}
+        self._samples: Counter[ServiceClass] = Counter()
         self._tested_at: dict[EngineKind, float] = {}
 
     # ------------------------------------------------------------------ learning
 
-    def observe_service(self, seconds: float, kind: EngineKind = "llm") -> None:
-        """Fold one request's dispatch-to-final time (s) into ``kind``'s mean."""
+    def observe_service(
+        self, seconds: float, kind: EngineKind = "llm", constrained: bool = False
+    ) -> None:
+        """Fold one request's dispatch-to-final time (s) into the mean of ``kind``'s
+        plain requests, or with ``constrained`` of its ``json_schema`` ones."""
         seconds = max(0.0, seconds)
-        self._samples[kind] += 1
-        if self._samples[kind] == 1:
-            self._mean[kind] = seconds  # the first measurement beats the guess
+        klass = (kind, constrained)
+        self._samples[klass] += 1
+        if self._samples[klass] == 1:
+            self._mean[klass] = seconds  # the first measurement beats the guess
         else:
-            self._mean[kind] += ALPHA * (seconds - self._mean[kind])
+            self._mean[klass] += ALPHA * (seconds - self._mean[klass])
 
     def on_final(
         self,
@@ -125,7 +139,7 @@ class ServiceEstimator:
         ``max_tokens`` is the worker's limit (the default if it set none)."""
         assert job.dispatched_at is not None
         total_s = now - job.dispatched_at
-        self.observe_service(total_s, job.kind)
+        self.observe_service(total_s, job.kind, _constrained(job))
         if job.first_token_at is not None:
             ttft_s = job.first_token_at - job.dispatched_at
             at = (1.0, 1.0) if job.worker is None else self.levels.levels(job.worker, job.rid, now)
@@ -137,9 +151,18 @@ class ServiceEstimator:
 
     # ------------------------------------------------------------------ reading
 
-    def mean_s(self, kind: EngineKind) -> float:
-        """Mean service time of ``kind``'s workers (s); the initial guess until measured."""
-        return self._mean.get(kind, INITIAL_SERVICE_S)
+    def mean_s(self, kind: EngineKind, constrained: bool = False) -> float:
+        """Mean service time (s) of ``kind``'s plain requests, or with ``constrained``
+        of its ``json_schema`` ones; ``INITIAL_SERVICE_S`` until that class is
+        measured (not the other class's: that is the skew ``ServiceClass`` avoids)."""
+        return self._mean.get((kind, constrained), INITIAL_SERVICE_S)
+
+    def _mean_of(self, jobs: Sequence[Job], kind: EngineKind) -> float:
+        """The mean service time (s) of ``jobs`` (of ``kind``), each by its class's
+        mean; of ``kind``'s plain requests if there are none."""
+        if not jobs:
+            return self.mean_s(kind)
+        return sum(self.mean_s(kind, _constrained(job)) for job in jobs) / len(jobs)
 
     def tested_at(self, kind: EngineKind) -> float | None:
         """When (the broker's clock, s) ``kind``'s estimate was last tested: a request
@@ -153,28 +176,39 @@ class ServiceEstimator:
         self._tested_at[kind] = now
 
     def samples(self, kind: EngineKind) -> int:
-        """How many service times of ``kind`` were observed."""
-        return self._samples[kind]
+        """How many service times of ``kind`` were observed (both classes)."""
+        return self._samples[(kind, False)] + self._samples[(kind, True)]
 
     def sized(self, kind: EngineKind) -> bool:
         """Whether ``kind``'s requests are predicted by size (else by the mean)."""
         return self.by_size and self.sizes.ready(kind)
 
     def snapshot(self) -> dict[str, dict[str, float | int | dict[str, float] | None]]:
-        """For ``status``, per engine kind observed: ``mean_ms`` (dispatch to final),
-        ``samples``, and the learned per-token rates (``ServiceModel.snapshot``:
+        """For ``status``, per engine kind observed: ``mean_ms`` (dispatch to final)
+        and ``samples`` of its plain requests (``INITIAL_SERVICE_S`` and 0 before
+        one), ``json_schema`` (``{"mean_ms": ..., "samples": ...}``) once such a
+        request was measured, the learned per-token rates (``ServiceModel.snapshot``:
         ``prefill_ms_per_token``, ``decode_ms_per_token``, ...) once they exist,
         and ``decode_ms_per_token_by_level`` (``{"1": 31.0, "4": 85.0}``) once a
         level above 1 was measured."""
         return {
             kind: {
-                "mean_ms": round(self._mean[kind] * 1000, 1),
-                "samples": self._samples[kind],
+                "mean_ms": round(self.mean_s(kind) * 1000, 1),
+                "samples": self._samples[(kind, False)],
+                **self._constrained_snapshot(kind),
                 **(self.sizes.snapshot(kind) or {}),
                 **self._by_level(kind),
             }
-            for kind in sorted(self._mean)
+            for kind in sorted({kind for kind, _ in self._mean})
         }
+
+    def _constrained_snapshot(self, kind: EngineKind) -> dict[str, dict[str, float]]:
+        """``json_schema``: the mean (ms) and samples of ``kind``'s constrained
+        requests, once one was measured."""
+        if not self._samples[(kind, True)]:
+            return {}
+        mean_ms = round(self.mean_s(kind, True) * 1000, 1)
+        return {"json_schema": {"mean_ms": mean_ms, "samples": self._samples[(kind, True)]}}
 
     def _by_level(self, kind: EngineKind) -> dict[str, dict[str, float]]:
         """``decode_ms_per_token_by_level`` of ``kind`` once a level above 1 was
@@ -248,13 +282,14 @@ class ServiceEstimator:
         Sized: ``ahead`` is played forward on the workers' slots (``_play``); it
         starts on the slot that frees first, at the level of that slot's worker
         then. By the mean: ``(ahead - free + 1) / slots`` mean service times
-        (Little's law), level 1 (unused: the mean ignores levels).
+        (Little's law) of the jobs ahead, each by its class (``_mean_of``), level 1
+        (unused: the mean ignores levels).
         """
         if not self.sized(slots.kind):
             if slots.free > len(ahead):
                 return 0.0, 1
             rounds = (len(ahead) - slots.free + 1) / max(1, slots.slots)
-            return rounds * self.mean_s(slots.kind), 1
+            return rounds * self._mean_of(ahead, slots.kind), 1
         slot = _next_slot(self._play(ahead, slots, now))
         return (0.0, 1) if slot is None else slot[:2]
 
@@ -272,23 +307,29 @@ class ServiceEstimator:
         order) is played forward on its idle slots; with ``fits``, until a slot
         is free on a worker at a batch level ``fits`` accepts (a request refused
         only for the load beside it retries once that eased). By the mean:
-        ``mean_retry_after_ms`` over ``slots.kind``'s part of the queue, by that
-        kind's mean (a shed rule request retries in milliseconds, not after the
-        model's seconds).
+        ``mean_retry_after_ms`` over ``slots.kind``'s part of the queue, by the
+        mean of that kind's running and queued jobs, each by its class (a shed
+        rule request retries in milliseconds, not after the model's seconds; a
+        plain one not after the ``json_schema`` ones' seconds).
         """
         mine = [j for j in queued if j.kind == slots.kind]
         if not self.sized(slots.kind):
-            return self.mean_retry_after_ms(len(mine), slots.slots, slots.kind)
+            mean_s = self._mean_of([*slots.running, *mine], slots.kind)
+            return self.mean_retry_after_ms(len(mine), slots.slots, slots.kind, mean_s)
         idle = max(0, slots.slots - len(slots.running))
         pool = self._play(mine, replace(slots, free=idle), now)
         estimate = _first_fit(pool, fits or (lambda _level: True)) * 1000
         return int(min(RETRY_AFTER_MAX_MS, max(RETRY_AFTER_MIN_MS, estimate)))
 
-    def mean_retry_after_ms(self, queued: int, slots: int, kind: EngineKind = "llm") -> int:
+    def mean_retry_after_ms(
+        self, queued: int, slots: int, kind: EngineKind = "llm", mean_s: float | None = None
+    ) -> int:
         """Time until ``queued`` requests ahead would have drained on ``slots``
         sequences (>= 1), in ms, clamped: Little's law over the pool, ``queued /
-        slots`` rounds of ``kind``'s mean service time, plus the round in progress."""
-        estimate = (queued / max(1, slots) + 1) * self.mean_s(kind) * 1000
+        slots`` rounds of ``mean_s`` (s; None: ``kind``'s plain requests' mean),
+        plus the round in progress."""
+        mean_s = self.mean_s(kind) if mean_s is None else mean_s
+        estimate = (queued / max(1, slots) + 1) * mean_s * 1000
         return int(min(RETRY_AFTER_MAX_MS, max(RETRY_AFTER_MIN_MS, estimate)))
 
     def _play(self, ahead: Sequence[Job], slots: Slots, now: float) -> Pool:
@@ -360,3 +401,8 @@ def _first_fit(pool: Pool, fits: Callable[[int], bool]) -> float:
             if fits(size - free + 1):
                 return t
     return max((x for heap in pool for x in heap), default=0.0)
+
+
+def _constrained(job: Job) -> bool:
+    """Whether ``job`` is grammar-bound (a ``json_schema``): its ``ServiceClass``."""
+    return job.req.json_schema is not None
