@@ -206,8 +206,9 @@ def _layout(plan: dict[str, Any]) -> str:
 
 
 def _service_line(service: dict[str, dict[str, Any]]) -> str:
-    """What admission predicts from: per engine kind the mean service time and,
-    once learned, the prefill and decode rates (broker.service_time)."""
+    """What admission predicts from: per engine kind the mean service time (of
+    plain requests; ``json_schema`` ones' apart, once measured) and, once learned,
+    the prefill and decode rates (broker.service_time)."""
     parts = []
     for kind, s in service.items():
         rates = ""
@@ -216,6 +217,9 @@ def _service_line(service: dict[str, dict[str, Any]]) -> str:
                 f"; prefill {s['prefill_ms_per_token']:g} ms/token,"
                 f" decode {s['decode_ms_per_token']:g} ms/token"
             )
+        schema = s.get("json_schema")
+        if schema is not None:  # grammar-bound requests: a mean of their own
+            rates += f"; json_schema mean {schema['mean_ms']:g} ms, {schema['samples']} served"
         parts.append(f"{kind} mean {s['mean_ms']:g} ms ({s['samples']} served{rates})")
     return "service: " + ", ".join(parts)
 

@@ -21,6 +21,7 @@ import pytest
 
 from broker.protocol import WorkerCommand
 from brokerkit import FAST, W1, BrokerHarness, generate
+from node.cli.status_view import render_status
 
 REQUEST = WorkerCommand.REQUEST
 
@@ -133,3 +134,8 @@ def test_status_shows_the_constrained_mean_apart() -> None:
     assert llm["mean_ms"] == pytest.approx(SHORT_S * 1000, rel=0.01)
     assert llm["samples"] == 36
     assert llm["json_schema"] == {"mean_ms": LONG_S * 1000, "samples": 4}
+    bare = {"queue_depth": 0, "queue_bound": 1, "in_flight": 0, "credit": 1}
+    line = render_status({**bare, "service": {"llm": llm}}).splitlines()[-1]
+    assert (
+        line.startswith("service: llm mean 1500") and "json_schema mean 7400 ms, 4 served" in line
+    )
