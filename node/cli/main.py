@@ -820,7 +820,8 @@ def _status_or_none(client: Client) -> dict[str, Any] | None:
     type=click.FloatRange(min=0.0),
     default=None,
     help="Sampling temperature; 0 = greedy (the same answer every time with "
-    "--no-cache-prompt on an otherwise idle worker). Default: the node's 0.8.",
+    "--no-cache-prompt on an otherwise idle worker at a fixed thread count: "
+    "workers.adaptive_threads = false). Default: the node's 0.8.",
 )
 @click.option(
     "--cache-prompt/--no-cache-prompt",
