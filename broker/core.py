@@ -540,32 +540,40 @@ class Broker:
             self.outbox.events.append(WorkerEvent("lost", worker.worker_id, pid, cause))
         # If it is merely slow it must not keep the requests: make it re-register.
         self.outbox.worker(worker.identity, WorkerCommand.DISCONNECT, {"reason": reason})
-        if worker.kind == "llm" and failure and not worker.active:
-            self.router.worker_failed(None, now, reason)
+        pool_failure = worker.kind == "llm" and failure
         blamed = blames_its_request(cause, len(worker.active), worker.kind, failure=failure)
+        # The breaker counts the loss once, or once per request it ends for good if
+        # more; a request run again keeps its permit and its own end decides. Before,
+        # each request counted: one kill -9 of a 4-slot worker opened the breaker
+        # although all four were re-run and answered ok (break-it, session 11).
+        counted = False
         for rid in sorted(worker.active):
             job = self.jobs.get(rid)
             if job is None:
                 continue
             self.jobs.disarm("ack", rid)
-            if worker.kind == "llm" and failure:
-                self.router.worker_failed(job, now, reason)
-            else:
-                # Not the pool's failure (replaced, disconnected, stopping): its
-                # 503 worker_lost must not count against the breaker either.
-                self.router.release(job, now)
-            if job.settled:
-                self.life.forget(job)
-            elif (
-                (not job.req.stream or not job.chunks)
+            # Output the client never saw can be thrown away and made again.
+            rerun = (
+                not job.settled
+                and (not job.req.stream or not job.chunks)
                 and job.attempts == 0
                 and job.deadline > now
                 and not blamed
-            ):
-                # Output the client never saw can be thrown away and made again.
+            )
+            if not pool_failure or job.settled:
+                # Not the pool's failure (replaced, disconnected, stopping): its
+                # 503 worker_lost must not count against the breaker either.
+                self.router.release(job, now)
+            elif not rerun:
+                counted |= self.router.worker_failed(job, now, reason)
+            if job.settled:
+                self.life.forget(job)
+            elif rerun:
                 self.life.requeue(job)
             elif not self.handover.fall_back(job, "worker_lost", now):
                 self._give_up(job, cause, now, blamed, worker.kind)
+        if pool_failure and not counted:
+            self.router.worker_failed(None, now, reason)
         if worker.kind == "llm" and not self.workers.of_kind("llm"):
             for queued in list(self.queue):  # nobody left to run them: the rules answer
                 self.handover.fall_back(queued, "no_model_worker", now)

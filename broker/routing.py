@@ -136,13 +136,18 @@ class Router:
 
     # ------------------------------------------------------------------ outcomes
 
-    def worker_failed(self, job: Job | None, now: float, reason: str) -> None:
-        """A model worker was lost (with ``job`` on it, or idle): a pool failure."""
-        if job is not None and job.permit is not None:
-            self.breaker.record(job.permit, now, ok=False)
-            job.permit = None  # a re-dispatch runs without a say in the verdict
-        elif job is None:
+    def worker_failed(self, job: Job | None, now: float, reason: str) -> bool:
+        """A model worker was lost: a pool failure, counted on ``job``'s permit (a
+        request it ended for good) or, with None, as the loss itself. Returns
+        whether a failure was counted (not for a job without a permit)."""
+        if job is None:
             self.breaker.note_failure(now, reason)
+            return True
+        if job.permit is None:
+            return False
+        self.breaker.record(job.permit, now, ok=False)
+        job.permit = None
+        return True
 
     def release(self, job: Job, now: float) -> None:
         """The job stops being a model call without an outcome (rerouted, cancelled)."""

@@ -26,6 +26,12 @@ def harness(mode: str = "degrade", budget_ms: int = 200, **settings: Any) -> Bro
     return BrokerHarness(replace(FAST, **settings), RoutingSettings(mode, budget_ms), QUICK_BREAKER)
 
 
+def counting_harness(minimum_calls: int) -> BrokerHarness:
+    """Mode full, a breaker that needs ``minimum_calls`` calls before it opens."""
+    breaker = replace(QUICK_BREAKER, minimum_calls=minimum_calls)
+    return BrokerHarness(FAST, RoutingSettings("full", 200), breaker)
+
+
 def breaker_state(h: BrokerHarness, now: float) -> str:
     return str(h.broker.router.breaker.state(now).value)
 
@@ -55,6 +61,43 @@ def test_worker_crashes_do_open_the_breaker() -> None:
     h.broker.worker_exited("llm-0", ExitCause(signal="SIGKILL"), 0.1)
     h.broker.worker_exited("llm-1", ExitCause(signal="SIGKILL"), 0.1)
     assert breaker_state(h, 0.2) == "open"
+
+
+def test_a_lost_worker_counts_once_and_its_re_run_requests_decide_their_own_calls() -> None:
+    """Break-it finding (session 11): each request a lost 4-slot worker held counted
+    as a failure, so one kill -9 opened the breaker although all four were run again
+    and answered ok (``failure rate 50% of 8 calls``, then 503 circuit_open)."""
+    h = counting_harness(minimum_calls=5)  # [breaker]'s default
+    h.ready(W1, 0.0, slots=4, worker_id="llm-0")
+    for i in range(4):
+        h.send(generate(f"r{i}"), 0.0)
+    assert len(bodies(h.drain_workers(), W1, REQUEST)) == 4
+    h.broker.worker_exited("llm-0", ExitCause(signal="SIGKILL"), 0.1)
+    assert h.broker.router.breaker.snapshot(0.1)["failures"] == 1
+    h.ready(W2, 0.2, slots=4, worker_id="llm-0")  # restarted: the four run again
+    again = bodies(h.drain_workers(), W2, REQUEST)
+    assert len(again) == 4
+    for req in again:
+        h.final(W2, req["rid"], 0.3)
+    assert [r["status"] for r in h.replies()] == ["ok"] * 4
+    snap = h.broker.router.breaker.snapshot(0.4)
+    assert (snap["state"], snap["failures"], snap["calls"]) == ("closed", 1, 5)
+
+
+def test_requests_a_lost_worker_ends_for_good_count_each_and_the_loss_not_again() -> None:
+    """Streams that had sent text end 503 worker_lost: each is a failed call; the
+    loss itself is not counted on top of them."""
+    h = counting_harness(minimum_calls=10)  # stays closed: every count shows
+    h.ready(W1, 0.0, slots=4, worker_id="llm-0")
+    for i in range(3):
+        h.send(generate(f"s{i}", stream=True), 0.0)
+    for req in bodies(h.drain_workers(), W1, REQUEST):
+        h.partial(W1, req["rid"], "Once", 0.05)
+    h.broker.worker_exited("llm-0", ExitCause(signal="SIGKILL"), 0.1)
+    lost = [r for r in h.replies() if r["status"] == "error"]
+    assert [r["reason"] for r in lost] == ["worker_lost"] * 3
+    snap = h.broker.router.breaker.snapshot(0.2)
+    assert (snap["failures"], snap["calls"]) == (3, 3)
 
 
 def test_clean_disconnects_and_stopping_workers_are_not_failures() -> None:
