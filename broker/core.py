@@ -543,9 +543,8 @@ class Broker:
         pool_failure = worker.kind == "llm" and failure
         blamed = blames_its_request(cause, len(worker.active), worker.kind, failure=failure)
         # The breaker counts the loss once, or once per request it ends for good if
-        # more; a request run again keeps its permit and its own end decides. Before,
-        # each request counted: one kill -9 of a 4-slot worker opened the breaker
-        # although all four were re-run and answered ok (break-it, session 11).
+        # more; a request run again keeps its permit and its own end decides: a
+        # 4-slot worker's crash is not four failed calls (PROTOCOL §7.4).
         counted = False
         for rid in sorted(worker.active):
             job = self.jobs.get(rid)

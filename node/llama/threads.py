@@ -23,8 +23,8 @@ largest of theirs, since the slowest thread sets the pace of the barrier.
 The engine reads, feeds it, and applies what it returns (``node.llama.engine``):
 
 * at the configured count: ``STARVED_WINDOWS`` windows in a row whose share reaches
-  ``STARVED_SHARE`` drop to one thread for ``HOLD_S`` (one window may be a burst:
-  the node's own start, its clients and first prompts all wanting a core at once);
+  ``STARVED_SHARE`` drop to one thread for ``HOLD_S`` (one window may be a burst,
+  such as a process starting);
 * at one thread: when the hold is over, a *probe* goes back to the configured count
   for one window, unless one thread alone still waits that much (then the other
   threads would not get a core either: the hold starts again). A probe whose
@@ -57,9 +57,9 @@ STARVED_SHARE = 0.4
 #: s; the shortest window a decision is made on: ~12 decode steps at 4 slots,
 #: long enough that one burst of another process does not decide it.
 WINDOW_S = 0.5
-#: Starved windows in a row that drop the configured count: a lone one was the
-#: burst of a node starting beside its first requests (docs/bench/figures.md,
-#: node.llama.threads); a host that starves the threads does it in every window.
+#: Starved windows in a row that drop the configured count: a lone one may be a
+#: burst (a process starting); a host that starves the threads does it in every
+#: window (docs/bench/figures.md, node.llama.threads).
 STARVED_WINDOWS = 2
 #: Share of a window a thread must have wanted a core (run + wait) to count as
 #: a compute thread. A compute thread between steps sleeps only briefly (libgomp's
@@ -67,9 +67,8 @@ STARVED_WINDOWS = 2
 DEMAND_MIN = 0.25
 #: s; how long one thread is kept before a probe; doubled after each failed
 #: probe, up to HOLD_MAX_S. A failed probe costs about one window of slow steps;
-#: a hold too long costs more: the node's own start (its broker loading the token
-#: counter, ~2.4 s of CPU beside the first requests) dropped every fresh node, and
-#: 10 s at one thread cost a 27 s benchmark round ~12 % (docs/bench/figures.md).
+#: a hold too long costs more after a short burst, such as the node's own start
+#: (its broker loads the token counter right after ready: docs/bench/figures.md).
 HOLD_S = 3.0
 HOLD_MAX_S = 160.0
 
