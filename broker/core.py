@@ -551,14 +551,7 @@ class Broker:
             if job is None:
                 continue
             self.jobs.disarm("ack", rid)
-            # Output the client never saw can be thrown away and made again.
-            rerun = (
-                not job.settled
-                and (not job.req.stream or not job.chunks)
-                and job.attempts == 0
-                and job.deadline > now
-                and not blamed
-            )
+            rerun = _can_rerun(job, now, blamed)
             if not pool_failure or job.settled:
                 # Not the pool's failure (replaced, disconnected, stopping): its
                 # 503 worker_lost must not count against the breaker either.
@@ -717,3 +710,16 @@ class Broker:
     def pending_jobs(self) -> int:
         """Accepted requests without a final reply yet (0 means drained)."""
         return self.jobs.pending()
+
+
+def _can_rerun(job: Job, now: float, blamed: bool) -> bool:
+    """Whether ``job``, lost with its worker at ``now``, may run again elsewhere: output
+    the client never saw can be thrown away and made again, once, in time, unless the
+    loss is blamed on the request itself (``broker.exits.blames_its_request``)."""
+    return (
+        not job.settled
+        and (not job.req.stream or not job.chunks)
+        and job.attempts == 0
+        and job.deadline > now
+        and not blamed
+    )
