@@ -57,9 +57,14 @@ class MemorySource(Protocol):
     def memory(self, worker_id: str | None = None) -> MemoryReading | None: ...
 
 
-#: The tightest memory limit on the node's cgroup path, read on each poll
-#: (``node.capacity.budget``).
+#: The tightest memory limit on the node's cgroup path (``node.capacity.budget``).
 LimitSource = Callable[[], CgroupLimit | None]
+
+#: Seconds a read of the path's limits is used before it is read again. They change only
+#: when an operator writes an ancestor's file, and reading every ancestor's files on each
+#: poll was a fifth of the broker's CPU at 4 concurrent (docs/bench/figures.md,
+#: "node.pressure"); the node cgroup's own limit comes with every reading.
+LIMIT_TTL_S = 2.0
 
 
 class PressureMonitor:
@@ -81,13 +86,18 @@ class PressureMonitor:
         self._high_events: int | None = None
         self._last: dict[str, Any] = {}
         self._budget_source = ""
+        self._path_limit: CgroupLimit | None = None
+        self._path_limit_due = float("-inf")
 
-    def budget(self, reading: MemoryReading) -> int | None:
+    def budget(self, reading: MemoryReading, now: float) -> int | None:
         """Bytes the node may use: ``pressure.budget``, else the tightest cgroup limit on
-        the node's path (``node.capacity.budget``; the node cgroup's own, ``reading.limit``,
-        included), else the default the node computed (its workers' limits plus its
-        own share). A configured budget is cut to that cgroup limit."""
-        limit = self.limit() if self.limit is not None else None
+        the node's path (``node.capacity.budget``, read at most every ``LIMIT_TTL_S``
+        seconds of ``now``; the node cgroup's own, ``reading.limit``, included), else the
+        default the node computed (its workers' limits plus its own share). A configured
+        budget is cut to that cgroup limit."""
+        if self.limit is not None and now >= self._path_limit_due:
+            self._path_limit, self._path_limit_due = self.limit(), now + LIMIT_TTL_S
+        limit = self._path_limit
         if reading.limit is not None and (limit is None or reading.limit < limit.bytes):
             limit = CgroupLimit(reading.limit, "of the node's cgroup")
         if self.settings.budget:
@@ -108,15 +118,15 @@ class PressureMonitor:
         reading = self.source.memory(None)
         if reading is None:
             return None
-        level = self._classify(reading)
+        level = self._classify(reading, now)
         if level == self.level:
             return None
         self.level = level
         return level
 
-    def _classify(self, reading: MemoryReading) -> str:
+    def _classify(self, reading: MemoryReading, now: float) -> str:
         s = self.settings
-        budget = self.budget(reading)
+        budget = self.budget(reading, now)
         working_set = reading.working_set
         pct = 100.0 * working_set / budget if budget else 0.0
         new_high_events = (

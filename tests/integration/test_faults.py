@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -220,7 +219,7 @@ def _spawn_worker(worker_id: str, backend: str, log: Path) -> subprocess.Popen[b
 
 
 def test_broker_restart_workers_reregister(tmp_path: Path) -> None:
-    run = Path(tempfile.mkdtemp(prefix="en-"))
+    run = tmp_path
     frontend, backend = f"ipc://{run}/f.sock", f"ipc://{run}/w/b.sock"
     script = str(REPO / "tests" / "standalone_broker.py")
 
@@ -366,8 +365,10 @@ def test_no_false_death_on_a_30_heartbeat_generation_and_slow_load(
     assert status["counters"].get("workers_lost", 0) == 0
 
 
-def test_deterministic_start_failure_is_not_restarted(make_node: NodeFactory) -> None:
-    bad = Path(tempfile.mkdtemp(prefix="en-")) / "truncated.gguf"
+def test_deterministic_start_failure_is_not_restarted(
+    make_node: NodeFactory, tmp_path: Path
+) -> None:
+    bad = tmp_path / "truncated.gguf"
     # The real model's header and metadata (so the capacity check passes) without
     # most of its tensor data: llama.cpp refuses to load it, every time.
     with open(resolve_model("default"), "rb") as src:

@@ -25,7 +25,7 @@ from node.capacity.budget import (
     tightest_limit,
 )
 from node.config import NodeConfig, PressureSection, from_dict
-from node.pressure import PressureMonitor
+from node.pressure import LIMIT_TTL_S, PressureMonitor
 from node.sandbox.driver import MemoryReading
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -240,4 +240,25 @@ def test_pressure_measures_against_the_parents_limit_not_the_workers_sum() -> No
     configured = PressureSection(poll_ms=0, budget="4G")
     mon = PressureMonitor(configured, Reading(900 * MiB), None, limit=lambda: parent)
     assert mon.poll(0.0) == "high"
+    assert mon.snapshot()["budget"] == GiB
+
+
+def test_pressure_reads_the_paths_limits_once_per_ttl_and_sees_a_new_limit_after_it() -> None:
+    """Reading every ancestor's limit files on each 250 ms poll was a fifth of the
+    broker's CPU at 4 concurrent; the path's limits are read once per ``LIMIT_TTL_S``
+    and an operator's new, lower limit still turns the level within that time."""
+    reads: list[float] = []
+    limit = [CgroupLimit(4 * GiB, "/sys/fs/cgroup/memory/p/memory.limit_in_bytes")]
+
+    def source() -> CgroupLimit:
+        reads.append(0.0)
+        return limit[0]
+
+    mon = PressureMonitor(PressureSection(poll_ms=250), Reading(900 * MiB), None, limit=source)
+    polls = [i * 0.25 for i in range(int(LIMIT_TTL_S / 0.25))]
+    assert [mon.poll(t) for t in polls] == [None] * len(polls)
+    assert len(reads) == 1
+    limit[0] = CgroupLimit(GiB, "/sys/fs/cgroup/memory/p/memory.limit_in_bytes")
+    assert mon.poll(LIMIT_TTL_S) == "high"
+    assert len(reads) == 2
     assert mon.snapshot()["budget"] == GiB
