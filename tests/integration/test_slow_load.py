@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from node.engine import EngineSpec
-from node.supervisor import Supervisor
+from node.supervisor import LOAD_MIN_CPU_SHARE, Supervisor
 from node.testing import REPO, NodeProcess, cgroups_usable, leftover_processes, wait_for
 from node.worker import WorkerSpec
 
@@ -80,6 +80,22 @@ def worker_pid(run_dir: Path) -> int | None:
     return None
 
 
+#: How long the starved load should take (s): past the start's ``--wait-s`` (3 s) and
+#: the 3 s READY timeout, within the 30 s cap (READY_CAP_FACTOR x the timeout).
+STARVED_LOAD_S = 10.0
+
+
+def load_cpu_seconds(make_node: NodeFactory) -> float:
+    """CPU seconds a test-engine worker's start takes on this machine, unstarved (0.13 s
+    on a fast day, ~0.45 s on a slow one: a fixed share made the starved load's length
+    vary 3x with the machine)."""
+    node = make_node(workers={"count": 1})
+    (llm,) = node.status()["processes"]
+    used = psutil.Process(llm["pid"]).cpu_times()
+    node.stop()
+    return float(used.user + used.system)
+
+
 @pytest.mark.skipif(
     not cgroups_usable() or not os.access(CPU_V1 / "cgroup.procs", os.W_OK),
     reason="needs root, the sandbox and a cgroup v1 cpu hierarchy",
@@ -87,11 +103,13 @@ def worker_pid(run_dir: Path) -> int | None:
 def test_a_cpu_starved_load_past_the_ready_timeout_is_not_killed_and_start_waits_for_it(
     make_node: NodeFactory,
 ) -> None:
-    # The model worker is moved, as soon as it exists, into a cpu cgroup giving it 3 %
-    # of a core: its start (~0.45 s of CPU) then takes ~15 s, past both the 3 s READY
-    # timeout and the start's 6 s wait (which leaves the node itself, at full speed,
-    # time to answer on a busy host), and within the 30 s cap. No workers.cpu_quota:
-    # the worker joins no cpu cgroup of its own and stays in the starved one.
+    # The model worker is moved, as soon as it exists, into a cpu cgroup giving it the
+    # share of a core that makes its start take ~STARVED_LOAD_S, past both the 3 s READY
+    # timeout and the start's 3 s wait (the node itself runs at full speed), and within
+    # the 30 s cap. At least 1.5 x the least progress the supervisor accepts
+    # (LOAD_MIN_CPU_SHARE). No workers.cpu_quota: the worker joins no cpu cgroup of its
+    # own and stays in the starved one.
+    share = max(1.5 * LOAD_MIN_CPU_SHARE, load_cpu_seconds(make_node) / STARVED_LOAD_S)
     node = make_node(
         start=False,
         workers={"count": 1, "sandbox": "required", "ready_timeout_ms": 3000},
@@ -99,9 +117,9 @@ def test_a_cpu_starved_load_past_the_ready_timeout_is_not_killed_and_start_waits
         # this test is about its load, not the broker's heartbeats.
         broker={"heartbeat_interval_ms": 1000, "heartbeat_liveness": 10},
     )
-    with cpu_starved(0.03) as procs:
+    with cpu_starved(share) as procs:
         start = subprocess.Popen(
-            node._argv("start", "--wait-s", "6"),
+            node._argv("start", "--wait-s", "3"),
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -117,7 +135,7 @@ def test_a_cpu_starved_load_past_the_ready_timeout_is_not_killed_and_start_waits
             (llm,) = node.status()["processes"]
             assert (llm["pid"], llm["state"], llm["restarts"]) == (pid, "ready", 0), llm
             assert llm["last_exit"] == "" and llm["loading"] is None, llm
-            assert "still loading after 6s and making progress" in out, out
+            assert "still loading after 3s and making progress" in out, (share, out)
             assert "edgenode running: 1 model worker(s) ready" in out
             assert "not READY" not in (node.run_dir / "logs" / "node.log").read_text()
         finally:
