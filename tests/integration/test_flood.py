@@ -7,6 +7,7 @@ A burst of long prompts checks that admission weighs each request's size.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 
@@ -71,15 +72,23 @@ def test_flood_at_ten_times_capacity(make_node: NodeFactory) -> None:
         assert {(r["code"], r["reason"]) for r in shed} == {(503, "queue_full")}
         assert all(50 <= r["retry_after_ms"] <= 30_000 for r in shed)
 
-        # Admitted requests waited at most about one queue's worth of service.
-        service = percentile((r["total_ms"] - r["queue_ms"] for r in ok), 50)
-        bound = (QUEUE_BOUND / SLOTS + 1) * service
-        assert max(r["queue_ms"] for r in ok) <= 2 * bound, (service, bound)
+        # Admitted requests waited behind at most one queue's worth of others: while
+        # one waited, at most QUEUE_BOUND + SLOTS served requests ended (+ SLOTS for
+        # replies already on their way when it was sent). Counted, not timed: a stall
+        # of a loaded CI machine stretched a wait to 1.4 s against 62 ms of service.
+        sent_at, received_at = col.sent_at, col.received_at  # type: ignore[attr-defined]
+        ends = sorted(received_at[r["id"]] for r in ok)
+        waited_behind = [
+            bisect.bisect_left(ends, sent_at[r["id"]] + r["queue_ms"] / 1000)
+            - bisect.bisect_right(ends, sent_at[r["id"]])
+            for r in ok
+        ]
+        assert max(waited_behind) <= QUEUE_BOUND + 2 * SLOTS, sorted(waited_behind)[-5:]
         # Goodput near capacity: the workers were kept busy, not starved.
+        service = percentile((r["total_ms"] - r["queue_ms"] for r in ok), 50)
         assert len(ok) >= 0.5 * 3.0 * SLOTS * 1000 / service
 
         # Shed replies come back much faster than a served request takes.
-        sent_at, received_at = col.sent_at, col.received_at  # type: ignore[attr-defined]
         shed_lat = [(received_at[r["id"]] - sent_at[r["id"]]) * 1000 for r in shed]
         p99 = percentile(shed_lat, 99)
         assert p99 < percentile((r["total_ms"] for r in ok), 50), p99

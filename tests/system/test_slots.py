@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import llama_cpp.llama_cpp as llama_c
+import numpy as np
 import pytest
 
 from broker.errors import Cancelled, EdgeNodeError
@@ -223,20 +224,69 @@ def test_a_reused_slot_never_shows_its_previous_request(one: LlamaEngine) -> Non
     assert result["usage"]["cached_tokens"] == 1  # BOS: nothing of the secret
 
 
-def test_a_shared_prefix_is_reused_and_changes_nothing(one: LlamaEngine) -> None:
-    """The fresh prompt (~100 tokens) and the reused one's tail (~10) must take the
-    same flash-attention kernel: failed when a whole prompt went in one chunk
-    (``node.engine.FLASH_PROMPT_ROWS``)."""
+#: Logits; a greedy pick whose two best logits are closer than this is a near tie, which
+#: the rounding of another chunking may flip. Reuse moved the logits by 0.01-0.15 on an
+#: AVX-512 machine (2026-12-02, below); a slot holding a wrong prefix moves them by whole
+#: units and changes confident tokens.
+TIE_LOGITS = 0.25
+
+
+def greedy_picks(
+    engine: LlamaEngine, monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[int | None, float]]:
+    """Records each greedy pick of ``engine`` (one slot): (token, the margin in logits
+    between its row's two highest logits)."""
+    picks: list[tuple[int | None, float]] = []
+    argmax = engine._argmax
+
+    def recorded(row: int) -> int | None:
+        token = argmax(row)
+        logits = np.ctypeslib.as_array(
+            llama_c.llama_get_logits_ith(engine._ctx, row), shape=(engine._n_vocab,)
+        )
+        second, first = np.partition(logits, -2)[-2:]
+        picks.append((token, float(first - second)))
+        return token
+
+    monkeypatch.setattr(engine, "_argmax", recorded)
+    return picks
+
+
+def test_a_shared_prefix_is_reused_and_changes_an_answer_only_at_a_near_tie(
+    one: LlamaEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fresh prompt (~100 tokens) and the reused one's tail (~10) take the same
+    flash-attention kernel (``node.engine.FLASH_PROMPT_ROWS``: the texts differed at
+    confident tokens when a whole prompt went in one tiled chunk), but not the same
+    rounding everywhere: on an AVX-512 machine 2 of 8 reused greedy answers changed
+    with flash attention (none without, none with prompt chunks of at most 7 rows),
+    both at near ties (margins 0.154 / 0.012 and 0.127 / 0.117 logits). So where the
+    texts differ, both runs' first different pick must have been a near tie."""
     system = "You are the controller of a greenhouse. Answer in one short sentence. " * 6
-    first, second = system + "Q: Is it too hot?\nA:", system + "Q: Should I water?\nA:"
-    alone(one, "Unrelated text to empty the cache of its prefix.", 4)
-    fresh = one.run(greedy(second), threading.Event(), lambda _: None)
-    assert fresh["usage"]["cached_tokens"] <= 1
-    alone(one, first, 8)
-    reused = one.run(greedy(second), threading.Event(), lambda _: None)
     shared = len(one.vocab.tokenize(system.encode(), special=True))
-    assert reused["usage"]["cached_tokens"] >= shared  # BOS + the system prompt
-    assert reused["text"] == fresh["text"]
+    picks = greedy_picks(one, monkeypatch)
+    for before, question in (
+        ("Is it too hot?", "Should I water?"),
+        ("Is it night?", "Open the vents?"),
+    ):
+        prompt = system + f"Q: {question}\nA:"
+        alone(one, "Unrelated text to empty the cache of its prefix.", 4)
+        picks.clear()
+        fresh = one.run(greedy(prompt), threading.Event(), lambda _: None)
+        fresh_picks = list(picks)
+        assert fresh["usage"]["cached_tokens"] <= 1
+        alone(one, system + f"Q: {before}\nA:", 8)
+        picks.clear()
+        reused = one.run(greedy(prompt), threading.Event(), lambda _: None)
+        assert reused["usage"]["cached_tokens"] >= shared  # BOS + the system prompt
+        pairs = zip(fresh_picks, picks, strict=False)
+        differ = [i for i, (a, b) in enumerate(pairs) if a[0] != b[0]]
+        if differ:
+            at = differ[0]
+            margins = (fresh_picks[at][1], picks[at][1])
+            assert min(margins) < TIE_LOGITS, (question, at, margins)
+        else:
+            assert reused["text"] == fresh["text"]
 
 
 def test_cache_prompt_false_evaluates_the_whole_prompt_and_repeats_its_answer(
