@@ -255,7 +255,7 @@ class LlamaEngine:
             return
         llama_c.llama_set_n_threads(self._ctx, switch.threads, switch.threads)
         log.info(
-            "compute threads %d -> %d (%s): the busiest thread waited for a core %.0f%% "
+            "compute threads %d -> %d (%s): the compute threads waited for a core %.0f%% "
             "of %.2f s%s",
             self.compute_threads,
             switch.threads,

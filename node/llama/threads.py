@@ -17,7 +17,12 @@ core and had none (sleep is in neither term). The compute threads are the ones t
 wanted a core for most of the window (``DEMAND_MIN``): the engine thread and
 libgomp's worker threads while steps run; the worker's I/O thread, zmq's threads
 and an idle OpenMP team want a core for a few % of it. The window's share is the
-largest of theirs, since the slowest thread sets the pace of the barrier.
+sum of theirs (at most 1): a step waits at the barrier for each thread's waits in
+turn, while the threads that have a core spin there (run time, not wait), so lockstep
+threads lose about the sum. Beside a loop taking half of one core, two threads waited
+0.30-0.46 each (the largest alone rarely reached the line two windows in a row) and
+0.52-0.66 summed, and made 52.5 tokens/s where one thread on the free core made 65.4
+(docs/bench/figures.md, node.llama.threads).
 
 ``ThreadPolicy`` is the decision, pure: readings and the time are its arguments.
 The engine reads, feeds it, and applies what it returns (``node.llama.engine``):
@@ -46,13 +51,13 @@ from typing import Literal
 #: task started: the first two fields of its ``schedstat``.
 TaskTimes = Mapping[int, tuple[int, int]]
 
-#: A window's wait share at or above which the configured threads are starved.
-#: Two threads beat one while ``(1 - share) x s2 > 1``, ``s2`` the quiet speedup of
-#: two threads over one (1.2-1.5 here: docs/bench/figures.md §node.llama.threads),
-#: i.e. below a share of ``1 - 1/s2`` = 0.17-0.33; and ``1 - share`` overstates what
-#: two lockstep threads get (both must run at once). 0.4 leans to the configured
-#: count: at it one thread is no slower. The node's own windows at 4 busy slots
-#: measured a median of 0.05-0.10; two busy host loops 0.76-1.0.
+#: A window's wait share (summed over the compute threads) at or above which the
+#: configured threads are starved. Two threads beat one while ``(1 - share) x s2 > 1``,
+#: ``s2`` the quiet speedup of two threads over one (1.2-1.5 on one machine, 1.85 on
+#: another: docs/bench/figures.md §node.llama.threads), i.e. below a share of
+#: ``1 - 1/s2`` = 0.17-0.46. 0.4 leans to the configured count. The node's own windows
+#: at 4 busy slots measured 0.04-0.06 summed; a loop taking half a core 0.52-0.66;
+#: two busy host loops 0.76-1.0 for the busiest thread alone.
 STARVED_SHARE = 0.4
 #: s; the shortest window a decision is made on: ~12 decode steps at 4 slots,
 #: long enough that one burst of another process does not decide it.
@@ -97,10 +102,11 @@ class Switch:
 
 
 def wait_share(before: TaskTimes, after: TaskTimes, span_s: float) -> float | None:
-    """The largest wait share among the tasks that wanted a core for at least
-    ``DEMAND_MIN`` of ``span_s`` between two readings; None if no task did (the
-    engine was idle) or ``span_s`` is not positive. Tasks absent from either
-    reading (started or ended meanwhile) are left out."""
+    """The sum of the wait shares of the tasks that wanted a core for at least
+    ``DEMAND_MIN`` of ``span_s`` between two readings, at most 1 (the module
+    docstring says why the sum); None if no task did (the engine was idle) or
+    ``span_s`` is not positive. Tasks absent from either reading (started or ended
+    meanwhile) are left out."""
     if span_s <= 0:
         return None
     least = DEMAND_MIN * span_s * 1e9
@@ -112,7 +118,7 @@ def wait_share(before: TaskTimes, after: TaskTimes, span_s: float) -> float | No
         demand = ran + waited
         if demand >= least and demand > 0:
             shares.append(waited / demand)
-    return max(shares) if shares else None
+    return min(1.0, sum(shares)) if shares else None
 
 
 class ThreadPolicy:

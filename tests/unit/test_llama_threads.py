@@ -62,8 +62,9 @@ def quiet(host: Host) -> TaskTimes:
 
 
 def starved(host: Host, share: float = 0.9) -> TaskTimes:
-    """Two busy host loops: the OpenMP thread waits ``share``, the engine thread spins."""
-    return host.advance(WINDOW_S, {ENGINE: 0.1, OMP: share})
+    """Two busy host loops: the OpenMP thread waits ``share``, the engine thread spins
+    at the barrier (it has a core: run time, no wait)."""
+    return host.advance(WINDOW_S, {ENGINE: 0.0, OMP: share})
 
 
 def drop(policy: ThreadPolicy, host: Host) -> Switch:
@@ -93,6 +94,26 @@ def test_one_starved_thread_drops_the_context_to_one_thread() -> None:
     assert switch.share == pytest.approx(0.9)
     assert switch.window_s == pytest.approx(WINDOW_S)
     assert policy.threads == 1
+
+
+def test_two_threads_each_waiting_under_the_line_add_up_to_a_starved_window() -> None:
+    """A host loop taking half of one core: the two compute threads, moved between the
+    cores by the scheduler, waited 0.30-0.46 each and 0.52-0.66 summed, and made 52.5
+    tokens/s where one thread on the free core made 65.4. With the busiest thread's
+    share as the signal the two-window streak almost never formed; the step waits for
+    both threads' waits, so the sum is the window's share."""
+    policy, host = started()
+    for _ in range(STARVED_WINDOWS - 1):
+        assert (
+            policy.observe(host.now + WINDOW_S, host.advance(WINDOW_S, {ENGINE: 0.3, OMP: 0.28}))
+            is None
+        )
+    switch = policy.observe(host.now + WINDOW_S, host.advance(WINDOW_S, {ENGINE: 0.31, OMP: 0.27}))
+    assert switch is not None and (switch.threads, switch.reason) == (1, "starved")
+    assert switch.share == pytest.approx(0.58)
+    # Waits summing past the whole window are a share of 1, not more.
+    before = dict(host.times)
+    assert wait_share(before, host.advance(WINDOW_S, {ENGINE: 0.8, OMP: 0.9}), WINDOW_S) == 1.0
 
 
 def test_the_threshold_is_the_share_not_below_it() -> None:
