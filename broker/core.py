@@ -542,30 +542,26 @@ class Broker:
         self.outbox.worker(worker.identity, WorkerCommand.DISCONNECT, {"reason": reason})
         pool_failure = worker.kind == "llm" and failure
         blamed = blames_its_request(cause, len(worker.active), worker.kind, failure=failure)
-        # The breaker counts the loss once, or once per request it ends for good if
-        # more; a request run again keeps its permit and its own end decides: a
-        # 4-slot worker's crash is not four failed calls (PROTOCOL §7.4).
-        counted = False
+        # The breaker counts the loss once, as the pool's failure, whatever the worker
+        # held: one crash is one fault, however many slots it ended (a 4-slot crash is
+        # not four failed calls; a half-open breaker reopens). A request run again
+        # keeps its permit, and its own end decides its call (PROTOCOL §7.4).
         for rid in sorted(worker.active):
             job = self.jobs.get(rid)
             if job is None:
                 continue
             self.jobs.disarm("ack", rid)
             rerun = _can_rerun(job, now, blamed)
-            if not pool_failure or job.settled:
-                # Not the pool's failure (replaced, disconnected, stopping): its
-                # 503 worker_lost must not count against the breaker either.
+            if not (pool_failure and rerun) or job.settled:
                 self.router.release(job, now)
-            elif not rerun:
-                counted |= self.router.worker_failed(job, now, reason)
             if job.settled:
                 self.life.forget(job)
             elif rerun:
                 self.life.requeue(job)
             elif not self.handover.fall_back(job, "worker_lost", now):
                 self._give_up(job, cause, now, blamed, worker.kind)
-        if pool_failure and not counted:
-            self.router.worker_failed(None, now, reason)
+        if pool_failure:
+            self.router.worker_failed(now, reason)
         if worker.kind == "llm" and not self.workers.of_kind("llm"):
             for queued in list(self.queue):  # nobody left to run them: the rules answer
                 self.handover.fall_back(queued, "no_model_worker", now)

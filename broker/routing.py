@@ -136,18 +136,10 @@ class Router:
 
     # ------------------------------------------------------------------ outcomes
 
-    def worker_failed(self, job: Job | None, now: float, reason: str) -> bool:
-        """A model worker was lost: a pool failure, counted on ``job``'s permit (a
-        request it ended for good) or, with None, as the loss itself. Returns
-        whether a failure was counted (not for a job without a permit)."""
-        if job is None:
-            self.breaker.note_failure(now, reason)
-            return True
-        if job.permit is None:
-            return False
-        self.breaker.record(job.permit, now, ok=False)
-        job.permit = None
-        return True
+    def worker_failed(self, now: float, reason: str) -> None:
+        """A model worker was lost (crash, hang, stall): one pool failure, however many
+        requests it held (the caller released the permits of those it ended)."""
+        self.breaker.note_failure(now, reason)
 
     def release(self, job: Job, now: float) -> None:
         """The job stops being a model call without an outcome (rerouted, cancelled)."""

@@ -232,11 +232,18 @@ class ServiceModel:
         self._rates: dict[EngineKind, Rates] = {}
 
     def ready(self, kind: EngineKind) -> bool:
-        """Whether ``kind`` has a measured request to predict from (one with a
-        prompt of at least ``MIN_PREFILL_TOKENS``, at any batch level: until then
-        the mean decides)."""
+        """Whether ``kind`` has a measured rate to predict from, at any batch level:
+        a decode rate (any request that generated two tokens or more) or a prefill
+        rate (one that evaluated ``MIN_PREFILL_TOKENS`` or more); until then the
+        mean decides. A rate not measured yet counts 0 s per token, so a prediction
+        is then a lower bound, which admits rather than refuses (a node serving
+        only short IoT commands never measures prefill, and by the mean it admitted
+        200 tokens for a 300 ms budget: tests/unit/test_service.py)."""
         rates = self._rates.get(kind)
-        return rates is not None and any(r.samples for r in rates.prefill_s_per_token.values())
+        if rates is None:
+            return False
+        tables = (rates.prefill_s_per_token, rates.decode_s_per_token)
+        return any(r.den > 0 for table in tables for r in table.values())
 
     def observe(
         self,

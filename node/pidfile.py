@@ -266,9 +266,12 @@ def in_use_message(run_dir: Path, wait_s: float = HANDOVER_WAIT_S) -> str:
         )
     if holder is not None and not is_node(holder):
         return ForeignHolderError(run_dir, holder.pid, describe(holder)).message
-    if holder is None:
-        who = "a process that just exited"
-    elif is_launcher(holder):
+    if holder is None:  # it let go between our attempt and the look: a stop raced us
+        return (
+            f"{run_dir} was locked by a node that has exited since (stopped meanwhile?): "
+            "one node per run directory; start again"
+        )
+    if is_launcher(holder):
         who = f"pid {holder.pid}, a start still launching its node"
     else:
         who = f"pid {holder.pid}"

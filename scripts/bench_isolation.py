@@ -64,9 +64,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from bench_memory import smaps
@@ -210,6 +213,11 @@ class Config:
         for g in self.gens:
             if g.is_alive():
                 g.join(timeout=30)
+        if any(g.error_count for g in self.gens):  # keep the node's logs to say why
+            kept = Path(tempfile.mkdtemp(prefix=f"isolation-{self.name}-"))
+            files = shutil.ignore_patterns("*.sock", "workers")  # not sockets, not cgroups
+            shutil.copytree(self.node.run_dir, kept, ignore=files, dirs_exist_ok=True)
+            print(f"{self.name}: generator errors; the node's logs are kept in {kept}")
         self.node.cleanup()
 
     def result(self) -> dict[str, Any]:

@@ -189,9 +189,20 @@ def _capacity_line(plan: dict[str, Any] | None, memory: dict[str, Any]) -> str |
             planned = ""  # "auto": the same number twice
     return (
         f"capacity plan: {_layout(plan)}{_size(plan.get('per_worker'))} per worker{grammar}"
-        f"{planned}{applied}, {_size(plan.get('total'))} in all of {_size(plan.get('budget'))};"
-        f" measured working set {_size(measured)}"
+        f"{planned}{applied}, {_size(plan.get('total'))} in all of {_size(plan.get('budget'))}"
+        f"{_stale(plan, memory)}; measured working set {_size(measured)}"
     )
+
+
+def _stale(plan: dict[str, Any], memory: dict[str, Any]) -> str:
+    """What the plan, made at start, misses when the live budget (the pressure
+    poll's reading: a parent's limit lowered since counts within 2 s) is below the
+    budget it was made for: `` at start; the budget is now 1 GiB: DOES NOT FIT``."""
+    budget, total, now = plan.get("budget"), plan.get("total"), memory.get("budget")
+    if not isinstance(now, int) or not isinstance(budget, int) or now >= budget:
+        return ""
+    fits = isinstance(total, int) and total <= now
+    return f" at start; the budget is now {_size(now)}: {'fits' if fits else 'DOES NOT FIT'}"
 
 
 def _layout(plan: dict[str, Any]) -> str:

@@ -19,7 +19,10 @@ N = 1000
 def test_credit_balances_after_a_thousand_mixed_requests(make_node: NodeFactory) -> None:
     node = make_node(
         workers={"count": 2, "slots": SLOTS, "test_token_ms": 2},
-        broker={"max_queue": 2000, "max_in_flight_per_client": 2000},
+        # Credit, not liveness, is tested: with the tests' 300 ms of liveness a worker
+        # starved by a loaded CI machine was declared dead and its request answered 503
+        # (reproduced beside two busy loops: 2 restarts in 6 runs; none in 8 with 2 s).
+        broker={"max_queue": 2000, "max_in_flight_per_client": 2000, "heartbeat_liveness": 20},
         routing={"mode": "full"},
     )
     workers = node.status()["workers"]
@@ -48,7 +51,10 @@ def test_credit_balances_after_a_thousand_mixed_requests(make_node: NodeFactory)
         col.collect(timeout=60, linger=0.5)
         col.assert_exactly_one_final_each()
         codes = {rid: col.final(rid).get("code", 200) for rid in kinds}
-        assert all(codes[r] == 200 for r, k in kinds.items() if k in ("plain", "schema", "stream"))
+        served = [r for r, k in kinds.items() if k in ("plain", "schema", "stream")]
+        assert all(codes[r] == 200 for r in served), [
+            str(col.final(r)) for r in served if codes[r] != 200
+        ]
         assert all(codes[r] in (200, 499) for r, k in kinds.items() if k == "cancel")
         assert sum(codes[r] == 499 for r, k in kinds.items() if k == "cancel") > 100
         assert all(codes[r] in (503, 504) for r, k in kinds.items() if k == "deadline")

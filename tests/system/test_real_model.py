@@ -13,6 +13,13 @@ pytestmark = pytest.mark.system
 NodeFactory = Callable[..., NodeProcess]
 
 
+def on_topic(text: str) -> bool:
+    """Whether a greedy continuation of "The capital of France is" stays on it. The
+    exact words change with the CPU's kernels: " Paris..." on one machine, " the
+    capital of the French Republic." on an AMD EPYC with AVX-512 (its CI run)."""
+    return any(word in text.lower() for word in ("paris", "france", "french"))
+
+
 def test_real_model_answers_through_the_whole_path(make_node: NodeFactory) -> None:
     node = make_node(
         start=False,
@@ -50,7 +57,7 @@ def test_real_model_answers_through_the_whole_path(make_node: NodeFactory) -> No
             usage = stream.result.usage
             assert usage["prompt_tokens"] > 5 and usage["completion_tokens"] >= len(pieces)
             reply = c.generate("The capital of France is", max_tokens=8, temperature=0.0)
-            assert "france" in reply.text.lower()  # a base model continues the sentence
+            assert on_topic(reply.text)  # a base model continues the sentence
             assert (reply.finish_reason, reply.usage["completion_tokens"]) == ("length", 8)
             assert reply.served_by == "llm" and reply.ttft_ms <= reply.total_ms
             # The field reaches the engine: the whole prompt evaluated, nothing reused
@@ -58,7 +65,7 @@ def test_real_model_answers_through_the_whole_path(make_node: NodeFactory) -> No
             whole = c.generate(
                 "The capital of France is", max_tokens=8, temperature=0.0, cache_prompt=False
             )
-            assert whole.usage["cached_tokens"] == 0 and "france" in whole.text.lower()
+            assert whole.usage["cached_tokens"] == 0 and on_topic(whole.text)
     finally:
         stopped = node.cli("stop")
     assert stopped.returncode == 0, stopped.stderr

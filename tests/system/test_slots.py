@@ -4,10 +4,8 @@ slot never shows its previous request (issue 10's engine tests).
 
 Greedy sampling everywhere, so outputs compare exactly. llama.cpp's batched
 kernels may round differently near a tie: a slot beside others may then pick
-the other of two near-equal tokens; the test allows one such prompt in twenty.
-Seen here: none of 20 with plain attention; with flash attention (the default)
-"Step 1: open the valve." at its third token, with 1 and 2 threads, its 7 prompt
-tokens evaluated beside 3 decoding slots.
+the other of two near-equal tokens. The neighbour test checks that every text
+that differs does so first at a near tie, and allows ``NEAR_TIE_DIFFS`` of twenty.
 """
 
 from __future__ import annotations
@@ -29,6 +27,12 @@ from node.model import resolve_model
 pytestmark = [pytest.mark.system, pytest.mark.timeout(240)]
 
 TOKENS = 48
+#: Prompts of the twenty whose text beside neighbours may differ from their text
+#: alone, each at a near tie. Seen: 1 of 20 with flash attention (0 without) on an
+#: AVX2 EPYC and an AVX-512 Xeon; 2 of 20 with it (1 without) on an AVX-512 EPYC
+#: (Zen 4): "Step 1: open the valve." at its 6th token (margins 0.018 alone / 0.020
+#: beside), "In 1969, the first humans" at its 2nd (0.087 / 0.001).
+NEAR_TIE_DIFFS = 2
 PROMPTS = [
     "Once upon a time",
     "The robot arm moved",
@@ -95,12 +99,19 @@ def step_until_idle(engine: LlamaEngine, ended: dict[int, Outcome]) -> None:
 
 
 def test_each_slot_writes_what_it_writes_alone(
-    solo: Callable[[str], str], four: LlamaEngine
+    solo: Callable[[str], str],
+    one: LlamaEngine,
+    four: LlamaEngine,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Twenty prompts through four slots, a new one joining every 5 steps while a
     slot is free: prompts are evaluated in the same batches as other slots'
-    decode steps."""
+    decode steps. A text that differs from its single-slot text must differ first
+    at a near tie (both runs' two best logits within ``TIE_LOGITS``), where another
+    batch shape's rounding may pick the other token; a neighbour's text leaking in
+    would change confident tokens. At most ``NEAR_TIE_DIFFS`` such prompts."""
     expected = {i: solo(p) for i, p in enumerate(PROMPTS)}
+    four_picks = slot_picks(four, monkeypatch)
     ended: dict[int, Outcome] = {}
     streamed: dict[int, list[str]] = {i: [] for i in range(len(PROMPTS))}
     waiting, steps = list(range(len(PROMPTS))), 0
@@ -113,9 +124,39 @@ def test_each_slot_writes_what_it_writes_alone(
     texts = {i: outcome["text"] for i, outcome in ended.items() if isinstance(outcome, dict)}
     assert len(texts) == len(PROMPTS)
     assert all("".join(streamed[i]) == texts[i] for i in texts)  # the stream is the text
-    differ = [i for i in texts if texts[i] != expected[i]]
-    assert len(differ) <= 1, [(PROMPTS[i], expected[i], texts[i]) for i in differ]
     assert all(ended[i]["usage"]["completion_tokens"] == TOKENS for i in texts)  # type: ignore[index]
+    differ = [i for i in texts if texts[i] != expected[i]]
+    assert len(differ) <= NEAR_TIE_DIFFS, [(PROMPTS[i], expected[i], texts[i]) for i in differ]
+    one_picks = slot_picks(one, monkeypatch)
+    for i in differ:  # run alone again, recording its picks: greedy, so the same text
+        one_picks.clear()
+        assert alone(one, PROMPTS[i]) == expected[i]
+        (solo_run,) = one_picks.values()
+        at = next(
+            k for k, (a, b) in enumerate(zip(solo_run, four_picks[i], strict=False)) if a[0] != b[0]
+        )
+        margins = (solo_run[at][1], four_picks[i][at][1])
+        assert min(margins) < TIE_LOGITS, (PROMPTS[i], at, margins)
+
+
+def slot_picks(
+    engine: LlamaEngine, monkeypatch: pytest.MonkeyPatch
+) -> dict[int, list[tuple[int, float]]]:
+    """Records each request's logits rows as ``engine`` samples them: per rid, (the
+    row's best token, the margin in logits between its two highest)."""
+    picks: dict[int, list[tuple[int, float]]] = {}
+    sample = engine._sample
+
+    def recorded(slot: Any, row: int) -> Any:
+        logits = np.ctypeslib.as_array(
+            llama_c.llama_get_logits_ith(engine._ctx, row), shape=(engine._n_vocab,)
+        )
+        second, first = np.partition(logits, -2)[-2:]
+        picks.setdefault(slot.job.rid, []).append((int(np.argmax(logits)), float(first - second)))
+        return sample(slot, row)
+
+    monkeypatch.setattr(engine, "_sample", recorded)
+    return picks
 
 
 def test_a_short_prompt_arriving_during_a_long_prompts_evaluation_starts_at_the_next_step(

@@ -120,8 +120,11 @@ def test_once_the_flood_taught_its_own_mean_the_advice_follows_it() -> None:
             body = generate(f"d{c}-{i}", "Robot status report", max_tokens=16, timeout_ms=20_000)
             node.send(body, 70.0, bytes([c]))
     refused = [r for _, r in node.replies if r["status"] == "error"]
-    # (32 queued / 4 slots + 1) x 1.5 s: the drain the first flood showed.
-    assert {(r["reason"], r["retry_after_ms"]) for r in refused} == {("queue_full", 13_500)}
+    # (32 queued / 4 slots + 1) x 1.5 s: the drain the first flood showed. The flood
+    # taught a decode rate too, so the broker predicts by size: within 1 % of it.
+    assert {r["reason"] for r in refused} == {"queue_full"}
+    for r in refused:
+        assert r["retry_after_ms"] == pytest.approx(13_500, rel=0.01)
     node.run(200.0)
     node.h.assert_each_answered_once()
 

@@ -288,3 +288,26 @@ def test_a_stream_whose_first_token_cannot_come_in_time_is_refused() -> None:
     assert outcome(late) == "503 deadline_unmeetable"
     assert late["message"] == "expected first token 1022 ms alone exceeds the 500 ms budget"
     assert "retry_after_ms" not in late
+
+
+def test_short_prompts_alone_teach_enough_to_refuse_a_request_longer_than_its_budget() -> None:
+    """Break-it finding (session 13): a node that had served only short prompts
+    (fewer than ``MIN_PREFILL_TOKENS`` each: IoT commands) never left the mean, so
+    16 requests for 200 tokens with a 300 ms budget were all admitted and each
+    ended 504 at 0.3 s. Their decode rate is known after the first: 200 x 20 ms
+    alone exceeds 300 ms."""
+    h, sim = two_workers("size")
+    for i in range(8):
+        h.send(generate(f"cmd-{i}", SHORT, max_tokens=MAX_TOKENS), 0.0)
+    sim.pump(0.0)
+    sim.run(0.0, 1.0)
+    assert h.broker.estimator.sized("llm")
+    h.send(generate("story", SHORT, max_tokens=200, timeout_ms=300), 2.0)
+    sim.pump(2.0)
+    reply = sim.finals["story"]
+    assert (reply["code"], reply["reason"]) == (503, "deadline_unmeetable")
+    assert "alone exceeds the 300 ms budget" in reply["message"]
+    h.send(generate("cmd", SHORT, max_tokens=MAX_TOKENS, timeout_ms=300), 2.0)
+    sim.pump(2.0)
+    sim.run(2.0, 3.0)
+    assert outcome(sim.finals["cmd"]) == "ok"  # what fits is still admitted

@@ -91,8 +91,9 @@ def test_each_ending_is_one_record_with_its_outcome_and_reason() -> None:
     assert ok.overshoot_s is None
     assert (ok.prompt_tokens, ok.completion_tokens) == (7, 3)
 
-    # deadline: 300 ms budget, the timer fires 4 ms late
-    h.send(generate("late", timeout_ms=300), 2.0)
+    # deadline: 300 ms budget, the timer fires 4 ms late (one token: admitted, as the
+    # 150 ms per token the first request taught predicts it in time)
+    h.send(generate("late", timeout_ms=300, max_tokens=1), 2.0)
     (late,) = h.requests(W1)
     h.tick(2.304, keepalive=(W1,))
     (ended,) = [o for o in observed(h) if isinstance(o, Ended)]

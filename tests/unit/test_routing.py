@@ -84,20 +84,61 @@ def test_a_lost_worker_counts_once_and_its_re_run_requests_decide_their_own_call
     assert (snap["state"], snap["failures"], snap["calls"]) == ("closed", 1, 5)
 
 
-def test_requests_a_lost_worker_ends_for_good_count_each_and_the_loss_not_again() -> None:
-    """Streams that had sent text end 503 worker_lost: each is a failed call; the
-    loss itself is not counted on top of them."""
+def test_a_lost_worker_that_ends_four_streams_counts_one_failure() -> None:
+    """Break-it finding (session 13): a kill -9 of a 4-slot worker ending four
+    streams that had sent text counted four failed calls, so with the default
+    ``minimum_calls = 5`` one crash opened the breaker (``failure rate 80% of 5
+    calls``) and ``route: "llm"`` got 503 circuit_open for 11 s, the worker back
+    after 3.5 s. One crash is one fault, whatever the worker's slots."""
     h = counting_harness(minimum_calls=10)  # stays closed: every count shows
     h.ready(W1, 0.0, slots=4, worker_id="llm-0")
-    for i in range(3):
+    for i in range(4):
         h.send(generate(f"s{i}", stream=True), 0.0)
     for req in bodies(h.drain_workers(), W1, REQUEST):
         h.partial(W1, req["rid"], "Once", 0.05)
     h.broker.worker_exited("llm-0", ExitCause(signal="SIGKILL"), 0.1)
     lost = [r for r in h.replies() if r["status"] == "error"]
-    assert [r["reason"] for r in lost] == ["worker_lost"] * 3
+    assert [r["reason"] for r in lost] == ["worker_lost"] * 4
     snap = h.broker.router.breaker.snapshot(0.2)
-    assert (snap["failures"], snap["calls"]) == (3, 3)
+    assert (snap["failures"], snap["calls"]) == (1, 1)
+
+
+def test_one_crash_ending_four_streams_leaves_the_default_breaker_closed() -> None:
+    """The same crash with ``[breaker]``'s default minimum of 5 calls and one
+    success before it: 1 failure of 2 calls, closed (it used to open)."""
+    h = counting_harness(minimum_calls=5)
+    h.ready(W1, 0.0, slots=4, worker_id="llm-0")
+    h.send(generate("ok"), 0.0)
+    (first,) = bodies(h.drain_workers(), W1, REQUEST)
+    h.final(W1, first["rid"], 0.01)
+    for i in range(4):
+        h.send(generate(f"s{i}", stream=True), 0.02)
+    for req in bodies(h.drain_workers(), W1, REQUEST):
+        h.partial(W1, req["rid"], "Once", 0.05)
+    h.broker.worker_exited("llm-0", ExitCause(signal="SIGKILL"), 0.1)
+    assert breaker_state(h, 0.2) == "closed"
+
+
+def test_a_half_open_probe_ended_by_a_crash_reopens_the_breaker() -> None:
+    """The one failure a crash counts lands on a request's permit, so a probe the
+    crash ended still reopens a half-open breaker."""
+    h = harness("full")  # QUICK_BREAKER: 2 calls open it, 1 probe, open 1 s
+    h.ready(W1, 0.0, slots=4, worker_id="llm-0")
+    h.ready(W2, 0.0, slots=4, worker_id="llm-1")
+    for i in range(2):
+        h.send(generate(f"a{i}"), 0.0)
+    h.drain_workers()
+    h.broker.worker_exited("llm-0", ExitCause(signal="SIGKILL"), 0.1)
+    h.broker.worker_exited("llm-1", ExitCause(signal="SIGKILL"), 0.1)
+    assert breaker_state(h, 0.2) == "open"
+    h.ready(W1, 1.5, slots=4, worker_id="llm-0")
+    h.drain_workers()
+    h.send(generate("probe", stream=True), 1.6)
+    assert breaker_state(h, 1.6) == "half_open"
+    (req,) = bodies(h.drain_workers(), W1, REQUEST)  # the two a* were not re-run
+    h.partial(W1, req["rid"], "Once", 1.7)
+    h.broker.worker_exited("llm-0", ExitCause(signal="SIGKILL"), 1.8)
+    assert breaker_state(h, 1.9) == "open"
 
 
 def test_clean_disconnects_and_stopping_workers_are_not_failures() -> None:

@@ -22,6 +22,7 @@ from node.pidfile import (
     EmbeddedHolderError,
     ForeignHolderError,
     RunLock,
+    in_use_message,
     is_node_command,
     lock_holder,
     signal_holder,
@@ -282,3 +283,12 @@ def test_an_app_that_embeds_a_node_is_named_as_such_and_never_signalled(tmp_path
         assert app.stdin is not None and app.stdout is not None
         app.stdin.close()
         app.stdout.close()
+
+
+def test_a_lock_let_go_before_the_look_is_not_called_a_running_node(tmp_path: Path) -> None:
+    """Break-it finding (session 13): a start that lost a race with a stop said
+    "edgenode already running (a process that just exited, ...)" with no node
+    running. Nobody holds the lock when the message is made: it says what happened."""
+    message = in_use_message(tmp_path, wait_s=0)
+    assert message.startswith(f"{tmp_path} was locked by a node that has exited since")
+    assert "already running" not in message and message.endswith("start again")

@@ -68,11 +68,13 @@ def test_tiny_prompts_and_schema_requests_teach_no_rates() -> None:
     overhead), so a 1700-token prompt the model evaluates in 15 s was refused as
     needing 85 s; json_schema requests taught a decode rate 5x the plain one."""
     model = ServiceModel()
-    model.observe("llm", req("warm up"), 4, 0.15, 0.2, usage(3, 2))
-    assert not model.ready("llm")  # no prefill rate yet: admission uses the mean
     schema = ClientRequest(id=2, op="generate", prompt="w" * 99, json_schema={"type": "object"})
     assert not model.observe("llm", schema, 8, 0.5, 4.0, usage(100, 8))
     assert not model.ready("llm")
+    model.observe("llm", req("warm up"), 4, 0.15, 0.2, usage(3, 2))
+    snap = model.snapshot("llm")  # a decode rate, no prefill rate: prefill counts 0
+    assert snap is not None and snap["decode_ms_per_token"] == pytest.approx(50.0)
+    assert snap["prefill_ms_per_token"] == 0.0
     model.observe("llm", req("w" * 399), 8, 0.82, 1.5, usage(100, 8))
     snap = model.snapshot("llm")
     # Decode: (0.8 x 0.05 + 0.68) s / (0.8 x 1 + 7) tokens = 92.3 ms; prefill from
@@ -276,4 +278,5 @@ def test_prompt_tokens_a_slot_reused_teach_no_prefill_rate() -> None:
     # Reusing all but a few tokens leaves too few evaluated to teach prefill.
     other = ServiceModel()
     other.observe("llm", req("w" * 1599), 8, 0.22, 0.30, usage(400, 5) | {"cached_tokens": 399})
-    assert not other.ready("llm")
+    snap = other.snapshot("llm")  # its decode rate is learned; prefill counts 0
+    assert snap is not None and snap["prefill_ms_per_token"] == 0.0

@@ -242,3 +242,17 @@ def test_a_loading_worker_shows_its_progress_and_its_last_exit() -> None:
         "not READY within 60s (killed by SIGKILL)"
     )
     assert "loading" not in rows["rules-0"]
+
+
+def test_a_budget_lowered_after_start_shows_on_the_plans_line() -> None:
+    """Break-it finding (session 13): a parent's memory limit lowered to 1 GiB while
+    the node ran showed on the pressure line within 2 s, but the plan's line still
+    said "in all of 23.5 GiB" while ``edgenode capacity`` said DOES NOT FIT."""
+    status = _capacity(workers=1, slots=4, sequences=4)
+    status["memory"] = {"level": "high", "working_set": 700 * 2**20, "budget": 2**30}
+    line = _capacity_line(status)
+    assert "in all of 8 GiB at start; the budget is now 1 GiB: DOES NOT FIT;" in line
+    status["memory"]["budget"] = 4 * 2**30  # lowered, and the plan still fits
+    assert "at start; the budget is now 4 GiB: fits;" in _capacity_line(status)
+    status["memory"]["budget"] = 8 * 2**30
+    assert "at start" not in _capacity_line(status)
