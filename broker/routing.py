@@ -214,9 +214,11 @@ class Router:
             started = job.dispatched_at if job.dispatched_at is not None else now
             first = job.first_token_at if job.first_token_at is not None else now
             self.breaker.record(permit, now, ok=True, duration_s=first - started)
-        elif code == ErrorCode.INTERNAL or body.get("reason") == "worker_lost":
+        elif code == ErrorCode.INTERNAL:
             # Only the pool's own failures: the broker's 503s (eviction, memory
-            # pressure, shutdown) say nothing about the model's health.
+            # pressure, shutdown) say nothing about the model's health, and a lost
+            # worker counted once as it was lost (``worker_failed``), its requests'
+            # permits released before their 503 worker_lost.
             self.breaker.record(permit, now, ok=False)
         elif code == ErrorCode.DEADLINE_EXCEEDED and job.dispatched_at is not None:
             elapsed = now - job.dispatched_at

@@ -238,7 +238,7 @@ class ServiceModel:
         mean decides. A rate not measured yet counts 0 s per token, so a prediction
         is then a lower bound, which admits rather than refuses (a node serving
         only short IoT commands never measures prefill, and by the mean it admitted
-        200 tokens for a 300 ms budget: tests/unit/test_service.py)."""
+        200 tokens for a 300 ms budget: tests/unit/test_admission_sized.py)."""
         rates = self._rates.get(kind)
         if rates is None:
             return False

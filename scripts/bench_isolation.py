@@ -48,6 +48,9 @@ against the measured memory: the worker's cgroup (usage and peak) and its
 private memory from ``/proc/<pid>/smaps`` (``scripts/bench_memory.py``'s
 reading: private bytes minus the model file's).
 
+A node whose generators saw errors (a worker lost, say) leaves a copy of its run
+directory, logs included, in a temporary directory the run prints.
+
 This file runs the nodes and the load; the probe is ``node.bench.probe``,
 the printed report ``scripts/isolation_report.py``.
 
