@@ -68,7 +68,11 @@ class ExitCause:
         meaning: what a deterministic ``code`` means ("model failed to load"), or "".
         message: the worker's own one-line reason for a deterministic exit, or "".
         oom_killed: its cgroup recorded an OOM kill during this process's life.
-        memory_max: the limit it was OOM-killed at, as the node words it ("64 MiB").
+        memory_max: its cgroup's limit, as the node words it ("64 MiB"), or "" if
+            it has none.
+        oom_above: the OOM kill came from a limit above its cgroup (the node's, a
+            parent's, the machine's): its peak stayed under its own limit.
+        oom_peak: its peak memory then, as the node words it ("38 MiB"), or "".
     """
 
     verdict: Verdict | None = None
@@ -81,15 +85,18 @@ class ExitCause:
     message: str = ""
     oom_killed: bool = False
     memory_max: str = ""
+    oom_above: bool = False
+    oom_peak: str = ""
 
     @property
     def crashed(self) -> bool:
         """Whether it blames what the process was running: a native crash
-        (``CRASH_SIGNALS``) or an OOM kill in its own cgroup, which holds that
-        worker alone, so what outgrew the limit was its request's memory (its KV,
-        a json_schema's grammar) and an identical worker would die of it too
-        (test_core_poison, tests/system/test_isolation.py)."""
-        return self.oom_killed or self.signal in CRASH_SIGNALS
+        (``CRASH_SIGNALS``) or an OOM kill at its own cgroup's limit, which holds
+        that worker alone, so what outgrew the limit was its request's memory (its
+        KV, a json_schema's grammar) and an identical worker would die of it too
+        (test_core_poison, tests/system/test_isolation.py). A kill by a limit above
+        it (``oom_above``) blames nothing: the node as a whole ran out."""
+        return (self.oom_killed and not self.oom_above) or self.signal in CRASH_SIGNALS
 
     def describe(self) -> str:
         """The cause in words, as replies, logs and status show it.
@@ -122,8 +129,13 @@ class ExitCause:
                     words += f": {self.message}"
         else:
             return None
-        if self.oom_killed:
-            words = f"OOM-killed in its cgroup at memory.max {self.memory_max} ({words})"
+        if self.oom_killed and self.oom_above:
+            own = f"memory.max {self.memory_max}" if self.memory_max else "no memory.max of its own"
+            peak = f"peak {self.oom_peak}, " if self.oom_peak else ""
+            words = f"OOM-killed by a memory limit above its cgroup ({peak}{own}) ({words})"
+        elif self.oom_killed:
+            limit = self.memory_max or "its limit"
+            words = f"OOM-killed in its cgroup at memory.max {limit} ({words})"
         return words
 
 

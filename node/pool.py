@@ -229,15 +229,23 @@ class WorkerPool:
 
     def _explain(self, worker_id: str, cause: ExitCause) -> ExitCause:
         """``cause`` with the OOM kill the cgroup recorded during this process's
-        life, if any (the signal alone says SIGKILL)."""
+        life, if any (the signal alone says SIGKILL), and whether its own limit or
+        one above it did it (``MemoryReading.peaked_at_limit``)."""
         reading = self.memory(worker_id)
         new = 0 if reading is None else reading.oom_kills - self._oom_base.get(worker_id, 0)
         if reading is None or new <= 0:
             return cause
         self._oom_base[worker_id] = reading.oom_kills
         self.oom_kills[worker_id] = self.oom_kills.get(worker_id, 0) + new
-        limit = format_size(reading.limit) if reading.limit is not None else "its limit"
-        return dataclasses.replace(cause, oom_killed=True, memory_max=limit)
+        limit = format_size(reading.limit) if reading.limit is not None else ""
+        peak = format_size(reading.peak) if reading.peak is not None else ""
+        return dataclasses.replace(
+            cause,
+            oom_killed=True,
+            memory_max=limit,
+            oom_above=not reading.peaked_at_limit,
+            oom_peak=peak,
+        )
 
     def lose(self, worker_id: str, pid: int | None, cause: ExitCause) -> None:
         """The broker gave up on ``worker_id`` (``cause``: dead, stalled, hung): kill it.

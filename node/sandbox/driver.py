@@ -120,6 +120,19 @@ class MemoryReading:
         return self.limit is not None and self.working_set >= NEAR_LIMIT * self.limit
 
     @property
+    def peaked_at_limit(self) -> bool:
+        """Whether its peak reached ``NEAR_LIMIT`` of ``limit``: read after an OOM kill
+        in this cgroup, the kill came from its own limit. False when the peak stayed
+        under it or there is no limit (a limit above the cgroup did it: the node's, a
+        parent's, the machine's); True when the kernel keeps no peak (v2 before 5.19:
+        not told apart). v1's peak is reset when the node reuses the cgroup for a new
+        process; v2's ``memory.peak`` keeps the highest of every process the cgroup
+        held, so after a kill at its own limit later kills read as its own too."""
+        if self.limit is None:
+            return False
+        return self.peak is None or self.peak >= NEAR_LIMIT * self.limit
+
+    @property
     def over_high(self) -> bool:
         """Usage at or above the watermark: shed load now (v1's stand-in for memory.high)."""
         return self.high is not None and self.current >= self.high

@@ -259,6 +259,51 @@ def test_a_later_crash_is_not_blamed_on_an_earlier_oom_kill(
     assert (worker["last_exit"], worker["oom_kills"]) == ("killed by SIGKILL", 1)
 
 
+def test_an_oom_kill_by_the_nodes_own_limit_is_not_blamed_on_the_request(
+    usable: None, make_node: NodeFactory
+) -> None:
+    """A limit above the workers' cgroups, lowered after start (the node's tree here; a
+    systemd slice or a container alike): the kernel kills the largest task under it,
+    a worker far below its own memory.max. The message named that memory.max, and the
+    request was blamed as a poison one and not run again; it is run again once, as any
+    lost request, and the worker's last exit says whose limit it was."""
+    node = make_node(
+        workers={"count": 1, "memory_max": "256M", "sandbox": "required"}, broker=OOM_BROKER
+    )
+    base = Path(node.status()["sandbox"]["cgroup"])
+    knob = base / "memory.limit_in_bytes"
+    if not knob.exists():
+        knob = base / "memory.max"
+    usage = read_int(base / "memory.usage_in_bytes") or read_int(base / "memory.current")
+    assert usage is not None
+    saved = knob.read_text().strip()
+    knob.write_text(str(usage + 128 * MiB))  # the worker's hog meets this first
+    try:
+        col = Collector(node.frontend)
+        try:
+            col.send(id="hog", op="generate", prompt=f"!hog {HOG_MIB}", timeout_ms=30_000)
+            col.collect(timeout=30)
+            hog = col.final("hog")
+        finally:
+            col.close()
+        status = wait_for(
+            lambda: (s := node.status())["all_ready"] and s["processes"][0]["restarts"] == 2 and s
+        )
+    finally:
+        knob.write_text(saved)
+    assert (hog["code"], hog["reason"]) == (503, "worker_lost"), hog
+    # Run again once on the restarted worker, which the same limit killed too.
+    above = "OOM-killed by a memory limit above its cgroup (peak "
+    assert hog["message"].startswith(f"worker lost: {above}"), hog
+    assert "memory.max 256 MiB) (killed by SIGKILL)" in hog["message"], hog
+    assert "not retried" not in hog["message"], hog
+    (worker,) = status["processes"]
+    assert worker["last_exit"].startswith(above), worker
+    assert node.proc is not None and status["pid"] == node.proc.pid  # the broker lived
+    with node.client(wait_ms=5000) as c:
+        assert c.ping()
+
+
 def test_a_worker_lost_at_its_memory_limit_says_so(usable: None, make_node: NodeFactory) -> None:
     # A worker stuck in reclaim at its limit misses heartbeats before the OOM
     # killer comes; a SIGSTOP while it holds more than NEAR_LIMIT of memory.max is

@@ -95,6 +95,26 @@ def test_a_native_crash_running_one_request_blames_it(signal: str) -> None:
 def test_an_oom_kill_running_one_request_blames_it() -> None:
     assert OOM.crashed and blames_its_request(OOM, 1, "llm")
     assert not blames_its_request(OOM, 3, "llm")
+
+
+def test_an_oom_kill_by_a_limit_above_the_workers_cgroup_blames_nothing() -> None:
+    """The node's (or a parent's) limit lowered under what its workers hold: the
+    kernel kills the largest task in the node's tree, a worker whose own cgroup was
+    nowhere near its memory.max. Its message named that memory.max, and its request
+    was blamed as the poison one and never run again."""
+    above = ExitCause(
+        signal="SIGKILL", oom_killed=True, memory_max="256 MiB", oom_above=True, oom_peak="90 MiB"
+    )
+    assert above.describe() == (
+        "OOM-killed by a memory limit above its cgroup (peak 90 MiB, memory.max 256 MiB)"
+        " (killed by SIGKILL)"
+    )
+    assert not above.crashed and not blames_its_request(above, 1, "llm")
+    unlimited = ExitCause(signal="SIGKILL", oom_killed=True, oom_above=True, oom_peak="90 MiB")
+    assert unlimited.describe() == (
+        "OOM-killed by a memory limit above its cgroup (peak 90 MiB, no memory.max of its own)"
+        " (killed by SIGKILL)"
+    )
     assert not_retried(OOM, "llm") == (
         "not retried: the worker ran out of memory running this request"
     )

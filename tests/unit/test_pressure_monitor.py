@@ -67,3 +67,25 @@ def test_near_limit_counts_the_working_set_not_the_page_cache() -> None:
     assert source.reading.working_set == 53 * MiB and not source.reading.near_limit
     source.use(63)  # no limit: never near it
     assert not source.reading.near_limit
+
+
+def test_an_oom_kill_is_its_own_limits_only_if_the_peak_reached_it() -> None:
+    """Read after an OOM kill in a worker's cgroup: the peak says whose limit did it."""
+
+    def reading(peak: int | None, limit: int | None) -> MemoryReading:
+        return MemoryReading(
+            current=10 * MiB,
+            peak=peak,
+            limit=limit,
+            high=None,
+            oom_kills=1,
+            limit_hits=None,
+            high_events=None,
+            swap=None,
+        )
+
+    assert reading(64 * MiB, 64 * MiB).peaked_at_limit
+    assert reading(58 * MiB, 64 * MiB).peaked_at_limit  # NEAR_LIMIT: 0.9 of it
+    assert not reading(40 * MiB, 64 * MiB).peaked_at_limit  # a limit above it
+    assert not reading(40 * MiB, None).peaked_at_limit  # no limit of its own
+    assert reading(None, 64 * MiB).peaked_at_limit  # no peak kept: not told apart
