@@ -104,6 +104,8 @@ class WorkersSection:
     nice: int = 10
     #: µs; the model workers' scheduler slice (node.sandbox.niceness.set_slice), 0 = the kernel's.
     slice_us: int = 100
+    #: The model workers' ``oom_score_adj`` (node.sandbox.oom): the OOM killer takes them first.
+    oom_score_adj: int = 500
 
 
 @dataclass(frozen=True)
@@ -364,6 +366,7 @@ _BOUNDS: dict[str, tuple[float, float]] = {
     "workers.log_max_bytes": (0, MAX_FILE_BYTES),
     "workers.nice": (0, 19),
     "workers.slice_us": (0, 100_000),  # and not 1..99: ``check_slice``
+    "workers.oom_score_adj": (0, 1000),  # lowering needs CAP_SYS_RESOURCE: not offered
     "broker.max_queue": (0, MAX_QUEUE),  # 0 = 8 per pool slot
     "broker.default_timeout_ms": (1, MAX_DURATION_MS),
     "broker.max_timeout_ms": (1, MAX_DURATION_MS),

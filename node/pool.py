@@ -24,6 +24,7 @@ from node.sandbox.cgroups import Sandbox, cgroup_name, limits_for, options_for
 from node.sandbox.cores import CpuPlan, pin_all_threads, plan_workers
 from node.sandbox.driver import MemoryReading
 from node.sandbox.niceness import NO_NICENESS, process_niceness
+from node.sandbox.oom import oom_score_adj
 from node.supervisor import ProcessStatus, Supervisor
 from node.units import format_size
 from node.worker import WorkerSpec
@@ -48,6 +49,8 @@ class WorkerStatus(ProcessStatus):
     autogroup_nice: int | None
     #: µs; the main thread's scheduler slice, None = the kernel's default (node.sandbox.niceness).
     slice_us: int | None
+    #: /proc/<pid>/oom_score_adj (node.sandbox.oom), None without a process.
+    oom_score_adj: int | None
 
 
 class WorkerPool:
@@ -149,6 +152,7 @@ class WorkerPool:
                     cpus=placement.cpus if self.plan.restricts else (),
                     nice=placement.nice,
                     slice_us=c.workers.slice_us,
+                    oom_score_adj=c.workers.oom_score_adj,
                     max_body_bytes=c.broker.max_body_bytes,
                     curve_server_key=self._server_key,
                     curve_key_file=self._key_file,
@@ -296,6 +300,7 @@ class WorkerPool:
                     nice=niceness["nice"],
                     autogroup_nice=niceness["autogroup_nice"],
                     slice_us=niceness["slice_us"],
+                    oom_score_adj=oom_score_adj(entry["pid"]) if entry["pid"] else None,
                 )
             )
         return out

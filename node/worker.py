@@ -61,6 +61,7 @@ from node.observe.logs import configure as configure_logs
 from node.remote.registration import RegistrationNote
 from node.sandbox.cgroups import join_cgroup
 from node.sandbox.cores import apply_placement
+from node.sandbox.oom import set_oom_score_adj
 
 log = logging.getLogger("edgenode.worker")
 
@@ -120,6 +121,8 @@ class WorkerSpec:
     nice: int = 0
     #: µs; the scheduler slice to ask for (``workers.slice_us``; 0 = the kernel's).
     slice_us: int = 0
+    #: ``/proc/self/oom_score_adj`` to set (``workers.oom_score_adj``; 0 = leave it).
+    oom_score_adj: int = 0
     #: ``broker.max_body_bytes``: the socket cap and the reply limits come from it
     #: (``broker.protocol.message_limits``), the same as the broker's.
     max_body_bytes: int = p.DEFAULT_MAX_BODY_BYTES
@@ -751,6 +754,8 @@ def main(argv: list[str] | None = None) -> int:
         join_cgroup(spec.cgroup_procs)
         if spec.cpus or spec.nice or spec.slice_us:
             apply_placement(spec.cpus or tuple(os.sched_getaffinity(0)), spec.nice, spec.slice_us)
+        if spec.oom_score_adj:
+            set_oom_score_adj(spec.oom_score_adj)
     except EdgeNodeError as exc:
         log.error("cannot enter the sandbox: %s", exc.message)
         write_exit_message(args.exit_message_file, f"cannot enter the sandbox: {exc.message}")

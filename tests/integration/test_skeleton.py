@@ -15,6 +15,7 @@ import zmq
 from broker.client import Reply
 from broker.errors import ProtocolError
 from node.sandbox.niceness import autogroups_enabled, kernel_has_custom_slices, thread_slice_us
+from node.sandbox.oom import oom_score_adj
 from node.testing import NodeProcess, leftover_processes
 
 NodeFactory = Callable[..., NodeProcess]
@@ -216,6 +217,11 @@ def test_reserved_cores_keep_the_whole_node_off_the_hosts_cores(make_node: NodeF
         assert {thread_slice_us(t.id) for t in threads} == {want}
     # Ahead of the model: the kernel's default slice, as this test's own.
     assert by_id["rules-0"]["slice_us"] == thread_slice_us(os.getpid())
+    # The OOM killer's first pick: the model workers, not the broker nor the rules
+    # (they keep what they inherited: this test's own value).
+    own = oom_score_adj(os.getpid())
+    assert [by_id[wid]["oom_score_adj"] for wid in ("llm-0", "llm-1")] == [500, 500]
+    assert by_id["rules-0"]["oom_score_adj"] == own == oom_score_adj(status["pid"])
     with node.client() as client:
         assert client.generate("go", max_tokens=2).served_by == "llm"
 

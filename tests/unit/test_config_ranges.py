@@ -74,6 +74,8 @@ BAD: list[tuple[str, Any]] = [
     ("workers.nice", 20),
     ("workers.slice_us", 100_001),
     ("workers.slice_us", 50),  # the kernel would clamp it to 100: said, not silently
+    ("workers.oom_score_adj", -1),  # below the inherited value needs CAP_SYS_RESOURCE
+    ("workers.oom_score_adj", 1001),
     ("broker.max_body_bytes", 0),
     ("broker.max_queue", -1),
     ("broker.default_timeout_ms", 0),
@@ -222,7 +224,8 @@ def test_kv_type_names_follow_the_capacity_model() -> None:
         '[node]\nfrontend = "tcp://[::1]:5555"\n',
         "[workers]\nready_timeout_ms = 1000\nrestart_backoff_ms = 1\nrestart_backoff_max_ms = 1\n",
         "[capacity]\nsafety_margin = 0.0\n[fallback]\nlow_confidence = 1.0\n",
-        "[workers]\ncount = 0\nstop_grace_ms = 0\ntest_token_ms = 0\n",
+        "[workers]\ncount = 0\nstop_grace_ms = 0\ntest_token_ms = 0\noom_score_adj = 0\n",
+        "[workers]\noom_score_adj = 1000\n",
         '[node]\nfrontend = "tcp://0.0.0.0:5555"\nbackend = "tcp://[::]:5556"\n'
         "[security]\nallow_plaintext = true\n",
         '[node]\nfrontend = "tcp://localhost:5555"\n',
