@@ -112,6 +112,18 @@ def peak_of(cgroup: Path) -> int | None:
     return read_int(cgroup / "memory.max_usage_in_bytes") or read_int(cgroup / "memory.peak")
 
 
+def run_hog(node: NodeProcess) -> dict[str, Any]:
+    """Send one ``!hog HOG_MIB`` request (the test engine allocates that much) and
+    return its final reply."""
+    col = Collector(node.frontend)
+    try:
+        col.send(id="hog", op="generate", prompt=f"!hog {HOG_MIB}", timeout_ms=30_000)
+        col.collect(timeout=30)
+        return col.final("hog")
+    finally:
+        col.close()
+
+
 class Pinger(threading.Thread):
     """A client sending short requests one after another until stopped."""
 
@@ -235,13 +247,7 @@ def test_a_later_crash_is_not_blamed_on_an_earlier_oom_kill(
     node = make_node(
         workers={"count": 1, "memory_max": LIMIT, "sandbox": "required"}, broker=OOM_BROKER
     )
-    col = Collector(node.frontend)
-    try:
-        col.send(id="hog", op="generate", prompt=f"!hog {HOG_MIB}", timeout_ms=30_000)
-        col.collect(timeout=30)
-        hog = col.final("hog")
-    finally:
-        col.close()
+    hog = run_hog(node)
     assert (hog["code"], hog["reason"]) == (503, "worker_lost"), hog
     assert "worker lost: OOM-killed in its cgroup" in hog["message"]
     status = wait_for(
@@ -279,13 +285,7 @@ def test_an_oom_kill_by_the_nodes_own_limit_is_not_blamed_on_the_request(
     saved = knob.read_text().strip()
     knob.write_text(str(usage + 128 * MiB))  # the worker's hog meets this first
     try:
-        col = Collector(node.frontend)
-        try:
-            col.send(id="hog", op="generate", prompt=f"!hog {HOG_MIB}", timeout_ms=30_000)
-            col.collect(timeout=30)
-            hog = col.final("hog")
-        finally:
-            col.close()
+        hog = run_hog(node)
         status = wait_for(
             lambda: (s := node.status())["all_ready"] and s["processes"][0]["restarts"] == 2 and s
         )

@@ -25,10 +25,16 @@ class FakeSource:
     def memory(self, worker_id: str | None = None) -> MemoryReading | None:
         return self.reading
 
-    def use(self, current_mib: int, inactive_mib: int = 0, limit_mib: int | None = None) -> None:
+    def use(
+        self,
+        current_mib: int,
+        inactive_mib: int = 0,
+        limit_mib: int | None = None,
+        peak_mib: int | None = None,
+    ) -> None:
         self.reading = MemoryReading(
             current=current_mib * MiB,
-            peak=None,
+            peak=None if peak_mib is None else peak_mib * MiB,
             limit=None if limit_mib is None else limit_mib * MiB,
             high=None,
             oom_kills=0,
@@ -71,21 +77,13 @@ def test_near_limit_counts_the_working_set_not_the_page_cache() -> None:
 
 def test_an_oom_kill_is_its_own_limits_only_if_the_peak_reached_it() -> None:
     """Read after an OOM kill in a worker's cgroup: the peak says whose limit did it."""
-
-    def reading(peak: int | None, limit: int | None) -> MemoryReading:
-        return MemoryReading(
-            current=10 * MiB,
-            peak=peak,
-            limit=limit,
-            high=None,
-            oom_kills=1,
-            limit_hits=None,
-            high_events=None,
-            swap=None,
-        )
-
-    assert reading(64 * MiB, 64 * MiB).peaked_at_limit
-    assert reading(58 * MiB, 64 * MiB).peaked_at_limit  # NEAR_LIMIT: 0.9 of it
-    assert not reading(40 * MiB, 64 * MiB).peaked_at_limit  # a limit above it
-    assert not reading(40 * MiB, None).peaked_at_limit  # no limit of its own
-    assert reading(None, 64 * MiB).peaked_at_limit  # no peak kept: not told apart
+    source = FakeSource()
+    for peak, limit, own in (
+        (64, 64, True),
+        (58, 64, True),  # NEAR_LIMIT: 0.9 of it
+        (40, 64, False),  # a limit above it
+        (40, None, False),  # no limit of its own
+        (None, 64, True),  # no peak kept: not told apart
+    ):
+        source.use(10, limit_mib=limit, peak_mib=peak)
+        assert source.reading.peaked_at_limit is own, (peak, limit)
