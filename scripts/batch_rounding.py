@@ -22,12 +22,15 @@ checks the text of 20 prompts beside neighbours; this shows where a difference c
 from. README "Workers and slots" has this machine's figures.
 
 Usage: ``python scripts/batch_rounding.py [--threads 2] [--tokens 48] [--no-flash-attn]
-[--prompt TEXT] [--slot-first]``.
+[--prompt TEXT] [--slot-first]``: ``--tokens`` 1..128 (each step's logits are kept: ~1 MiB a
+token for the reference and as much for the run compared with it), a prompt of at most 256
+tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 from typing import Any
 
 import llama_cpp
@@ -39,6 +42,13 @@ from node.model import resolve_model
 
 NEIGHBOURS = ("Step 1: open the valve.", "The valve opened and", "Once upon a time")
 N_CTX = 2048  # per slot, the default model.n_ctx
+#: Rows of the script's one batch (and the context's n_batch): the prompt is one step.
+BATCH = 512
+#: Tokens of the prompt at most: with the neighbours' rows, one batch.
+MAX_PROMPT = 256
+#: Greedy tokens at most: each step's logits are kept (1 MiB each, 262,144 floats)
+#: for the reference and the run compared with it.
+MAX_TOKENS = 128
 
 #: One row of a batch: (token, position, sequence, wants logits).
 Row = tuple[int, int, int, bool]
@@ -50,7 +60,7 @@ def context(slots: int, threads: int, flash_attn: bool) -> Any:
         return llama_cpp.Llama(
             model_path=str(resolve_model("default")),
             n_ctx=N_CTX * slots,
-            n_batch=512,
+            n_batch=BATCH,
             n_threads=threads,
             n_threads_batch=threads,
             flash_attn=flash_attn,
@@ -67,7 +77,7 @@ def generate(
     first, in slot order), or before them with ``first``."""
     ctx, n_vocab = llm.ctx, llama_c.llama_vocab_n_tokens(llama_c.llama_model_get_vocab(llm.model))
     memory = llama_c.llama_get_memory(ctx)
-    batch = llama_c.llama_batch_init(512, 0, 1)
+    batch = llama_c.llama_batch_init(BATCH, 0, 1)
 
     def decode(rows: list[Row]) -> None:
         batch.n_tokens = len(rows)
@@ -109,10 +119,24 @@ def generate(
         llama_c.llama_batch_free(batch)
 
 
+def _within(low: int, high: int) -> Any:
+    """An argparse type: an int in [low, high]."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}")
+        return value
+
+    return parse
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--threads", type=_within(1, 256), default=2)
+    parser.add_argument(
+        "--tokens", type=_within(1, MAX_TOKENS), default=48, help=f"1..{MAX_TOKENS}"
+    )
     parser.add_argument("--prompt", default="In 1969, the first humans")
     parser.add_argument("--no-flash-attn", action="store_true")
     parser.add_argument(
@@ -121,6 +145,8 @@ def main() -> None:
     args = parser.parse_args()
     flash = not args.no_flash_attn
     one = context(1, args.threads, flash)
+    if (n := len(one.tokenize(args.prompt.encode()))) > MAX_PROMPT:
+        parser.error(f"--prompt: {n} tokens; at most {MAX_PROMPT} (one batch with its neighbours)")
     ref_tokens, ref_logits = generate(one, args.prompt, args.tokens, 0, 1000)
     one.close()
     four = context(4, args.threads, flash)
@@ -131,7 +157,7 @@ def main() -> None:
         f"flash attention {'on' if flash else 'off'}, the slot's rows "
         f"{'first' if args.slot_first else 'last'}; reference: a one-slot context"
     )
-    beside: dict[int, list[Any]] = {}
+    digests: dict[int, list[bytes]] = {}  # per neighbour count, the first run's logits
     for name, k, base in cases:
         tokens, logits = generate(four, args.prompt, args.tokens, k, base, args.slot_first)
         # Up to the first token that differs: after it the texts, not the rounding, differ.
@@ -147,10 +173,11 @@ def main() -> None:
             margin = np.sort(ref_logits[apart])[-2:]
             tie = margin[1] - margin[0]
             line += f"; tokens differ from step {apart} (best two alone {tie:.3g} apart)"
-        if k in beside:  # the same shape, other neighbours' tokens: the content's share
-            same = max(float(np.abs(a - b).max()) for a, b in zip(logits, beside[k], strict=True))
-            line += f"; against the first {k} neighbours' run: {same:.3g}"
-        beside.setdefault(k, logits)
+        mine = [hashlib.sha256(step.tobytes()).digest() for step in logits]
+        if k in digests:  # the same shape, other neighbours' tokens: the content's share
+            same = mine == digests[k]
+            line += f"; against the first {k} neighbours' run: {'0' if same else 'differs'}"
+        digests.setdefault(k, mine)
         print(line)
     four.close()
 

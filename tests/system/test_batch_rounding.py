@@ -31,3 +31,18 @@ def test_neighbours_tokens_never_reach_a_slots_logits() -> None:
     other = cases[-1]
     assert "3 neighbours writing other tokens" in other
     assert other.endswith("against the first 3 neighbours' run: 0"), done.stdout
+
+
+def test_a_prompt_longer_than_one_batch_is_refused_not_written_past_it() -> None:
+    """A new user's 3,000-word prompt wrote past the script's 512-row batch (a NULL
+    pointer stopped it one row later)."""
+    script = REPO / "scripts" / "batch_rounding.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--prompt", " ".join(["word"] * 600)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=170,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "error: --prompt: 601 tokens; at most 256" in done.stderr

@@ -358,6 +358,25 @@ def run_script(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tokens", "0"], "argument --tokens: 0 is not in 1..128"),
+        (["--tokens", "-3"], "argument --tokens: -3 is not in 1..128"),
+        (["--tokens", "5000"], "argument --tokens: 5000 is not in 1..128"),
+        (["--threads", "0"], "argument --threads: 0 is not in 1..256"),
+    ],
+)
+def test_batch_rounding_refuses_sizes_it_cannot_run_before_loading(
+    args: list[str], message: str
+) -> None:
+    """A new user's --tokens 0 ended in a traceback, --tokens 5000 after 1m46s of
+    work, and --threads 0 ran on llama-cpp-python's own count under another name."""
+    done = run_script("batch_rounding.py", *args)
+    assert done.returncode == 2, done.stderr
+    assert f"error: {message}" in done.stderr
+
+
 def test_bench_throughput_refuses_a_directory_for_its_report(tmp_path: Path) -> None:
     # Found only when the report was written, after a 25-minute run.
     done = run_script("bench_throughput.py", "--out", str(tmp_path))
