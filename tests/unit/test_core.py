@@ -607,6 +607,34 @@ def test_the_brokers_own_pause_is_not_held_against_its_workers(h: BrokerHarness)
     assert h.broker.stats.counters["workers_lost"] == 2  # W1 replaced, W2 dead
 
 
+def test_a_broker_pause_shorter_than_the_window_is_not_held_against_its_workers(
+    h: BrokerHarness,
+) -> None:
+    """A pause of the broker's loop shorter than the liveness window (a vCPU stolen
+    by the hypervisor, the broker starved on a core it shares with the worker) froze
+    the worker too, and its silence before the pause plus the pause made it dead at
+    the broker's first tick after, before the worker had run again: an isolation
+    benchmark's reserved worker (broker and worker on one core) was declared dead
+    while generating. Only the silence the broker saw itself counts."""
+    h.ready(W1, 0.0, worker_id="llm-0")
+    h.drain_events()
+    for t in (0.05, 0.1, 0.15):  # W1 silent from 0.0: 0.15 s, half the window
+        h.tick(t)
+    h.tick(0.4)  # the broker ran nothing for 0.25 s (< the 0.3 s window)
+    assert h.drain_events() == []
+    # The pause beyond one normal interval (0.15 s) was forgiven, not the rest:
+    # W1 is silent from 0.15 on the broker's clock.
+    h.tick(0.44)
+    assert h.drain_events() == []
+    h.tick(0.46)
+    (event,) = h.drain_events()
+    assert (event.kind, event.worker_id, event.cause.describe()) == (
+        "lost",
+        "llm-0",
+        "dead: missed heartbeats",
+    )
+
+
 def test_silent_workers_are_dead_even_behind_a_live_one(h: BrokerHarness) -> None:
     h.ready(W1, 0.0, worker_id="alive")
     h.ready(W2, 0.0, worker_id="silent")
