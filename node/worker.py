@@ -61,7 +61,7 @@ from node.observe.logs import configure as configure_logs
 from node.remote.registration import RegistrationNote
 from node.sandbox.cgroups import join_cgroup
 from node.sandbox.cores import apply_placement
-from node.sandbox.oom import set_oom_score_adj
+from node.sandbox.oom import raise_oom_score_adj
 
 log = logging.getLogger("edgenode.worker")
 
@@ -755,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
         if spec.cpus or spec.nice or spec.slice_us:
             apply_placement(spec.cpus or tuple(os.sched_getaffinity(0)), spec.nice, spec.slice_us)
         if spec.oom_score_adj:
-            set_oom_score_adj(spec.oom_score_adj)
+            raise_oom_score_adj(spec.oom_score_adj)
     except EdgeNodeError as exc:
         log.error("cannot enter the sandbox: %s", exc.message)
         write_exit_message(args.exit_message_file, f"cannot enter the sandbox: {exc.message}")

@@ -127,7 +127,10 @@ class MemoryReading:
         parent's, the machine's); True when the kernel keeps no peak (v2 before 5.19:
         not told apart). v1's peak is reset when the node reuses the cgroup for a new
         process; v2's ``memory.peak`` keeps the highest of every process the cgroup
-        held, so after a kill at its own limit later kills read as its own too."""
+        held, so after a kill at its own limit later kills read as its own too. The
+        peak is a lifetime's: a process that came within 10 % of its limit earlier
+        reads as killed by it even when an ancestor's limit did it (a new user's
+        finding). The ancestors' ``memory.failcnt`` since the spawn would tell more."""
         if self.limit is None:
             return False
         return self.peak is None or self.peak >= NEAR_LIMIT * self.limit

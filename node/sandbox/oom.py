@@ -23,10 +23,20 @@ log = logging.getLogger(__name__)
 SELF = Path("/proc/self/oom_score_adj")
 
 
-def set_oom_score_adj(value: int, path: Path = SELF) -> bool:
-    """Set this process's ``oom_score_adj`` (inherited by its threads and children);
-    False, logged, when the kernel refuses (lowering it without CAP_SYS_RESOURCE, a
-    /proc without the file): the worker runs on at the inherited value."""
+def raise_oom_score_adj(value: int, path: Path = SELF) -> bool:
+    """Raise this process's ``oom_score_adj`` to ``value`` (inherited by its threads
+    and children); never lower it: a node started with a higher value (say 700)
+    would otherwise leave its workers below its broker, which root may do. False,
+    logged, when it was not raised: already at or above ``value``, or the kernel
+    refused (a /proc without the file); the worker runs on at the inherited value."""
+    try:
+        inherited = int(path.read_text())
+    except (OSError, ValueError) as exc:
+        log.warning("cannot read oom_score_adj: %s; the inherited value applies", exc)
+        return False
+    if inherited >= value:
+        log.debug("oom_score_adj %d inherited, not lowered to %d", inherited, value)
+        return False
     try:
         path.write_text(f"{value}\n")
     except OSError as exc:
