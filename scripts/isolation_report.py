@@ -70,6 +70,22 @@ def report_probe(result: dict[str, Any], args: argparse.Namespace) -> None:
             f"missed {b['missed_pct']} % {_within(b['missed_pct'], idle['missed_rounds_pct'])}, "
             f"rounds {_inside(b['missed_rounds_pct'], idle['missed_rounds_pct'])}"
         )
+    quiet_p99, quiet_missed = quiet(idle["resp_p99_rounds_us"]), quiet(idle["missed_rounds_pct"])
+    if len(quiet_p99) < len(idle["resp_p99_rounds_us"]):
+        # One noisy idle round widens the spread for every busy case: the same test
+        # against the others says whether a pass owed anything to it.
+        print(
+            f"  without the noisiest idle round (at most {max(quiet_p99)} µs, "
+            f"{max(quiet_missed)} %):"
+        )
+        for c in configs:
+            b = c["busy"]
+            print(
+                f"  {c['name']:<13} resp p99 median {_within(b['resp_p99_median_us'], quiet_p99)}, "
+                f"rounds {_inside(b['resp_p99_rounds_us'], quiet_p99)}; "
+                f"missed {_within(b['missed_pct'], quiet_missed)}, "
+                f"rounds {_inside(b['missed_rounds_pct'], quiet_missed)}"
+            )
     print("\nbusy/idle (1.0 = the host does not notice the model):")
     for c in configs:
         b = c["busy"]
@@ -123,6 +139,17 @@ def _within(value: float, idle_rounds: list[float]) -> str:
     if value <= top:
         return "within"
     return f"above ({value / top:.2f}x the idle max)" if top else "above"
+
+
+def quiet(idle_rounds: list[float]) -> list[float]:
+    """The idle rounds but their highest, with three or more (else all of them): the
+    spread one noisy idle round does not set. On a shared VM one idle round in eight
+    was the one a busy case passed by (docs/bench/figures.md, "Isolation: the host's
+    cores")."""
+    if len(idle_rounds) < 3:
+        return list(idle_rounds)
+    rest = sorted(idle_rounds)[:-1]
+    return [r for r in idle_rounds if r <= rest[-1]][: len(rest)]
 
 
 def _inside(rounds: list[float], idle_rounds: list[float]) -> str:
