@@ -49,10 +49,10 @@ def report_probe(result: dict[str, Any], args: argparse.Namespace) -> None:
         )
     print(
         "(p99 med = median of the rounds' resp p99; busy = share of the probe windows with every "
-        "worker generating;\n coreN = how busy each core was; other = cores' worth of CPU used "
-        "by processes outside the nodes and the probe. Both come from /proc/stat, which the "
-        "kernel samples\n at its tick: the probe's 1 ms cycle, phase-locked to the tick, can "
-        "show as idle, so core0 and other are rough)"
+        "worker generating;\n coreN = how busy each core was (1 - its idle time in /proc/stat, "
+        "which the kernel counts at idle entry and exit); other = cores' worth of CPU\n used "
+        "by processes outside the nodes and the probe (their CPU times are the kernel's, "
+        "within a tick))"
     )
     print(f"\nresp p99 per round: idle {idle['resp_p99_rounds_us']}")
     for c in configs:

@@ -13,6 +13,8 @@ import os
 import statistics
 import subprocess
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -71,17 +73,20 @@ print(int(k / (runs[len(runs) // 2] * 1000)))
 """
 
 
-def cpu_ticks() -> list[tuple[float, float]]:
-    """(busy, total) seconds per core since boot, from /proc/stat."""
+def core_idle(stat: Path = Path("/proc/stat")) -> list[float]:
+    """Seconds each core spent idle since boot (idle + iowait of its ``cpuN`` line).
+
+    The idle columns are the precise ones: under NO_HZ the kernel counts idle time
+    from idle entry and exit, while user and system are samples taken at its tick,
+    which missed the probe's 1 ms loop (phase-locked to the tick: its core showed
+    1-4 % busy while the loop computed half of every period; docs/bench/figures.md,
+    "Isolation: the host's cores"). So a core's busy share is 1 - idle / wall."""
     hz = os.sysconf("SC_CLK_TCK")
     out = []
-    with open("/proc/stat") as fh:
-        for line in fh:
-            name, *fields = line.split()
-            if name.startswith("cpu") and name != "cpu":
-                v = [int(x) for x in fields]
-                idle = v[3] + v[4]  # idle + iowait
-                out.append(((sum(v[:8]) - idle) / hz, sum(v[:8]) / hz))
+    for line in stat.read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name != "cpu":
+            out.append((int(fields[3]) + int(fields[4])) / hz)
     return out
 
 
@@ -112,7 +117,7 @@ def probe(core: int, iterations: int, work: int, node_pids: list[int]) -> dict[s
     Raises:
         subprocess.CalledProcessError: the probe failed (e.g. ``core`` not allowed).
     """
-    ticks, node_cpu = cpu_ticks(), sum(map(tree_cpu, node_pids))
+    idle, began, node_cpu = core_idle(), time.monotonic(), sum(map(tree_cpu, node_pids))
     out = subprocess.run(
         [sys.executable, "-c", PROBE, str(core), str(iterations), str(work)],
         capture_output=True,
@@ -120,14 +125,13 @@ def probe(core: int, iterations: int, work: int, node_pids: list[int]) -> dict[s
         check=True,
         timeout=iterations / 100 + 60,
     )
-    after, node_after = cpu_ticks(), sum(map(tree_cpu, node_pids))
+    after, wall, node_after = core_idle(), time.monotonic() - began, sum(map(tree_cpu, node_pids))
     result: dict[str, Any] = json.loads(out.stdout)
-    busy = [b1 - b0 for (b0, _), (b1, _) in zip(ticks, after, strict=True)]
-    total = [t1 - t0 for (_, t0), (_, t1) in zip(ticks, after, strict=True)]
-    result["core_busy"] = [b / t if t else 0.0 for b, t in zip(busy, total, strict=True)]
-    wall = total[0] or 1.0
+    busy = [max(0.0, wall - (i1 - i0)) for i0, i1 in zip(idle, after, strict=True)]
+    result["core_busy"] = [min(1.0, b / wall) if wall > 0 else 0.0 for b in busy]
     # Cores' worth of CPU used by everything else: the host's other work.
-    result["other_cores"] = max(0.0, (sum(busy) - (node_after - node_cpu) - result["cpu_s"]) / wall)
+    spent = sum(busy) - (node_after - node_cpu) - result["cpu_s"]
+    result["other_cores"] = max(0.0, spent / wall) if wall > 0 else 0.0
     return result
 
 
