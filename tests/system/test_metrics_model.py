@@ -5,6 +5,7 @@ worker's cgroup memory is exported against its limit."""
 from __future__ import annotations
 
 import socket
+import time
 import urllib.request
 from collections.abc import Callable
 
@@ -50,12 +51,24 @@ def test_real_model_metrics(make_node: NodeFactory) -> None:
         pieces = list(stream)
         assert stream.result is not None
         usage = stream.result.usage
-    got = scrape(port)
-    assert got[("edgenode_prompt_tokens_total", llm)] == usage["prompt_tokens"]
-    assert got[("edgenode_generation_tokens_total", llm)] == usage["completion_tokens"]
-    assert got[("edgenode_time_to_first_token_seconds_count", llm)] == 1
-    # One PARTIAL per token: a gap between each two.
-    assert got[("edgenode_inter_token_seconds_count", llm)] == len(pieces) - 1
+    expected = {
+        ("edgenode_prompt_tokens_total", llm): usage["prompt_tokens"],
+        ("edgenode_generation_tokens_total", llm): usage["completion_tokens"],
+        ("edgenode_time_to_first_token_seconds_count", llm): 1,
+        # One PARTIAL per token: a gap between each two.
+        ("edgenode_inter_token_seconds_count", llm): len(pieces) - 1,
+    }
+    # The broker sends a FINAL first and counts it in the same loop turn, after: a
+    # scrape right after the FINAL can come first (CI under load saw the prompt
+    # tokens still at 0), so the counters are awaited, briefly.
+    deadline = time.monotonic() + 5
+    while True:
+        got = scrape(port)
+        seen = {key: got.get(key) for key in expected}
+        if seen == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert seen == expected
     ttft = got[("edgenode_time_to_first_token_seconds_sum", llm)]
     assert 0 < ttft <= stream.result.total_ms / 1000
     worker = frozenset({("worker", "llm-0"), ("engine", "llm")})
