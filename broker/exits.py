@@ -134,8 +134,7 @@ class ExitCause:
             peak = f"peak {self.oom_peak}, " if self.oom_peak else ""
             words = f"OOM-killed by a memory limit above its cgroup ({peak}{own}) ({words})"
         elif self.oom_killed:
-            limit = self.memory_max or "its limit"
-            words = f"OOM-killed in its cgroup at memory.max {limit} ({words})"
+            words = f"OOM-killed in its cgroup at memory.max {self.memory_max} ({words})"
         return words
 
 

@@ -27,26 +27,7 @@ def report_probe(result: dict[str, Any], args: argparse.Namespace) -> None:
         f"({args.duty:.0%} of the period on an idle core).\nwake = how late a cycle started, "
         "resp = when its work ended, both after the period's release (µs); missed = resp > 1 ms"
     )
-    header = (
-        f"{'case':<17} {'workers.cpus':<12} {'placement':<14} "
-        f"{'wake p50':>8} {'p99':>6} {'resp p50':>8} {'p99':>6} {'p99 med':>7} {'missed':>6} "
-        f"{'busy':>5} {'core0':>5} {'core1':>5} {'other':>5} {'tok/s':>5}"
-    )
-    print(header)
-    print("-" * len(header))
-    rows = [("both nodes idle", "", "", idle, "", "")]
-    for c in configs:
-        place = " ".join(f"{w[4:]}:{','.join(map(str, v))}" for w, v in c["placement"].items() if v)
-        cover, rate = f"{c['busy_coverage']:.0%}", str(c["tok_per_s"])
-        rows.append((f"{c['name']} busy", str(c["workers_cpus"]), place, c["busy"], cover, rate))
-    for label, cpus, place, s, cover, rate in rows:
-        cores = [f"{x:.0%}" for x in s["core_busy"][:2]]
-        print(
-            f"{label:<17} {cpus:<12} {place:<14} {s['p50_us']:>8} {s['p99_us']:>6} "
-            f"{s['resp_p50_us']:>8} {s['resp_p99_us']:>6} {s['resp_p99_median_us']:>7} "
-            f"{s['missed_pct']:>5}% {cover:>5} {cores[0]:>5} {cores[1]:>5} "
-            f"{s['other_cores']:>5} {rate:>5}"
-        )
+    _table(idle, configs)
     print(
         "(p99 med = median of the rounds' resp p99; busy = share of the probe windows with every "
         "worker generating;\n coreN = how busy each core was (1 - its idle time in /proc/stat, "
@@ -61,15 +42,7 @@ def report_probe(result: dict[str, Any], args: argparse.Namespace) -> None:
     for c in configs:
         print(f"                    {c['name']} busy {c['busy']['missed_rounds_pct']}")
     print("\nwithin the idle rounds' spread (the target: at most the highest idle round's):")
-    for c in configs:
-        b = c["busy"]
-        print(
-            f"  {c['name']:<13} resp p99 median {b['resp_p99_median_us']} µs "
-            f"{_within(b['resp_p99_median_us'], idle['resp_p99_rounds_us'])}, "
-            f"rounds {_inside(b['resp_p99_rounds_us'], idle['resp_p99_rounds_us'])}; "
-            f"missed {b['missed_pct']} % {_within(b['missed_pct'], idle['missed_rounds_pct'])}, "
-            f"rounds {_inside(b['missed_rounds_pct'], idle['missed_rounds_pct'])}"
-        )
+    _spread_test(configs, idle["resp_p99_rounds_us"], idle["missed_rounds_pct"], values=True)
     quiet_p99, quiet_missed = quiet(idle["resp_p99_rounds_us"]), quiet(idle["missed_rounds_pct"])
     if len(quiet_p99) < len(idle["resp_p99_rounds_us"]):
         # One noisy idle round widens the spread for every busy case: the same test
@@ -78,14 +51,7 @@ def report_probe(result: dict[str, Any], args: argparse.Namespace) -> None:
             f"  without the noisiest idle round (at most {max(quiet_p99)} µs, "
             f"{max(quiet_missed)} %):"
         )
-        for c in configs:
-            b = c["busy"]
-            print(
-                f"  {c['name']:<13} resp p99 median {_within(b['resp_p99_median_us'], quiet_p99)}, "
-                f"rounds {_inside(b['resp_p99_rounds_us'], quiet_p99)}; "
-                f"missed {_within(b['missed_pct'], quiet_missed)}, "
-                f"rounds {_inside(b['missed_rounds_pct'], quiet_missed)}"
-            )
+        _spread_test(configs, quiet_p99, quiet_missed, values=False)
     print("\nbusy/idle (1.0 = the host does not notice the model):")
     for c in configs:
         b = c["busy"]
@@ -131,6 +97,49 @@ def report_memory(configs: list[dict[str, Any]]) -> None:
 
 def _err(estimate: int, measured: int | None) -> str:
     return f"{(estimate - measured) / measured * 100:+.1f}%" if measured else "-"
+
+
+def _table(idle: dict[str, Any], configs: list[dict[str, Any]]) -> None:
+    """The cases' table: wake-up and response percentiles, missed deadlines, the
+    cores' busy shares and tokens/s, one row per case."""
+    header = (
+        f"{'case':<17} {'workers.cpus':<12} {'placement':<14} "
+        f"{'wake p50':>8} {'p99':>6} {'resp p50':>8} {'p99':>6} {'p99 med':>7} {'missed':>6} "
+        f"{'busy':>5} {'core0':>5} {'core1':>5} {'other':>5} {'tok/s':>5}"
+    )
+    print(header)
+    print("-" * len(header))
+    rows = [("both nodes idle", "", "", idle, "", "")]
+    for c in configs:
+        place = " ".join(f"{w[4:]}:{','.join(map(str, v))}" for w, v in c["placement"].items() if v)
+        cover, rate = f"{c['busy_coverage']:.0%}", str(c["tok_per_s"])
+        rows.append((f"{c['name']} busy", str(c["workers_cpus"]), place, c["busy"], cover, rate))
+    for label, cpus, place, s, cover, rate in rows:
+        cores = [f"{x:.0%}" for x in s["core_busy"][:2]]
+        print(
+            f"{label:<17} {cpus:<12} {place:<14} {s['p50_us']:>8} {s['p99_us']:>6} "
+            f"{s['resp_p50_us']:>8} {s['resp_p99_us']:>6} {s['resp_p99_median_us']:>7} "
+            f"{s['missed_pct']:>5}% {cover:>5} {cores[0]:>5} {cores[1]:>5} "
+            f"{s['other_cores']:>5} {rate:>5}"
+        )
+
+
+def _spread_test(
+    configs: list[dict[str, Any]], p99_rounds: list[float], missed_rounds: list[float], values: bool
+) -> None:
+    """One line per busy case: its resp p99 median and missed share against the idle
+    rounds' tops, and how many of its rounds are inside (with ``values``, the figures)."""
+    for c in configs:
+        b = c["busy"]
+        p99 = f"{b['resp_p99_median_us']} µs " if values else ""
+        missed = f"{b['missed_pct']} % " if values else ""
+        print(
+            f"  {c['name']:<13} resp p99 median "
+            f"{p99}{_within(b['resp_p99_median_us'], p99_rounds)}, "
+            f"rounds {_inside(b['resp_p99_rounds_us'], p99_rounds)}; "
+            f"missed {missed}{_within(b['missed_pct'], missed_rounds)}, "
+            f"rounds {_inside(b['missed_rounds_pct'], missed_rounds)}"
+        )
 
 
 def _within(value: float, idle_rounds: list[float]) -> str:

@@ -73,21 +73,27 @@ print(int(k / (runs[len(runs) // 2] * 1000)))
 """
 
 
-def core_idle(stat: Path = Path("/proc/stat")) -> list[float]:
-    """Seconds each core spent idle since boot (idle + iowait of its ``cpuN`` line).
+def idle_by_core(stat: Path = Path("/proc/stat")) -> dict[int, float]:
+    """Seconds each core spent idle since boot (idle + iowait of its ``cpuN`` line), by
+    core number.
 
     The idle columns are the precise ones: under NO_HZ the kernel counts idle time
     from idle entry and exit, while user and system are samples taken at its tick,
     which missed the probe's 1 ms loop (phase-locked to the tick: its core showed
     1-4 % busy while the loop computed half of every period; docs/bench/figures.md,
-    "Isolation: the host's cores"). So a core's busy share is 1 - idle / wall."""
+    "Isolation: the host's cores"). So a core's busy time is wall - idle."""
     hz = os.sysconf("SC_CLK_TCK")
-    out = []
+    out = {}
     for line in stat.read_text().splitlines():
         name, *fields = line.split()
         if name.startswith("cpu") and name != "cpu":
-            out.append((int(fields[3]) + int(fields[4])) / hz)
+            out[int(name[3:])] = (int(fields[3]) + int(fields[4])) / hz
     return out
+
+
+def core_idle(stat: Path = Path("/proc/stat")) -> list[float]:
+    """``idle_by_core`` as a list in core order (the probe's per-core columns)."""
+    return [idle for _, idle in sorted(idle_by_core(stat).items())]
 
 
 def tree_cpu(pid: int) -> float:

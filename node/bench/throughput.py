@@ -92,8 +92,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from node.bench.backends import (
     Backend,
     DirectBackend,
@@ -104,6 +102,7 @@ from node.bench.backends import (
     cpu_list,
 )
 from node.bench.context import BenchContext
+from node.bench.probe import idle_by_core, tree_cpu
 from node.bench.report import Plot, Section, Series, Table
 from node.bench.stats import percentiles, ratio
 from node.config import WorkersSection
@@ -137,39 +136,28 @@ PERCENTILE_METHOD = "nearest rank (node.bench.stats.percentiles)"
 # ---------------------------------------------------------------------- measuring
 
 
-def busy_seconds(cpus: Sequence[int]) -> float:
-    """CPU seconds ``cpus`` have been busy since boot (/proc/stat: all but idle and iowait)."""
-    total = 0
-    names = {f"cpu{c}" for c in cpus}
-    for line in Path("/proc/stat").read_text().splitlines():
-        fields = line.split()
-        if fields and fields[0] in names:
-            values = [int(v) for v in fields[1:9]]
-            total += sum(values) - values[3] - values[4]
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 def own_seconds(pids: Sequence[int]) -> float:
     """CPU seconds used so far by this process and by ``pids`` and their descendants."""
-    total = sum(os.times()[:2])
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            proc = psutil.Process(pid)
-            for p in [proc, *proc.children(recursive=True)]:
-                with contextlib.suppress(psutil.Error):
-                    times = p.cpu_times()
-                    total += times.user + times.system
-    return total
+    return sum(os.times()[:2]) + sum(map(tree_cpu, pids))
+
+
+def _idle_seconds(cpus: Sequence[int]) -> float:
+    """Seconds ``cpus`` have been idle since boot, all together."""
+    idle = idle_by_core()
+    return sum(idle.get(c, 0.0) for c in cpus)
 
 
 def outside_load(cpus: Sequence[int], pids: Sequence[int]) -> Callable[[float], float]:
     """Start watching ``cpus``; the returned function takes the wall time (s) since
     and gives the cores other processes kept busy there meanwhile (CPU time on
-    ``cpus`` not spent by this process or the backend's)."""
-    busy, own = busy_seconds(cpus), own_seconds(pids)
+    ``cpus`` not spent by this process or the backend's). The cores' busy time is
+    the wall time less their idle time (``node.bench.probe.idle_by_core``: the
+    tick-sampled busy columns under-count periodic work)."""
+    idle, own = _idle_seconds(cpus), own_seconds(pids)
 
     def stop(wall: float) -> float:
-        spent = busy_seconds(cpus) - busy - (own_seconds(pids) - own)
+        busy = wall * len(cpus) - (_idle_seconds(cpus) - idle)
+        spent = busy - (own_seconds(pids) - own)
         return max(0.0, spent / wall)
 
     return stop
