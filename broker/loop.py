@@ -250,8 +250,8 @@ class BrokerLoop:
         broker: the sans-I/O core.
         frontend: client endpoint, e.g. ``ipc:///run/edgenode/frontend.sock``.
         backend: worker endpoint.
-        on_effects: receives each batch taken from the broker's outbox, once its
-            frames are sent: the node acts on its ``events`` (the supervisor),
+        on_effects: receives each batch taken from the broker's outbox, just before
+            its frames are sent: the node acts on its ``events`` (the supervisor),
             ``records`` (the migration log) and ``transitions`` (the breaker's).
         on_tick: called every loop turn with monotonic seconds (supervisor reaping).
         clock: monotonic seconds; injectable for tests.
@@ -377,17 +377,21 @@ class BrokerLoop:
         self.flush()
 
     def flush(self) -> None:
-        """Send every frame the core queued, then hand the rest to ``on_effects``;
-        again while that queued more (a supervisor event may)."""
+        """Hand what the core queued to ``on_effects``, then send its frames (also
+        when ``on_effects`` raises); again while that queued more (a supervisor
+        event may). In this order a client that reads the metrics once its FINAL
+        has arrived finds its request counted."""
         outbox = self.broker.outbox
         while outbox:  # most turns queue nothing: no empty batch is built for them
             effects = outbox.take()
-            for frames in effects.workers:
-                self._send(self.backend, frames)
-            for out in effects.clients:
-                self._send_client(out)
-            if self._on_effects is not None:
-                self._on_effects(effects)
+            try:
+                if self._on_effects is not None:
+                    self._on_effects(effects)
+            finally:
+                for frames in effects.workers:
+                    self._send(self.backend, frames)
+                for out in effects.clients:
+                    self._send_client(out)
 
     def _send_client(self, out: Outgoing) -> None:
         """Offer one reply to ``delivery``, and send it if it says so."""

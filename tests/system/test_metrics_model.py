@@ -5,7 +5,6 @@ worker's cgroup memory is exported against its limit."""
 from __future__ import annotations
 
 import socket
-import time
 import urllib.request
 from collections.abc import Callable
 
@@ -58,16 +57,10 @@ def test_real_model_metrics(make_node: NodeFactory) -> None:
         # One PARTIAL per token: a gap between each two.
         ("edgenode_inter_token_seconds_count", llm): len(pieces) - 1,
     }
-    # The broker sends a FINAL first and counts it in the same loop turn, after: a
-    # scrape right after the FINAL can come first (CI under load saw the prompt
-    # tokens still at 0), so the counters are awaited, briefly.
-    deadline = time.monotonic() + 5
-    while True:
-        got = scrape(port)
-        seen = {key: got.get(key) for key in expected}
-        if seen == expected or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    # The loop hands a turn's observations to the metrics before it sends the FINAL
+    # (tests/integration/test_loop_flush.py): one scrape after it sees them all.
+    got = scrape(port)
+    seen = {key: got.get(key) for key in expected}
     assert seen == expected
     ttft = got[("edgenode_time_to_first_token_seconds_sum", llm)]
     assert 0 < ttft <= stream.result.total_ms / 1000
