@@ -37,7 +37,7 @@ import llama_cpp
 import llama_cpp.llama_cpp as llama_c
 import numpy as np
 
-from node.llama.engine import _context_params
+from node.llama.engine import _context_params, _model_params
 from node.model import resolve_model
 
 NEIGHBOURS = ("Step 1: open the valve.", "The valve opened and", "Once upon a time")
@@ -54,9 +54,10 @@ MAX_TOKENS = 128
 Row = tuple[int, int, int, bool]
 
 
-def context(slots: int, threads: int, flash_attn: bool) -> Any:
-    """A ``Llama`` with ``slots`` sequences of N_CTX cells each, as the engine makes it."""
-    with _context_params(n_seq_max=slots):
+def context(slots: int, threads: int, flash_attn: bool, repack: bool) -> Any:
+    """A ``Llama`` with ``slots`` sequences of N_CTX cells each, as the engine makes it
+    (weights repacked only with ``repack``, as ``model.repack`` does)."""
+    with _context_params(n_seq_max=slots), _model_params(use_extra_bufts=repack):
         return llama_cpp.Llama(
             model_path=str(resolve_model("default")),
             n_ctx=N_CTX * slots,
@@ -140,21 +141,25 @@ def main() -> None:
     parser.add_argument("--prompt", default="In 1969, the first humans")
     parser.add_argument("--no-flash-attn", action="store_true")
     parser.add_argument(
+        "--repack", action="store_true", help="repacked weights, as model.repack = true"
+    )
+    parser.add_argument(
         "--slot-first", action="store_true", help="the slot's rows before its neighbours'"
     )
     args = parser.parse_args()
     flash = not args.no_flash_attn
-    one = context(1, args.threads, flash)
+    one = context(1, args.threads, flash, args.repack)
     if (n := len(one.tokenize(args.prompt.encode()))) > MAX_PROMPT:
         parser.error(f"--prompt: {n} tokens; at most {MAX_PROMPT} (one batch with its neighbours)")
     ref_tokens, ref_logits = generate(one, args.prompt, args.tokens, 0, 1000)
     one.close()
-    four = context(4, args.threads, flash)
+    four = context(4, args.threads, flash, args.repack)
     cases = [(f"4 slots, {k} neighbours ({k + 1} rows a step)", k, 1000) for k in range(4)]
     cases.append(("4 slots, 3 neighbours writing other tokens", 3, 5000))
     print(
         f"prompt {args.prompt!r}, {args.tokens} greedy tokens, {args.threads} threads, "
-        f"flash attention {'on' if flash else 'off'}, the slot's rows "
+        f"flash attention {'on' if flash else 'off'}, weights "
+        f"{'repacked' if args.repack else 'not repacked'}, the slot's rows "
         f"{'first' if args.slot_first else 'last'}; reference: a one-slot context"
     )
     digests: dict[int, list[bytes]] = {}  # per neighbour count, the first run's logits

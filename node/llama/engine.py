@@ -7,10 +7,11 @@ llama.cpp's own server does it (tools/server: slots, ``update_slots``):
   cells, not unified: every slot (llama.cpp sequence ``i``) has ``model.n_ctx``
   cells of its own, so one slot can never starve another of KV cache;
 * each ``step`` builds one ``llama_batch``: the token each generating slot
-  sampled last, then prompt chunks of the slots still evaluating their prompt,
+  sampled last, and prompt chunks of the slots still evaluating their prompt,
   the shortest remaining first, up to ``n_batch`` tokens in all
   (``PROMPT_BESIDE_DECODE`` beside generating slots; under flash attention at
-  most ``node.engine.FLASH_PROMPT_ROWS`` of one slot). A new request joins at the
+  most ``node.engine.FLASH_PROMPT_ROWS`` of one slot), in the order that keeps
+  llama.cpp from cutting a chunk (``node.llama.slots.batch_order``). A new request joins at the
   next step, and a long prompt is evaluated over several steps while the other
   slots keep decoding, and while short prompts that came after it start;
 * every request samples through its own ``llama_sampler`` chain (special-token
@@ -74,7 +75,7 @@ from node.llama.candidates import TopK
 from node.llama.grammar import check_grammar, check_schema, trim_heap
 from node.llama.log import LLAMA_LOG as _LOG
 from node.llama.log import LOG_QUIET
-from node.llama.slots import Slot, SlotJob, TextOut, pick_slot
+from node.llama.slots import Slot, SlotJob, TextOut, batch_order, pick_slot
 from node.llama.threads import WINDOW_S, Switch, ThreadPolicy, read_task_times
 from node.llama.vocab import TooManyTokens, Vocab, around_text, special_tokens
 
@@ -390,18 +391,14 @@ class LlamaEngine:
         return ended
 
     def _fill_batch(self) -> list[tuple[Slot, list[int], int | None]]:
-        """Fill the batch: generating slots' last tokens first, then prompt chunks,
-        the shortest remaining prompt first. Returns per slot (its tokens, its logits
-        row or None)."""
-        batch = self._batch
-        rows: list[tuple[Slot, list[int], int | None]] = []
-        n = 0
+        """Fill the batch: each generating slot's last token and prompt chunks, the
+        shortest remaining prompt first, in ``batch_order`` (every slot's rows
+        evaluated together). Returns per slot (its tokens, its logits row or None)."""
+        tokens: dict[int, list[int]] = {}
         for slot in self._slots:
-            job = slot.job
-            if job is not None and job.next_token is not None:
-                _put(batch, n, job.next_token, len(slot.cached), slot.seq, True)
-                rows.append((slot, [job.next_token], n))
-                n += 1
+            if slot.job is not None and slot.job.next_token is not None:
+                tokens[slot.seq] = [slot.job.next_token]
+        n = len(tokens)
         # Shortest remaining prompt first (then arrival): a short prompt that arrives
         # while a long one is being evaluated starts at the next step instead of after
         # the long one's last chunk; the long one still gets the rest of every step.
@@ -417,12 +414,21 @@ class LlamaEngine:
             chunk = slot.job.prompt[start : start + min(limit - n, self.prompt_rows)]
             if not chunk:
                 break
-            last = start + len(chunk) == len(slot.job.prompt)
+            tokens[slot.seq] = chunk
+            n += len(chunk)
+        rows: list[tuple[Slot, list[int], int | None]] = []
+        n = 0
+        for seq in batch_order({seq: len(chunk) for seq, chunk in tokens.items()}):
+            slot, chunk = self._slots[seq], tokens[seq]
+            assert slot.job is not None
+            start = len(slot.cached)
+            # A decode token's logits are always wanted; a chunk's only at its prompt's end.
+            last = slot.job.next_token is not None or start + len(chunk) == len(slot.job.prompt)
             for i, token in enumerate(chunk):
-                _put(batch, n + i, token, start + i, slot.seq, last and i == len(chunk) - 1)
+                _put(self._batch, n + i, token, start + i, seq, last and i == len(chunk) - 1)
             rows.append((slot, chunk, n + len(chunk) - 1 if last else None))
             n += len(chunk)
-        batch.n_tokens = n
+        self._batch.n_tokens = n
         return rows
 
     def _sample(self, slot: Slot, row: int) -> tuple[int, Outcome] | None:

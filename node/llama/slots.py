@@ -10,6 +10,8 @@ becomes text; the engine owns the context and the batches.
 * ``pick_slot``: the free slot whose cached tokens share the longest prefix with
   a new prompt (llama-server's ``cache_prompt``; it also prefers the least
   recently used slot among equals, as here).
+* ``batch_order``: the order of the slots' rows in one batch, so that llama.cpp's
+  split of it into ubatches never cuts a slot's rows.
 * ``TextOut``: token bytes to text, one piece per token: UTF-8 split over byte
   tokens joins whole, and text that may begin a stop string is held back until
   it cannot (llama-cpp-python's ``create_completion`` does the same).
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import codecs
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +119,43 @@ def pick_slot(slots: Sequence[Slot], prompt: Sequence[int], reuse: bool = True) 
     if shared < MIN_REUSE and shared < len(prompt):  # a short prompt cached whole is reused
         best = min(free, key=lambda s: s.used)
     return best, min(common_prefix(best.cached, prompt), len(prompt) - 1)
+
+
+def batch_order(rows: Mapping[int, int]) -> list[int]:
+    """The order of the sequences in one ``llama_batch``, each sequence's rows
+    together, so that llama.cpp evaluates every prompt chunk whole in a ubatch of its
+    own and the one-row sequences together in runs of consecutive ids. ``rows`` maps
+    each sequence id in the step to its row count: 1 for a decoding slot, the
+    chunk's length for a prompt chunk.
+
+    Why: with a KV cache split per sequence, llama.cpp cuts a batch into ubatches
+    of consecutive sequence ids with as many rows each (src/llama-batch.cpp,
+    ``split_equal`` with ``sequential``, as ``llama_kv_cache_iswa::init_batch`` and
+    ``llama_kv_cache::init_batch`` call it when not unified): a ubatch's set starts
+    at the first unused row and takes each later row whose sequence is the last one
+    taken + 1, and then the same number of rows from each sequence in the set. A
+    prompt chunk in a set with a decoding sequence was cut into one row there and
+    the rest in a later ubatch, and a prompt evaluated in other pieces rounds
+    differently: on an AMD EPYC (Zen 4), two of twenty greedy prompts then wrote
+    another text beside decoding slots than alone, and six of twenty arriving in
+    fours (tests/system/test_slots.py). Two chunks of one length in one ubatch are
+    not cut, but rounded differently too (two of those twenty); one-row sequences
+    beside each other got their single-slot logits bit for bit.
+
+    The order: runs of consecutive ids with one row each, and every longer chunk as
+    a run of its own, the run with the highest ids first, each run ascending. A set
+    then starts at a run's first sequence, takes the run whole and cannot go on:
+    the next id belongs to a run placed before it, already used. So each run is one
+    ubatch, and a step of decoding slots with consecutive ids is one ubatch, as in
+    ascending order.
+    """
+    runs: list[list[int]] = []
+    for seq in sorted(rows):
+        if runs and runs[-1][-1] == seq - 1 and rows[runs[-1][-1]] == rows[seq] == 1:
+            runs[-1].append(seq)
+        else:
+            runs.append([seq])
+    return [seq for run in reversed(runs) for seq in run]
 
 
 class TextOut:
