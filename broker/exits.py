@@ -71,7 +71,8 @@ class ExitCause:
         memory_max: its cgroup's limit, as the node words it ("64 MiB"), or "" if
             it has none.
         oom_above: the OOM kill came from a limit above its cgroup (the node's, a
-            parent's, the machine's): its peak stayed under its own limit.
+            parent's, the machine's), as the node judged from the kernel's counts
+            since the process was spawned (``node.sandbox.driver.killed_by_own_limit``).
         oom_peak: its peak memory then, as the node words it ("38 MiB"), or "".
     """
 

@@ -22,7 +22,7 @@ from node.endpoints import connect_endpoint
 from node.engine import EngineName, EngineSpec
 from node.sandbox.cgroups import Sandbox, cgroup_name, limits_for, options_for
 from node.sandbox.cores import CpuPlan, pin_all_threads, plan_workers
-from node.sandbox.driver import MemoryReading
+from node.sandbox.driver import MemoryReading, killed_by_own_limit
 from node.sandbox.niceness import NO_NICENESS, process_niceness
 from node.sandbox.oom import oom_score_adj
 from node.supervisor import ProcessStatus, Supervisor
@@ -105,9 +105,10 @@ class WorkerPool:
         if rules_path is not None:
             self.specs.append(self._rules_spec(rules_path))
         self.oom_kills: dict[str, int] = {}
-        # The cgroup's OOM counter when the worker's current process was spawned:
-        # a restart reuses the cgroup, whose counter never goes down.
-        self._oom_base: dict[str, int] = {}
+        # Each worker's cgroup read when its current process was spawned: a restart
+        # reuses the cgroup, whose counters never go down (the OOM kills, and the
+        # evidence of whose limit did it: killed_by_own_limit).
+        self._at_spawn: dict[str, MemoryReading] = {}
         self.supervisor = Supervisor(
             self.specs,
             log_dir=run_dir / "logs",
@@ -228,18 +229,21 @@ class WorkerPool:
             spec.worker_id, limits_for(self.config.workers, spec.cpus, self.capacity)
         )
         reading = self.memory(spec.worker_id)
-        self._oom_base[spec.worker_id] = reading.oom_kills if reading is not None else 0
+        if reading is not None:  # unreadable: the last reading stands (the death's)
+            self._at_spawn[spec.worker_id] = reading
         return dataclasses.replace(spec, cgroup_procs=paths)
 
     def _explain(self, worker_id: str, cause: ExitCause) -> ExitCause:
         """``cause`` with the OOM kill the cgroup recorded during this process's
         life, if any (the signal alone says SIGKILL), and whether its own limit or
-        one above it did it (``MemoryReading.peaked_at_limit``)."""
+        one above it did it (``killed_by_own_limit``, against the reading taken
+        at the spawn)."""
         reading = self.memory(worker_id)
-        new = 0 if reading is None else reading.oom_kills - self._oom_base.get(worker_id, 0)
+        at_spawn = self._at_spawn.get(worker_id)
+        new = 0 if reading is None else reading.oom_kills - (at_spawn.oom_kills if at_spawn else 0)
         if reading is None or new <= 0:
             return cause
-        self._oom_base[worker_id] = reading.oom_kills
+        self._at_spawn[worker_id] = reading  # counted: not again
         self.oom_kills[worker_id] = self.oom_kills.get(worker_id, 0) + new
         limit = format_size(reading.limit) if reading.limit is not None else ""
         peak = format_size(reading.peak) if reading.peak is not None else ""
@@ -247,7 +251,7 @@ class WorkerPool:
             cause,
             oom_killed=True,
             memory_max=limit,
-            oom_above=not reading.peaked_at_limit,
+            oom_above=not killed_by_own_limit(at_spawn, reading),
             oom_peak=peak,
         )
 

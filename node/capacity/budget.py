@@ -42,7 +42,7 @@ import psutil
 from broker.errors import ConfigError, SandboxError
 from node.pidfile import lock_holder
 from node.sandbox.cgroupfs import Host, parse_keyed, parse_limit, read_optional
-from node.sandbox.layout import Layout, Mount, read_layout
+from node.sandbox.layout import Layout, Mount, ancestry, read_layout, v1_memory_ancestry
 from node.units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -162,26 +162,14 @@ def cut_to_limit(size: int, source: str, limit: CgroupLimit | None) -> tuple[int
 # ---------------------------------------------------------------- the path
 
 
-def _ancestry(mount: Mount, start: Path) -> Iterator[Path]:
-    """``start`` and its ancestors that exist under the mount, deepest first (a
-    ``cgroup_root`` not created yet has no limits of its own)."""
-    for directory in [start, *start.parents]:
-        if not directory.is_relative_to(mount.point):
-            return  # above the mount: not visible here
-        if directory.is_dir():
-            yield directory
-
-
 def _v1_limits(mount: Mount, start: Path) -> Iterator[tuple[int | None, str]]:
     """The limit files on the path, then the kernel's own figure (last, so that on
     a tie the file that sets the limit is the one named)."""
     stat: Path | None = None
-    for directory in _ancestry(mount, start):
+    for directory in v1_memory_ancestry(mount, start):
         stat = stat or directory / "memory.stat"  # the deepest existing cgroup's
         for name in _V1_FILES:
             yield _read_limit(directory / name), str(directory / name)
-        if _read(directory.parent / "memory.use_hierarchy") == "0":
-            break  # the parent does not account its children: its limit is not theirs
     if stat is not None:  # the min over the whole hierarchy, hidden ancestors included
         keyed = _keyed(stat)
         for key in _V1_STAT_KEYS:
@@ -189,7 +177,7 @@ def _v1_limits(mount: Mount, start: Path) -> Iterator[tuple[int | None, str]]:
 
 
 def _v2_limits(mount: Mount, start: Path) -> Iterator[tuple[int | None, str]]:
-    for directory in _ancestry(mount, start):
+    for directory in ancestry(mount, start):
         for name in _V2_FILES:
             yield _read_limit(directory / name), str(directory / name)
 

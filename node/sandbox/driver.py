@@ -93,6 +93,20 @@ class MemoryReading:
     accounting. ``inactive_file`` (``memory.stat``: v2 inactive_file, v1
     total_inactive_file) is page cache the kernel reclaims first; usage minus it
     is the working set (the kubelet's eviction signal).
+
+    Whose limit an OOM kill came from (``killed_by_own_limit``):
+
+    * ``own_limit_ooms`` (v2; None on v1 and where the key is missing): the
+      ``oom`` count of v2 ``memory.events.local`` (``memory.events`` before 5.2,
+      when it was local anyway): the times this cgroup's usage reached its own
+      ``memory.max`` and an allocation was about to fail (cgroup-v2.rst). Events
+      propagate up to ancestors, never down, so a limit above it leaves it alone.
+    * ``above_limit_hits`` (v1; None on v2): ``memory.failcnt`` +
+      ``memory.memsw.failcnt`` summed over the cgroup's ancestors whose limits
+      cover it (``node.sandbox.layout.v1_memory_ancestry``: the node's tree, its
+      parents up to the mount point): how often a limit above it refused a charge.
+      Kernel 6.18 raised the tree's failcnt (0 to 92) when the tree's limit
+      OOM-killed a worker, and no failcnt at all when the worker's own limit did.
     """
 
     current: int
@@ -104,6 +118,8 @@ class MemoryReading:
     high_events: int | None
     swap: int | None
     inactive_file: int = 0
+    own_limit_ooms: int | None = None
+    above_limit_hits: int | None = None
 
     @property
     def working_set(self) -> int:
@@ -120,22 +136,6 @@ class MemoryReading:
         return self.limit is not None and self.working_set >= NEAR_LIMIT * self.limit
 
     @property
-    def peaked_at_limit(self) -> bool:
-        """Whether its peak reached ``NEAR_LIMIT`` of ``limit``: read after an OOM kill
-        in this cgroup, the kill came from its own limit. False when the peak stayed
-        under it or there is no limit (a limit above the cgroup did it: the node's, a
-        parent's, the machine's); True when the kernel keeps no peak (v2 before 5.19:
-        not told apart). v1's peak is reset when the node reuses the cgroup for a new
-        process; v2's ``memory.peak`` keeps the highest of every process the cgroup
-        held, so after a kill at its own limit later kills read as its own too. The
-        peak is a lifetime's: a process that came within 10 % of its limit earlier
-        reads as killed by it even when an ancestor's limit did it (a new user's
-        finding). The ancestors' ``memory.failcnt`` since the spawn would tell more."""
-        if self.limit is None:
-            return False
-        return self.peak is None or self.peak >= NEAR_LIMIT * self.limit
-
-    @property
     def over_high(self) -> bool:
         """Usage at or above the watermark: shed load now (v1's stand-in for memory.high)."""
         return self.high is not None and self.current >= self.high
@@ -143,6 +143,48 @@ class MemoryReading:
     def as_dict(self) -> dict[str, int | bool | None]:
         """For ``status``."""
         return {**dataclasses.asdict(self), "over_high": self.over_high}
+
+
+def killed_by_own_limit(at_spawn: MemoryReading | None, at_death: MemoryReading) -> bool:
+    """Whether an OOM kill of a worker came from its own cgroup's limit (its request
+    is then the poison one) rather than one above it (the node's tree, a parent
+    slice or container, the machine: nothing is blamed).
+
+    Args:
+        at_spawn: the worker's cgroup read when this process was spawned (the
+            counters are the cgroup's, which a respawn reuses), or None if it could
+            not be read then.
+        at_death: the same cgroup read after the kill.
+
+    The evidence, first that applies:
+
+    1. cgroup v2: its own ``oom`` count (``own_limit_ooms``) rose since the spawn:
+       own; it did not: above.
+    2. cgroup v1: an ancestor's failcnt (``above_limit_hits``) rose since the
+       spawn: above. (It also counts charges that reclaim then satisfied, so a tree
+       that ran at its limit during this process's life counts against it: the
+       request gets its one retry rather than the blame.)
+    3. The peak: at or above ``NEAR_LIMIT`` of its own limit: own; below it, or no
+       limit of its own: above (a machine-wide OOM kill, or an ancestor v1 cannot
+       see). No peak kept (v2 before 5.19, which step 1 decides anyway unless
+       ``at_spawn`` is None): own, as nothing tells them apart. v1's peak is reset
+       at each spawn; v2's ``memory.peak`` is the cgroup's highest of all its
+       processes.
+    """
+    if at_spawn is not None:
+        ooms = _since(at_spawn.own_limit_ooms, at_death.own_limit_ooms)
+        if ooms is not None:
+            return ooms > 0
+        if (_since(at_spawn.above_limit_hits, at_death.above_limit_hits) or 0) > 0:
+            return False
+    if at_death.limit is None:
+        return False
+    return at_death.peak is None or at_death.peak >= NEAR_LIMIT * at_death.limit
+
+
+def _since(before: int | None, after: int | None) -> int | None:
+    """How much a counter rose between two readings; None if either lacks it."""
+    return None if before is None or after is None else after - before
 
 
 class CgroupDriver(Protocol):

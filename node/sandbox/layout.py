@@ -9,11 +9,12 @@ driver serves it) or ``none``.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from node.sandbox.cgroupfs import Host
+from broker.errors import SandboxError
+from node.sandbox.cgroupfs import Host, read_optional
 
 _V1_CONTROLLERS = frozenset(
     {
@@ -60,6 +61,33 @@ class Layout:
     v2: Mount | None
     own_v1: Mapping[str, str]
     own_v2: str | None
+
+
+def ancestry(mount: Mount, start: Path) -> Iterator[Path]:
+    """``start`` and its ancestors that exist under ``mount``, deepest first, the
+    mount point last (a ``cgroup_root`` not created yet is skipped; ancestors above
+    the mount, e.g. outside a container's cgroup namespace, are not visible)."""
+    for directory in [start, *start.parents]:
+        if not directory.is_relative_to(mount.point):
+            return
+        if directory.is_dir():
+            yield directory
+
+
+def v1_memory_ancestry(mount: Mount, start: Path) -> Iterator[Path]:
+    """``ancestry`` in a v1 memory hierarchy, cut below the first parent that does
+    not account its children (``memory.use_hierarchy`` 0, cgroup-v1/memory.rst 6):
+    ``start`` and the cgroups whose memory limits (and ``memory.failcnt``) cover it.
+    A missing or unreadable ``memory.use_hierarchy`` counts as 1, the only value
+    since Linux 5.11 (which deprecated the non-hierarchical mode)."""
+    for directory in ancestry(mount, start):
+        yield directory
+        try:
+            flag = read_optional(directory.parent / "memory.use_hierarchy")
+        except SandboxError:  # unreadable: as if absent
+            flag = None
+        if flag == "0":
+            return
 
 
 def parse_layout(mountinfo: str, proc_cgroup: str, root: Path = Path("/")) -> Layout:

@@ -36,7 +36,7 @@ from node.sandbox.driver import (
     close_trees,
     select_controllers,
 )
-from node.sandbox.layout import Layout
+from node.sandbox.layout import Layout, v1_memory_ancestry
 from node.sandbox.niceness import nice_weight
 
 
@@ -146,22 +146,24 @@ class V1Driver:
         d = tree.base / name if name else tree.base
         current = int(read_value(d / "memory.usage_in_bytes"))
         memsw = read_int(d / "memory.memsw.usage_in_bytes")
+        # The cgroups above d whose limits cover it: the tree, its parents up to the
+        # mount point (the budget walks the same path for its limits).
+        above = list(v1_memory_ancestry(self.layout.v1["memory"], d))[1:]
         return MemoryReading(
             current=current,
             peak=read_int(d / "memory.max_usage_in_bytes"),
             limit=parse_limit(read_optional(d / "memory.limit_in_bytes")),
             high=self.high.get(name) if name else None,
             oom_kills=parse_keyed(read_optional(d / "memory.oom_control")).get("oom_kill", 0),
-            # With swap accounting the memsw counter is charged first, so it is
-            # the one that fails at the limit (memory.rst 2.4): count both.
-            limit_hits=(read_int(d / "memory.failcnt") or 0)
-            + (read_int(d / "memory.memsw.failcnt") or 0),
+            limit_hits=_failcnt(d),
             high_events=None,
             swap=None if memsw is None else max(0, memsw - current),
             # total_* counts the whole subtree, as usage_in_bytes does with hierarchy.
             inactive_file=parse_keyed(read_optional(d / "memory.stat")).get(
                 "total_inactive_file", 0
             ),
+            own_limit_ooms=None,  # v1 keeps no such count (6.18's failcnt missed it too)
+            above_limit_hits=sum(_failcnt(a) for a in above),
         )
 
     def remove(self, name: str) -> None:
@@ -175,6 +177,14 @@ class V1Driver:
             close_trees(self.host, self.trees, self.remove, entered=self.entered)
         finally:
             self.owned = self.entered = False
+
+
+def _failcnt(d: Path) -> int:
+    """How often ``d``'s limits refused a charge: ``memory.failcnt`` plus
+    ``memory.memsw.failcnt`` (with swap accounting the memsw counter is charged
+    first, so it is the one that fails at the limit, memory.rst 2.4); an absent
+    file counts 0."""
+    return (read_int(d / "memory.failcnt") or 0) + (read_int(d / "memory.memsw.failcnt") or 0)
 
 
 def _copy_cpuset(host: Host, src: Path, dst: Path) -> None:

@@ -121,6 +121,9 @@ class V2Driver:
     def read_memory(self, name: str | None) -> MemoryReading:
         d = self.dirs(name)[0]
         events = parse_keyed(read_optional(d / "memory.events"))
+        # Its own limit's OOMs only: memory.events counts the subtree's since 5.2,
+        # which added memory.events.local (before, memory.events was local).
+        local = read_optional(d / "memory.events.local")
         return MemoryReading(
             current=int(read_value(d / "memory.current")),
             peak=read_int(d / "memory.peak"),
@@ -131,6 +134,8 @@ class V2Driver:
             high_events=events.get("high"),
             swap=read_int(d / "memory.swap.current"),
             inactive_file=parse_keyed(read_optional(d / "memory.stat")).get("inactive_file", 0),
+            own_limit_ooms=(events if local is None else parse_keyed(local)).get("oom"),
+            above_limit_hits=None,  # own_limit_ooms tells a limit above apart on v2
         )
 
     def remove(self, name: str) -> None:

@@ -7,6 +7,9 @@ that much memory, like a model outgrowing its cgroup. What these tests show
 * a worker whose ``memory_max`` is too small for its work is OOM-killed inside
   its own cgroup while the broker and the other worker keep serving; ``status``
   shows the kill, the supervisor restarts the worker;
+* a worker OOM-killed by a limit above its cgroup (the node's tree, lowered) has
+  its request run again once, not blamed, even when it came near its own limit
+  earlier in its life;
 * no process or cgroup is left after ``edgenode stop``, nor after the node was
   killed with ``kill -9`` and started again (the restart reaps the stale cgroups);
 * ``sandbox = "required"`` with an impossible ``cgroup_root``, and an impossible
@@ -21,12 +24,13 @@ cgroup) and, with the same run dir, the same cgroup name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +71,16 @@ ENDLESS_STREAM = "!slow 100 " + " ".join(f"w{i}" for i in range(598))
 #: has to reclaim or OOM-kill before the test's SIGSTOP (60 of 64 MiB left 3 MiB).
 VERDICT_LIMIT_MIB = 256
 VERDICT_HOLD_MIB = math.ceil(NEAR_LIMIT * VERDICT_LIMIT_MIB) + 6
+#: The stale-peak test's worker: memory.max, the first request's hold (its peak
+#: lands 2-3 MiB above NEAR_LIMIT's line, with the runtime's ~0.5 MiB), the room the
+#: node's tree is then given above its usage, and the second request, which
+#: outgrows that room by 6 MiB while its worker stays ~10 MiB under its own limit.
+#: The tree held no page cache worth reclaiming on the dev machine (12 KiB), so the
+#: kernel OOM-kills at once.
+NEAR_PEAK_LIMIT_MIB = 256
+NEAR_PEAK_HOLD_MIB = math.ceil(NEAR_LIMIT * NEAR_PEAK_LIMIT_MIB) + 2
+NEAR_PEAK_TREE_ROOM_MIB = 6
+NEAR_PEAK_SECOND_MIB = 12
 
 
 @pytest.fixture(scope="module")
@@ -112,16 +126,34 @@ def peak_of(cgroup: Path) -> int | None:
     return read_int(cgroup / "memory.max_usage_in_bytes") or read_int(cgroup / "memory.peak")
 
 
-def run_hog(node: NodeProcess) -> dict[str, Any]:
-    """Send one ``!hog HOG_MIB`` request (the test engine allocates that much) and
-    return its final reply."""
+def run_hog(node: NodeProcess, mib: int = HOG_MIB, rid: str = "hog") -> dict[str, Any]:
+    """Send one ``!hog <mib>`` request (the test engine allocates that much and holds
+    it until its process ends) and return its final reply."""
     col = Collector(node.frontend)
     try:
-        col.send(id="hog", op="generate", prompt=f"!hog {HOG_MIB}", timeout_ms=30_000)
+        col.send(id=rid, op="generate", prompt=f"!hog {mib}", timeout_ms=30_000)
         col.collect(timeout=30)
-        return col.final("hog")
+        return col.final(rid)
     finally:
         col.close()
+
+
+@contextlib.contextmanager
+def tree_limit_above_usage(base: Path, room_mib: int) -> Iterator[None]:
+    """The node's tree limited to what it uses now plus ``room_mib`` MiB (v1
+    ``memory.limit_in_bytes``, v2 ``memory.max``), as a systemd slice or a container
+    lowered below what the workers hold would be; restored on the way out."""
+    knob = base / "memory.limit_in_bytes"
+    if not knob.exists():
+        knob = base / "memory.max"
+    usage = read_int(base / "memory.usage_in_bytes") or read_int(base / "memory.current")
+    assert usage is not None
+    saved = knob.read_text().strip()
+    knob.write_text(str(usage + room_mib * MiB))
+    try:
+        yield
+    finally:
+        knob.write_text(saved)
 
 
 class Pinger(threading.Thread):
@@ -277,20 +309,11 @@ def test_an_oom_kill_by_the_nodes_own_limit_is_not_blamed_on_the_request(
         workers={"count": 1, "memory_max": "256M", "sandbox": "required"}, broker=OOM_BROKER
     )
     base = Path(node.status()["sandbox"]["cgroup"])
-    knob = base / "memory.limit_in_bytes"
-    if not knob.exists():
-        knob = base / "memory.max"
-    usage = read_int(base / "memory.usage_in_bytes") or read_int(base / "memory.current")
-    assert usage is not None
-    saved = knob.read_text().strip()
-    knob.write_text(str(usage + 128 * MiB))  # the worker's hog meets this first
-    try:
+    with tree_limit_above_usage(base, 128):  # the worker's hog meets this first
         hog = run_hog(node)
         status = wait_for(
             lambda: (s := node.status())["all_ready"] and s["processes"][0]["restarts"] == 2 and s
         )
-    finally:
-        knob.write_text(saved)
     assert (hog["code"], hog["reason"]) == (503, "worker_lost"), hog
     # Run again once on the restarted worker, which the same limit killed too.
     above = "OOM-killed by a memory limit above its cgroup (peak "
@@ -302,6 +325,53 @@ def test_an_oom_kill_by_the_nodes_own_limit_is_not_blamed_on_the_request(
     assert node.proc is not None and status["pid"] == node.proc.pid  # the broker lived
     with node.client(wait_ms=5000) as c:
         assert c.ping()
+
+
+def test_a_kill_by_the_nodes_limit_after_a_peak_near_its_own_is_not_blamed(
+    usable: None, make_node: NodeFactory
+) -> None:
+    """A worker that once came within 10 % of its own memory.max (a big json_schema
+    request, here a held ``!hog``) and is later killed by the node's lowered limit:
+    its request was blamed, as its lifetime peak read as its own limit (a user's
+    finding). Since the spawn the tree's ``memory.failcnt`` rose (v1) and the
+    worker's own ``oom`` event did not (v2): the request is run again once, on the
+    restarted worker, and the worker's last exit names the limit above it."""
+    limit = NEAR_PEAK_LIMIT_MIB * MiB
+    node = make_node(
+        workers={"count": 1, "memory_max": f"{NEAR_PEAK_LIMIT_MIB}M", "sandbox": "required"},
+        broker=OOM_BROKER,
+    )
+    base = Path(node.status()["sandbox"]["cgroup"])
+    near = run_hog(node, NEAR_PEAK_HOLD_MIB, rid="near")
+    assert (near["status"], near.get("text")) == ("ok", f"echo: !hog {NEAR_PEAK_HOLD_MIB}"), near
+    (worker,) = node.status()["processes"]
+    # The premises: the peak is in the band the old verdict read as "at its own
+    # limit", the worker is alive and unkilled, and its own limit has room for
+    # the second request, which only the tree's limit stops.
+    memory = worker["memory"]
+    assert (worker["restarts"], worker["oom_kills"], memory["limit"]) == (0, 0, limit), worker
+    peak = peak_of(Path(worker["cgroup"]))
+    assert peak is None or NEAR_LIMIT * limit <= peak, (peak, memory)
+    assert memory["current"] + NEAR_PEAK_SECOND_MIB * MiB < limit - 4 * MiB, memory
+    with tree_limit_above_usage(base, NEAR_PEAK_TREE_ROOM_MIB):
+        second = run_hog(node, NEAR_PEAK_SECOND_MIB, rid="second")
+        status = wait_for(
+            lambda: (s := node.status())["all_ready"] and s["processes"][0]["restarts"] == 1 and s
+        )
+    # Run again once, on the restarted worker, which the tree's limit (set for the
+    # dead worker's usage) leaves room for: the client sees its answer.
+    assert (second["status"], second.get("text")) == ("ok", f"echo: !hog {NEAR_PEAK_SECOND_MIB}"), (
+        second,
+        status["processes"][0]["last_exit"],
+    )
+    (worker,) = status["processes"]
+    assert (worker["restarts"], worker["oom_kills"]) == (1, 1), worker
+    above = "OOM-killed by a memory limit above its cgroup (peak "
+    own = f"memory.max {NEAR_PEAK_LIMIT_MIB} MiB) (killed by SIGKILL)"
+    assert worker["last_exit"].startswith(above) and worker["last_exit"].endswith(own), worker
+    counters = status["counters"]
+    assert (counters.get("workers_lost"), counters.get("worker_lost", 0)) == (1, 0), counters
+    assert node.proc is not None and status["pid"] == node.proc.pid  # the broker lived
 
 
 def test_a_worker_lost_at_its_memory_limit_says_so(usable: None, make_node: NodeFactory) -> None:

@@ -30,11 +30,10 @@ class FakeSource:
         current_mib: int,
         inactive_mib: int = 0,
         limit_mib: int | None = None,
-        peak_mib: int | None = None,
     ) -> None:
         self.reading = MemoryReading(
             current=current_mib * MiB,
-            peak=None if peak_mib is None else peak_mib * MiB,
+            peak=None,
             limit=None if limit_mib is None else limit_mib * MiB,
             high=None,
             oom_kills=0,
@@ -73,17 +72,3 @@ def test_near_limit_counts_the_working_set_not_the_page_cache() -> None:
     assert source.reading.working_set == 53 * MiB and not source.reading.near_limit
     source.use(63)  # no limit: never near it
     assert not source.reading.near_limit
-
-
-def test_an_oom_kill_is_its_own_limits_only_if_the_peak_reached_it() -> None:
-    """Read after an OOM kill in a worker's cgroup: the peak says whose limit did it."""
-    source = FakeSource()
-    for peak, limit, own in (
-        (64, 64, True),
-        (58, 64, True),  # NEAR_LIMIT: 0.9 of it
-        (40, 64, False),  # a limit above it
-        (40, None, False),  # no limit of its own
-        (None, 64, True),  # no peak kept: not told apart
-    ):
-        source.use(10, limit_mib=limit, peak_mib=peak)
-        assert source.reading.peaked_at_limit is own, (peak, limit)

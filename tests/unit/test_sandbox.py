@@ -65,6 +65,7 @@ NEW_CGROUP = {
     "memory.max_usage_in_bytes": "0",
     "memory.memsw.usage_in_bytes": "0",
     "memory.failcnt": "0",
+    "memory.memsw.failcnt": "0",
     "memory.oom_control": OOM_CONTROL,
     "memory.swappiness": "60",
     "cpu.cfs_period_us": "100000",
@@ -88,6 +89,7 @@ V1_ROOTS = {
         "memory.max_usage_in_bytes": "0",
         "memory.memsw.usage_in_bytes": "0",
         "memory.failcnt": "0",
+        "memory.memsw.failcnt": "0",
         "memory.oom_control": OOM_CONTROL,
         "memory.swappiness": "60",
     },
@@ -525,6 +527,66 @@ def test_v1_readings_unlimited_oom_control_failcnt_and_watermark(kernel: FakeKer
         assert reading.high == 100_000_000 and reading.over_high  # v1: the node's own watermark
         node = box.memory()
         assert node is not None and node.high is None
+
+
+def test_v1_above_limit_hits_are_the_ancestors_failcnts_up_to_the_mount(
+    kernel: FakeKernel,
+) -> None:
+    """What tells a kill by a limit above a worker's cgroup on v1: the failcnts of the
+    node's tree and its parents (the mount point included: a container's cgroup has
+    its limit there; the host's root has none, its counters stay 0), not the
+    worker's own, nor its siblings'; a parent that does not account its children
+    (memory.use_hierarchy 0, Linux < 5.11) ends the path."""
+    dirs = v1_host(kernel, hybrid=False)
+    own = dirs["memory"]  # <mount>/system.slice/edgenode.service
+    top = own.parent.parent
+    with Sandbox(opts(), kernel.host()) as box:
+        box.create_worker("llm-0", LIMITS)
+        box.create_worker("llm-1", LIMITS)
+        base = own / "edgenode"
+        (base / "worker-llm-0" / "memory.failcnt").write_text("500")  # its own: not above
+        (base / "worker-llm-1" / "memory.failcnt").write_text("600")  # a sibling's
+        for d, failcnt, memsw in (
+            (base, 90, 2),
+            (own, 0, 5),
+            (own.parent, 300, 0),
+            (top, 4000, 0),
+        ):
+            (d / "memory.failcnt").write_text(str(failcnt))
+            (d / "memory.memsw.failcnt").write_text(str(memsw))
+        reading = box.memory("llm-0")
+        assert reading is not None
+        assert (reading.limit_hits, reading.above_limit_hits) == (500, 4397)
+        assert reading.own_limit_ooms is None  # v1 has no such count
+        node = box.memory()
+        assert node is not None and node.above_limit_hits == 4305  # the tree's own not counted
+        (own.parent / "memory.use_hierarchy").write_text("0")
+        cut = box.memory("llm-0")
+        assert cut is not None and cut.above_limit_hits == 97
+
+
+def test_v2_own_limit_ooms_are_the_workers_local_oom_events(kernel: FakeKernel) -> None:
+    """v2's ``oom`` event: an OOM at this cgroup's own memory.max. memory.events is
+    hierarchical since 5.2 (a tree's count includes its workers'), so the local
+    file is read where the kernel has it."""
+    own = v2_host(kernel)
+    with Sandbox(opts(), kernel.host()) as box:
+        box.create_worker("llm-0", LIMITS)
+        base = own / "edgenode"
+        wdir = base / "worker-llm-0"
+        (wdir / "memory.events").write_text(EVENTS.replace("oom 0", "oom 2"))
+        (base / "memory.events").write_text(EVENTS.replace("oom 0", "oom 5"))
+        reading = box.memory("llm-0")
+        assert reading is not None
+        assert (reading.own_limit_ooms, reading.above_limit_hits) == (2, None)
+        node = box.memory()
+        assert node is not None and node.own_limit_ooms == 5  # a kernel before 5.2
+        (base / "memory.events.local").write_text(EVENTS.replace("oom 0", "oom 3"))
+        node = box.memory()
+        assert node is not None and node.own_limit_ooms == 3
+        (wdir / "memory.events").write_text("max 0\noom_kill 0\n")  # no oom key
+        reading = box.memory("llm-0")
+        assert reading is not None and reading.own_limit_ooms is None
 
 
 def test_v1_a_respawned_worker_does_not_show_the_dead_ones_peak(kernel: FakeKernel) -> None:
