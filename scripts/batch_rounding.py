@@ -3,7 +3,8 @@
 
 A greedy generation of ``--tokens`` tokens from one prompt, with llama-cpp-python's
 low-level API and the batched engine's context (one sequence per slot, a KV cache
-split per sequence, flash attention as configured):
+split per sequence, flash attention as configured, weights not repacked unless
+``--repack``, as the node loads them):
 
 * on a one-slot context: the reference, every step one token;
 * on a four-slot context beside k neighbours (k = 0..3): the prompt is evaluated
@@ -22,9 +23,9 @@ checks the text of 20 prompts beside neighbours; this shows where a difference c
 from. README "Workers and slots" has this machine's figures.
 
 Usage: ``python scripts/batch_rounding.py [--threads 2] [--tokens 48] [--no-flash-attn]
-[--prompt TEXT] [--slot-first]``: ``--tokens`` 1..128 (each step's logits are kept: ~1 MiB a
-token for the reference and as much for the run compared with it), a prompt of at most 256
-tokens.
+[--repack] [--prompt TEXT] [--slot-first]``: ``--tokens`` 1..128 (each step's logits are
+kept: ~1 MiB a token for the reference and as much for the run compared with it), a prompt
+of at most 256 tokens.
 """
 
 from __future__ import annotations
