@@ -66,6 +66,7 @@ from node.bench.throughput import (
     measure,
     prompt_tokens,
 )
+from node.config import WorkersSection
 from node.model import resolve_model
 from node.sandbox.cores import parse_cpus
 from throughput_report import markdown, summarize
@@ -89,9 +90,18 @@ def cores(text: str) -> list[int]:
     return list(parse_cpus(text))
 
 
+#: Without ``--layout``: the node's default layout (``workers.count`` x ``workers.slots``).
+DEFAULT_LAYOUT = (WorkersSection.count, int(WorkersSection.slots))
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--layout", type=layout, action="append", help="node WxS (repeatable)")
+    parser.add_argument(
+        "--layout",
+        type=layout,
+        action="append",
+        help="node WxS (repeatable; default: the node's, {}x{})".format(*DEFAULT_LAYOUT),
+    )
     parser.add_argument("--threads", type=int, help="threads (default: one per core of --cpus)")
     parser.add_argument("--cpus", type=cores, help="cores, e.g. 0,1 (default: all allowed)")
     parser.add_argument(
@@ -197,7 +207,7 @@ def main() -> None:
     backends: list[Backend] = []
     flash: str = args.flash_attn
     if "node" in wanted:
-        for w, s in args.layout or [(2, 1)]:
+        for w, s in args.layout or [DEFAULT_LAYOUT]:
             backends.append(NodeBackend(w, s, threads, cpus, args.nice, args.node_repack, flash))
     if "direct" in wanted:
         backends += [

@@ -27,6 +27,7 @@ from node.bench.report import Goal, Section
 from node.bench.runner import Outcome, Scenario, parse_only, save
 from node.cli import bench as bench_cli
 from node.cli.main import cli
+from node.config import WorkersSection
 from node.testing import REPO
 
 
@@ -453,3 +454,13 @@ def test_the_isolation_report_prints_the_quiet_idle_test(
         "unreserved    resp p99 median above (1.13x the idle max), rounds 1 of 8 inside; "
         "missed above (1.40x the idle max), rounds 3 of 8 inside" in out
     )
+
+
+def test_bench_throughput_measures_the_nodes_default_layout_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It measured two one-slot workers, the node's layout before slots, long after.
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))  # its report module, beside it
+    module = load_script("bench_throughput")
+    assert module.parse_args([]).layout is None
+    assert module.DEFAULT_LAYOUT == (WorkersSection().count, WorkersSection().slots) == (1, 4)
