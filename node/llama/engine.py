@@ -408,14 +408,23 @@ class LlamaEngine:
         # Beside generating slots a step carries fewer prompt tokens, so their
         # streams pause for a fraction of a second, not for a whole n_batch chunk.
         limit = self.n_batch if n == 0 else min(self.n_batch, n + PROMPT_BESIDE_DECODE)
+        decoding = n
         for slot in waiting:
             assert slot.job is not None
-            start = len(slot.cached)
-            chunk = slot.job.prompt[start : start + min(limit - n, self.prompt_rows)]
-            if not chunk:
+            # A chunk as long as the slot would take alone, so that its prompt is cut
+            # where it is cut alone and rounds alike (``batch_order``). Only the step's
+            # first chunk may be cut short to fit (without flash attention prompt_rows
+            # is n_batch, more than a step beside generating slots may carry).
+            size = min(slot.prompt_left, self.prompt_rows)
+            if n + size > limit:
+                if n > decoding:
+                    break
+                size = limit - n
+            if size <= 0:
                 break
-            tokens[slot.seq] = chunk
-            n += len(chunk)
+            start = len(slot.cached)
+            tokens[slot.seq] = slot.job.prompt[start : start + size]
+            n += size
         rows: list[tuple[Slot, list[int], int | None]] = []
         n = 0
         for seq in batch_order({seq: len(chunk) for seq, chunk in tokens.items()}):

@@ -188,6 +188,42 @@ def test_a_short_prompt_arriving_during_a_long_prompts_evaluation_starts_at_the_
     assert short_done["usage"]["completion_tokens"] == 4
 
 
+def test_prompts_evaluated_together_are_cut_where_they_are_cut_alone(
+    four: LlamaEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three long prompts arriving beside a generating slot: each is evaluated in the
+    chunks it gets alone (``prompt_rows`` each, the last shorter), so it rounds alike.
+    The step's budget beside generating slots (``PROMPT_BESIDE_DECODE``) used to give
+    the third prompt the two rows left after the first two's chunks: its prompt was
+    then cut in other places than alone."""
+    calls: list[list[tuple[int, int]]] = []
+    decode = llama_c.llama_decode
+
+    def recorded(ctx: Any, batch: Any) -> int:
+        calls.append([(batch.seq_id[i][0], batch.pos[i]) for i in range(batch.n_tokens)])
+        return int(decode(ctx, batch))
+
+    monkeypatch.setattr(llama_c, "llama_decode", recorded)
+    ended: dict[int, Outcome] = {}
+    four.submit(0, whole(PROMPTS[1]), threading.Event(), lambda _: None)
+    while not any(s.job is not None and s.job.next_token is not None for s in four._slots):
+        ended.update(four.step())
+    words = {1: 70, 2: 80, 3: 90}  # two tokens a word: 141-181 tokens, three chunks each
+    for rid, n in words.items():
+        four.submit(rid, whole(" ".join(["orange mango"] * n)), threading.Event(), lambda _: None)
+    seq_of = {s.job.rid: s.seq for s in four._slots if s.job is not None}
+    calls.clear()
+    step_until_idle(four, ended)
+    rows = four.prompt_rows
+    for rid in words:
+        length = ended[rid]["usage"]["prompt_tokens"]  # type: ignore[index]
+        chunks = [
+            n for n in (sum(q == seq_of[rid] and p < length for q, p in c) for c in calls) if n
+        ]
+        expected = [rows] * (length // rows) + ([length % rows] if length % rows else [])
+        assert chunks == expected, (rid, length)
+
+
 def test_after_a_starved_step_a_decode_step_can_be_aborted_inside_llama_decode(
     four: LlamaEngine,
 ) -> None:
