@@ -137,10 +137,11 @@ def batch_order(rows: Mapping[int, int]) -> list[int]:
     prompt chunk in a set with a decoding sequence was cut into one row there and
     the rest in a later ubatch, and a prompt evaluated in other pieces rounds
     differently: on an AMD EPYC (Zen 4), two of twenty greedy prompts then wrote
-    another text beside decoding slots than alone, and six of twenty arriving in
-    fours (tests/system/test_slots.py). Two chunks of one length in one ubatch are
-    not cut, but rounded differently too (two of those twenty); one-row sequences
-    beside each other got their single-slot logits bit for bit.
+    another text beside decoding slots than alone (tests/system/test_slots.py), and
+    six of twenty arriving four at a time (docs/bench/figures.md, node.llama.batch).
+    Two chunks of one length in one ubatch are not cut, but rounded differently too
+    (two of those twenty); one-row sequences beside each other got their single-slot
+    logits bit for bit.
 
     The order: runs of consecutive ids with one row each, and every longer chunk as
     a run of its own, the run with the highest ids first, each run ascending. A set
