@@ -1,5 +1,5 @@
-"""What the capacity tests share: a config with a fixed budget, the CLI, fake cgroup hosts
-and the limit read from them."""
+"""What the capacity tests share: a config with a fixed budget, the CLI, fake cgroup hosts,
+the limit read from them and a cgroup's memory reading."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from node.capacity.budget import tightest_limit
 from node.cli.capacity import capacity
 from node.config import from_dict
 from node.sandbox.cgroupfs import Host
+from node.sandbox.driver import MemoryReading
 
 MiB, GiB = 1 << 20, 1 << 30
 TEXTBOOK = ["--memory", "8G", "--weights", "4.2G", "--kv-per-seq", "256M", "--reserve", "1.5G"]
@@ -73,3 +74,18 @@ def cgroup_memory_limit(host: Host) -> int | None:
     """``tightest_limit`` of ``host``'s own cgroup, in bytes (None: no limit)."""
     limit = tightest_limit(host)
     return None if limit is None else limit.bytes
+
+
+def memory_reading(current: int = 0, **fields: Any) -> MemoryReading:
+    """A cgroup's ``MemoryReading`` of ``current`` bytes: no limit, peak or events
+    unless ``fields`` (its other attributes, by name) give them."""
+    blank: dict[str, Any] = {
+        "peak": None,
+        "limit": None,
+        "high": None,
+        "oom_kills": 0,
+        "limit_hits": None,
+        "high_events": None,
+        "swap": None,
+    }
+    return MemoryReading(current=current, **(blank | fields))

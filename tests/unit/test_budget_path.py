@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import node.capacity.budget
-from capacitykit import cgroup_memory_limit, fake_host
+from capacitykit import cgroup_memory_limit, fake_host, memory_reading
 from node.capacity.budget import (
     CgroupLimit,
     configured_budget,
@@ -210,16 +210,7 @@ def test_a_configured_budget_above_the_cgroup_limit_is_cut_to_it(
 
 class Reading:
     def __init__(self, current: int, limit: int | None = None) -> None:
-        self.reading = MemoryReading(
-            current=current,
-            peak=None,
-            limit=limit,
-            high=None,
-            oom_kills=0,
-            limit_hits=None,
-            high_events=None,
-            swap=None,
-        )
+        self.reading = memory_reading(current, limit=limit)
 
     def memory(self, worker_id: str | None = None) -> MemoryReading | None:
         return self.reading

@@ -20,6 +20,7 @@ import pytest
 from test_sandbox import EVENTS, SERVICE, FakeKernel, v1_host, v2_host
 
 from broker.exits import ExitCause
+from capacitykit import memory_reading
 from node.config import from_dict
 from node.pool import WorkerPool
 from node.sandbox.cgroups import Sandbox
@@ -224,15 +225,9 @@ def reading(
     above_hits: int | None = None,
 ) -> MemoryReading:
     """A worker's reading with only what ``killed_by_own_limit`` looks at."""
-    return MemoryReading(
-        current=0,
+    return memory_reading(
         peak=None if peak_mib is None else peak_mib * MiB,
         limit=None if limit_mib is None else limit_mib * MiB,
-        high=None,
-        oom_kills=0,
-        limit_hits=None,
-        high_events=None,
-        swap=None,
         own_limit_ooms=own_ooms,
         above_limit_hits=above_hits,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from capacitykit import memory_reading
 from node.config import PressureSection
 from node.pressure import PressureMonitor
 from node.sandbox.driver import MemoryReading
@@ -11,16 +12,7 @@ MiB = 1 << 20
 
 class FakeSource:
     def __init__(self) -> None:
-        self.reading = MemoryReading(
-            current=0,
-            peak=None,
-            limit=None,
-            high=None,
-            oom_kills=0,
-            limit_hits=None,
-            high_events=None,
-            swap=None,
-        )
+        self.reading = memory_reading()
 
     def memory(self, worker_id: str | None = None) -> MemoryReading | None:
         return self.reading
@@ -31,15 +23,9 @@ class FakeSource:
         inactive_mib: int = 0,
         limit_mib: int | None = None,
     ) -> None:
-        self.reading = MemoryReading(
-            current=current_mib * MiB,
-            peak=None,
+        self.reading = memory_reading(
+            current_mib * MiB,
             limit=None if limit_mib is None else limit_mib * MiB,
-            high=None,
-            oom_kills=0,
-            limit_hits=None,
-            high_events=None,
-            swap=None,
             inactive_file=inactive_mib * MiB,
         )
 
