@@ -1,7 +1,7 @@
 """``scripts/batch_rounding.py`` with the real model: it runs, and what a slot's
-neighbours write never reaches its logits, bit for bit, even where the step's shape
-changes its rounding (its rows first beside three neighbours: README "Workers and
-slots"). The rounding itself depends on the CPU's kernels and is not asserted."""
+neighbours write never reaches its logits, bit for bit. Whether the step's shape
+changes the rounding depends on the CPU's kernels (on a Zen 4 only with repacked
+weights: README "Workers and slots") and is not asserted."""
 
 from __future__ import annotations
 
