@@ -32,7 +32,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from broker.kinds import CpuLevel
 from node.capacity.budget import CgroupLimit, cut_to_limit
@@ -60,6 +60,12 @@ class MemorySource(Protocol):
 #: The tightest memory limit on the node's cgroup path (``node.capacity.budget``).
 LimitSource = Callable[[], CgroupLimit | None]
 
+#: Where the memory budget comes from: ``pressure.budget`` (cut to a cgroup limit below
+#: it), a cgroup limit on the node's path, or, with neither, the node's own figure (its
+#: workers' limits plus its share). ``status`` compares the capacity plan's budget with a
+#: cgroup limit only: the node's own figure was never the machine's.
+BudgetKind = Literal["configured", "cgroup", "node"]
+
 #: Seconds a read of the path's limits is used before it is read again. They change only
 #: when an operator writes an ancestor's file, and reading every ancestor's files on each
 #: poll was a fifth of the broker's CPU at 4 concurrent (docs/bench/figures.md,
@@ -86,6 +92,7 @@ class PressureMonitor:
         self._high_events: int | None = None
         self._last: dict[str, Any] = {}
         self._budget_source = ""
+        self._budget_kind: BudgetKind = "node"
         self._path_limit: CgroupLimit | None = None
         self._path_limit_due = float("-inf")
 
@@ -103,11 +110,13 @@ class PressureMonitor:
         if self.settings.budget:
             size = parse_size(self.settings.budget)
             budget, self._budget_source = cut_to_limit(size, "pressure.budget", limit)
+            self._budget_kind = "configured" if budget == size else "cgroup"
             return budget
         if limit is not None:
-            self._budget_source = limit.describe()
+            self._budget_source, self._budget_kind = limit.describe(), "cgroup"
             return limit.bytes
         self._budget_source = "workers' limits + the node's share"
+        self._budget_kind = "node"
         return self.default_budget
 
     def poll(self, now: float) -> str | None:
@@ -139,6 +148,7 @@ class PressureMonitor:
             "working_set": working_set,
             "budget": budget,
             "budget_source": self._budget_source,
+            "budget_kind": self._budget_kind,
             "used_pct": round(pct, 1),
             "current": reading.current,
             "inactive_file": reading.inactive_file,

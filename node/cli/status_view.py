@@ -196,9 +196,13 @@ def _capacity_line(plan: dict[str, Any] | None, memory: dict[str, Any]) -> str |
 
 def _stale(plan: dict[str, Any], memory: dict[str, Any]) -> str:
     """What the plan, made at start, misses when the live budget (the pressure
-    poll's reading: a parent's limit lowered since counts within 2 s) is below the
-    budget it was made for: `` at start; the budget is now 1 GiB: DOES NOT FIT``."""
+    poll's reading: a parent's limit lowered since counts within 2 s) is a cgroup
+    limit below the budget it was made for: `` at start; the budget is now 1 GiB:
+    DOES NOT FIT``. Not for the pressure budget the node computes without one (its
+    workers' limits plus its share: smaller than the machine's, never lowered)."""
     budget, total, now = plan.get("budget"), plan.get("total"), memory.get("budget")
+    if memory.get("budget_kind") == "node":
+        return ""
     if not isinstance(now, int) or not isinstance(budget, int) or now >= budget:
         return ""
     fits = isinstance(total, int) and total <= now

@@ -232,6 +232,22 @@ def test_pressure_measures_against_the_parents_limit_not_the_workers_sum() -> No
     mon = PressureMonitor(configured, Reading(900 * MiB), None, limit=lambda: parent)
     assert mon.poll(0.0) == "high"
     assert mon.snapshot()["budget"] == GiB
+    assert mon.snapshot()["budget_kind"] == "cgroup"
+
+
+def test_the_budget_says_what_kind_it_is() -> None:
+    """``status`` tells a lowered cgroup limit from the node's own figure by it."""
+    limit = CgroupLimit(GiB, "/sys/fs/cgroup/memory/p/memory.limit_in_bytes")
+    cases = [
+        (PressureSection(poll_ms=0), None, "node"),
+        (PressureSection(poll_ms=0), limit, "cgroup"),
+        (PressureSection(poll_ms=0, budget="512M"), limit, "configured"),
+        (PressureSection(poll_ms=0, budget="512M"), None, "configured"),
+    ]
+    for settings, path_limit, kind in cases:
+        mon = PressureMonitor(settings, Reading(100 * MiB), 3 * GiB, limit=lambda p=path_limit: p)
+        mon.poll(0.0)
+        assert mon.snapshot()["budget_kind"] == kind, (settings, path_limit)
 
 
 def test_pressure_reads_the_paths_limits_once_per_ttl_and_sees_a_new_limit_after_it() -> None:

@@ -256,3 +256,15 @@ def test_a_budget_lowered_after_start_shows_on_the_plans_line() -> None:
     assert "at start; the budget is now 4 GiB: fits;" in _capacity_line(status)
     status["memory"]["budget"] = 8 * 2**30
     assert "at start" not in _capacity_line(status)
+
+
+def test_the_nodes_own_pressure_budget_is_not_a_lowered_one() -> None:
+    """Break-it finding (session 15): a fresh node with no cgroup limit on its path said
+    "in all of 23.5 GiB at start; the budget is now 1.4 GiB: fits": the pressure budget
+    it computes itself (its workers' limits plus its share) read as a lowered limit."""
+    status = _capacity(workers=1, slots=4, sequences=4)
+    status["memory"] = {"level": "ok", "working_set": 700 * 2**20, "budget": 2**30}
+    status["memory"]["budget_kind"] = "node"
+    assert "at start" not in _capacity_line(status)
+    status["memory"]["budget_kind"] = "cgroup"
+    assert "at start; the budget is now 1 GiB" in _capacity_line(status)
