@@ -156,7 +156,7 @@ def check_request_id(name: str, value: Any) -> str | int:
         raise ProtocolError(f"missing field {name!r}")
     raise ProtocolError(
         f"field {name!r} must be a non-empty string (<= {MAX_ID_CHARS} chars) "
-        "or a non-negative integer"
+        "or an integer in 0 … 2**63-1"
     )
 
 

@@ -10,8 +10,7 @@ split per sequence, flash attention as configured, weights not repacked unless
 * on a four-slot context beside k neighbours (k = 0..3): the prompt is evaluated
   in the step where the neighbours decode a token each, and every later step
   carries the slot's token and one token per neighbour (k + 1 rows), the slot's
-  rows last (as the engine orders them when the slot has the highest index of the
-  generating ones) or, with ``--slot-first``, first;
+  rows last or, with ``--slot-first``, first;
 * beside three neighbours again, their tokens different: whether the neighbours'
   *content* reaches the slot (it must not) or only the step's shape does.
 
@@ -21,6 +20,12 @@ first appears at, and the step the tokens part, if they do, with how far apart t
 reference's two best logits were there (a near tie). tests/system/test_slots.py
 checks the text of 20 prompts beside neighbours; this shows where a difference comes
 from. README "Workers and slots" has this machine's figures.
+
+Not the engine's batches: the rows are placed by hand (the slot is sequence 0, its
+neighbours 1-3), and the whole prompt is one step, where the engine cuts it into
+chunks of at most ``node.engine.FLASH_PROMPT_ROWS`` under flash attention and orders
+a step's rows with ``node.llama.slots.batch_order``; a prompt of 64 tokens or more
+here takes flash attention's tiled kernel, which the engine never uses.
 
 Usage: ``python scripts/batch_rounding.py [--threads 2] [--tokens 48] [--no-flash-attn]
 [--repack] [--prompt TEXT] [--slot-first]``: ``--tokens`` 1..128 (each step's logits are
@@ -130,6 +135,7 @@ def _within(low: int, high: int) -> Any:
             raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}")
         return value
 
+    parse.__name__ = "integer"  # argparse names it in "invalid integer value: 'abc'"
     return parse
 
 

@@ -125,7 +125,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=("default", "on", "off"),
         default="default",
         help="flash attention in every backend (node model.flash_attn, Llama(flash_attn=), "
-        "llama-server -fa); default: each backend's own default (off, off, auto = on)",
+        "llama-server -fa); default: each backend's own default (node on, llama-cpp-python off, "
+        "llama-server auto = on)",
     )
     parser.add_argument("--llama-server", type=Path, help="a built llama-server binary")
     parser.add_argument("--build-llama-server", type=Path, metavar="DIR")

@@ -115,8 +115,8 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any], levels: Sequence[int
         ]
         out.append(f"| {level} | " + " | ".join(row) + " |")
     ratios = summary["ratios"]
-    if ratios:
-        bases = list(next(iter(ratios.values())))
+    bases = list(next(iter(ratios.values()))) if ratios else []
+    if bases:  # none when only node layouts ran
         out += ["", "Node tokens/s ÷ baseline tokens/s (median of same-round ratios):", ""]
         out.append("| node | concurrent | " + " | ".join(f"÷ {b}" for b in bases) + " |")
         out.append("|---" * (len(bases) + 2) + "|")

@@ -368,6 +368,7 @@ def run_script(script: str, *args: str) -> subprocess.CompletedProcess[str]:
         (["--tokens", "-3"], "argument --tokens: -3 is not in 1..128"),
         (["--tokens", "5000"], "argument --tokens: 5000 is not in 1..128"),
         (["--threads", "0"], "argument --threads: 0 is not in 1..256"),
+        (["--threads", "abc"], "argument --threads: invalid integer value: 'abc'"),
     ],
 )
 def test_batch_rounding_refuses_sizes_it_cannot_run_before_loading(
@@ -464,3 +465,17 @@ def test_bench_throughput_measures_the_nodes_default_layout_by_default(
     module = load_script("bench_throughput")
     assert module.parse_args([]).layout is None
     assert module.DEFAULT_LAYOUT == (WorkersSection().count, WorkersSection().slots) == (1, 4)
+
+
+def test_the_throughput_report_of_node_layouts_alone_has_no_empty_ratio_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new user's ``--backends node`` report had a ratio table with no baseline column."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    report = load_script("throughput_report")
+    data = json.loads((REPO / "docs" / "bench" / "ab4-8-epyc-order.json").read_text())
+    node_runs = [r for r in data["runs"] if r["backend"].startswith("node")]
+    alone = report.markdown(report.summarize(node_runs, [4]), data["meta"], [4])
+    assert "| node 1x4 |" in alone and "÷" not in alone
+    both = report.markdown(report.summarize(data["runs"], [4]), data["meta"], [4])
+    assert "| node 1x4 | 4 | 0.99 | 1.01 |" in both

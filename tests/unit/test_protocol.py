@@ -190,6 +190,11 @@ def test_bad_id_types_are_rejected(bad: Any) -> None:
     assert_rejected(valid(id=bad), "'id'")
 
 
+def test_an_id_too_big_is_told_the_range() -> None:
+    # A new user's 2**64-1 was told "a non-negative integer", which it is.
+    assert_rejected(valid(id=2**64 - 1), "or an integer in 0 … 2**63-1")
+
+
 @pytest.mark.parametrize("good", ["x", "x" * 128, 0, 2**63 - 1])
 def test_id_limits_are_inclusive(good: str | int) -> None:
     assert parse_client_request(valid(id=good)).id == good
