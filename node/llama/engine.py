@@ -11,9 +11,10 @@ llama.cpp's own server does it (tools/server: slots, ``update_slots``):
   the shortest remaining first, up to ``n_batch`` tokens in all
   (``PROMPT_BESIDE_DECODE`` beside generating slots; under flash attention at
   most ``node.engine.FLASH_PROMPT_ROWS`` of one slot), in the order that keeps
-  llama.cpp from cutting a chunk (``node.llama.slots.batch_order``). A new request joins at the
-  next step, and a long prompt is evaluated over several steps while the other
-  slots keep decoding, and while short prompts that came after it start;
+  llama.cpp from cutting a chunk (``node.llama.slots.batch_order``). A new
+  request joins at the next step, and a long prompt is evaluated over several
+  steps while the other slots keep decoding, and while short prompts that came
+  after it start;
 * every request samples through its own ``llama_sampler`` chain (special-token
   mask, its ``json_schema`` grammar, temperature/top_p/seed), except that a
   greedy one's token is the argmax of its logits row, and another request without
@@ -391,14 +392,32 @@ class LlamaEngine:
         return ended
 
     def _fill_batch(self) -> list[tuple[Slot, list[int], int | None]]:
-        """Fill the batch: each generating slot's last token and prompt chunks, the
-        shortest remaining prompt first, in ``batch_order`` (every slot's rows
-        evaluated together). Returns per slot (its tokens, its logits row or None)."""
+        """Fill the batch with ``_step_tokens``, each slot's rows together in
+        ``batch_order``. Returns per slot (its tokens, its logits row or None)."""
+        tokens = self._step_tokens()
+        rows: list[tuple[Slot, list[int], int | None]] = []
+        n = 0
+        for seq in batch_order({seq: len(chunk) for seq, chunk in tokens.items()}):
+            slot, chunk = self._slots[seq], tokens[seq]
+            assert slot.job is not None
+            start = len(slot.cached)
+            # A decode token's logits are always wanted; a chunk's only at its prompt's end.
+            last = slot.job.next_token is not None or start + len(chunk) == len(slot.job.prompt)
+            for i, token in enumerate(chunk):
+                _put(self._batch, n + i, token, start + i, seq, last and i == len(chunk) - 1)
+            rows.append((slot, chunk, n + len(chunk) - 1 if last else None))
+            n += len(chunk)
+        self._batch.n_tokens = n
+        return rows
+
+    def _step_tokens(self) -> dict[int, list[int]]:
+        """The tokens of the next step, by slot: each generating slot's last sampled
+        token, and prompt chunks, the shortest remaining prompt first."""
         tokens: dict[int, list[int]] = {}
         for slot in self._slots:
             if slot.job is not None and slot.job.next_token is not None:
                 tokens[slot.seq] = [slot.job.next_token]
-        n = len(tokens)
+        n = decoding = len(tokens)
         # Shortest remaining prompt first (then arrival): a short prompt that arrives
         # while a long one is being evaluated starts at the next step instead of after
         # the long one's last chunk; the long one still gets the rest of every step.
@@ -408,7 +427,6 @@ class LlamaEngine:
         # Beside generating slots a step carries fewer prompt tokens, so their
         # streams pause for a fraction of a second, not for a whole n_batch chunk.
         limit = self.n_batch if n == 0 else min(self.n_batch, n + PROMPT_BESIDE_DECODE)
-        decoding = n
         for slot in waiting:
             assert slot.job is not None
             # A chunk as long as the slot would take alone, so that its prompt is cut
@@ -425,20 +443,7 @@ class LlamaEngine:
             start = len(slot.cached)
             tokens[slot.seq] = slot.job.prompt[start : start + size]
             n += size
-        rows: list[tuple[Slot, list[int], int | None]] = []
-        n = 0
-        for seq in batch_order({seq: len(chunk) for seq, chunk in tokens.items()}):
-            slot, chunk = self._slots[seq], tokens[seq]
-            assert slot.job is not None
-            start = len(slot.cached)
-            # A decode token's logits are always wanted; a chunk's only at its prompt's end.
-            last = slot.job.next_token is not None or start + len(chunk) == len(slot.job.prompt)
-            for i, token in enumerate(chunk):
-                _put(self._batch, n + i, token, start + i, seq, last and i == len(chunk) - 1)
-            rows.append((slot, chunk, n + len(chunk) - 1 if last else None))
-            n += len(chunk)
-        self._batch.n_tokens = n
-        return rows
+        return tokens
 
     def _sample(self, slot: Slot, row: int) -> tuple[int, Outcome] | None:
         """Sample ``slot``'s next token from batch row ``row``; its end, if it ended."""
