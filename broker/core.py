@@ -558,6 +558,7 @@ class Broker:
                 self.life.forget(job)
             elif rerun:
                 self.life.requeue(job)
+                self.stats.count("requeued")
             elif not self.handover.fall_back(job, "worker_lost", now):
                 self._give_up(job, cause, now, blamed, worker.kind)
         if pool_failure:

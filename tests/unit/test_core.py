@@ -789,6 +789,9 @@ def test_unstreamed_output_of_a_lost_worker_is_discarded_and_made_again(
     reply = only_reply(h)
     assert (reply["status"], reply["text"]) == ("ok", "whole answer")
     assert reply["ttft_ms"] == 300  # the first token of the run that counted
+    # An operator sees the re-run in status's counters (a new user saw it nowhere).
+    assert h.broker.stats.counters["requeued"] == 1
+    assert "worker_lost" not in h.broker.stats.counters
     h.assert_each_answered_once()
 
 
