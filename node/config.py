@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 from broker.breaker import BreakerSettings
 from broker.client_request import MAX_TOKENS_LIMIT
@@ -46,6 +46,11 @@ BACKEND_SOCKET = "workers/backend.sock"
 MAX_SLOTS = 64
 #: ``workers.slots = "auto"``: sized by ``node.capacity.plan.resolve_slots``.
 AUTO_SLOTS = "auto"
+#: ``workers.cpus = "auto"``: the host keeps the first allowed core, the node the
+#: rest (``node.sandbox.cores.reserved_cores``); a list names the cores, [] none.
+AUTO_CORES: Literal["auto"] = "auto"
+#: ``workers.cpus``: the cores reserved for the workers, or "auto".
+CoreSetting = tuple[int, ...] | Literal["auto"]
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,9 @@ class WorkersSection:
     memory_max: str | int = "1G"
     memory_high: str | int = ""
     cpu_quota: str | float = "max"
-    cpus: tuple[int, ...] = ()
+    #: Reserved cores; "auto" leaves the first allowed core to the host (one-core hosts
+    #: share it), [] reserves none (node.sandbox.cores.reserved_cores).
+    cpus: CoreSetting = AUTO_CORES
     nice: int = 10
     #: µs; the model workers' scheduler slice (node.sandbox.niceness.set_slice), 0 = the kernel's.
     slice_us: int = 100
@@ -584,6 +591,7 @@ _ALSO_ACCEPTS: dict[str, tuple[type, ...]] = {
     "workers.memory_high": (int,),
     "workers.cpu_quota": (int, float),
     "workers.slots": (str,),
+    "workers.cpus": (tuple,),
 }
 
 
@@ -594,13 +602,13 @@ def _build(cls: type, raw: dict[str, Any], section: str) -> Any:
         if key not in fields:
             raise ConfigError(f"unknown config key {section}.{key}")
         expected = type(getattr(cls(), key))
-        if expected is tuple and isinstance(value, list):
+        also = _ALSO_ACCEPTS.get(f"{section}.{key}", ())
+        if (expected is tuple or tuple in also) and isinstance(value, list):
             # TOML arrays become tuples: frozen configs stay immutable and hashable.
             values[key] = _int_tuple(f"{section}.{key}", value)
             continue
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             continue
-        also = _ALSO_ACCEPTS.get(f"{section}.{key}", ())
         if isinstance(value, also) and not isinstance(value, bool):
             continue
         if type(value) is not expected:
@@ -633,7 +641,13 @@ def _validate_isolation(w: WorkersSection) -> None:
         raise ConfigError(
             f'workers.cpu_quota must be at most {MAX_CPU_QUOTA} cores or "max", got {w.cpu_quota!r}'
         )
-    _core_list("workers.cpus", w.cpus)
+    if isinstance(w.cpus, str):
+        if w.cpus != AUTO_CORES:
+            raise ConfigError(
+                f'workers.cpus must be "auto" or a list of core numbers, got {w.cpus!r}'
+            )
+    else:
+        _core_list("workers.cpus", w.cpus)
     check_slice(w.slice_us)
 
 

@@ -12,7 +12,8 @@ a busy core looked better than an idle one. Two real nodes run side by side
 (engine llama, default model, ``sandbox = "required"``, each in its own run dir
 and cgroup):
 
-* ``reserved``: ``workers.cpus = [1]``: the workers (all sharing core 1) may
+* ``reserved``: ``workers.cpus = "auto"``, the node's default (``--reserve``;
+  on a 2-core host core 1, as ``[1]``): the workers (all sharing core 1) may
   not run on the probe's core, and neither may the broker and the rule worker
   (``node.cpus = []`` follows the reservation);
 * ``unreserved``: ``workers.cpus = []`` (the baseline): no reservation; the
@@ -80,8 +81,9 @@ from broker.client import Client
 from isolation_report import report
 from node.bench.host import Generator
 from node.bench.probe import calibrate, probe, summarize
-from node.config import WorkersSection
+from node.config import AUTO_CORES, WorkersSection
 from node.model import resolve_model
+from node.sandbox.cores import allowed_cores, reserved_cores
 from node.testing import NodeProcess
 
 N_CTX = 2048  # the default model.n_ctx
@@ -155,7 +157,7 @@ class Config:
     """One node of the comparison, its generators and what was measured with it busy."""
 
     def __init__(
-        self, name: str, cpus: list[int], args: argparse.Namespace, **workers: Any
+        self, name: str, cpus: list[int] | str, args: argparse.Namespace, **workers: Any
     ) -> None:
         self.name, self.cpus = name, cpus
         self.node = NodeProcess(
@@ -238,7 +240,7 @@ class Config:
         }
 
 
-def run(args: argparse.Namespace, reserved: list[int]) -> dict[str, Any]:
+def run(args: argparse.Namespace, reserved: list[int] | str) -> dict[str, Any]:
     """Both nodes up at once; per round the probe runs idle, beside the reserved
     node's workers busy and beside the unreserved node's, in a rotating order, so
     the host's other load (which the benchmark cannot stop) hits every case alike."""
@@ -294,7 +296,12 @@ def main() -> None:
     parser.add_argument("--slots", type=int, help="workers.slots (default: the built-in one)")
     parser.add_argument("--threads", type=int, help="workers.threads (default: the built-in one)")
     parser.add_argument("--probe-core", type=int, default=0)
-    parser.add_argument("--reserve", default="1", help="workers.cpus of the reserved config")
+    parser.add_argument(
+        "--reserve",
+        default="auto",
+        help='workers.cpus of the reserved config: cores (e.g. 1) or "auto", the default '
+        "(every allowed core but the first)",
+    )
     parser.add_argument(
         "--duty", type=float, default=0.5, help="probe work per 1 ms period on an idle core (0..1)"
     )
@@ -309,9 +316,12 @@ def main() -> None:
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root: the node creates cgroups and cpusets")
-    reserved = [int(c) for c in args.reserve.split(",")]
-    if args.probe_core in reserved or args.probe_core not in os.sched_getaffinity(0):
-        sys.exit(f"--probe-core {args.probe_core} must be an allowed core outside {reserved}")
+    reserved: list[int] | str = (
+        "auto" if args.reserve == "auto" else [int(c) for c in args.reserve.split(",")]
+    )
+    cores = reserved_cores(AUTO_CORES, allowed_cores()) if isinstance(reserved, str) else reserved
+    if args.probe_core in cores or args.probe_core not in os.sched_getaffinity(0):
+        sys.exit(f"--probe-core {args.probe_core} must be an allowed core outside {list(cores)}")
     load = os.getloadavg()
     print(
         f"host: {os.cpu_count()} CPUs, allowed {sorted(os.sched_getaffinity(0))}, "

@@ -43,8 +43,8 @@ LONG_PROMPT = (
     + "\nQ: Which room has the lights on?\nA:"
 )
 MODEL_ONLY = {
-    # The layout of the README's table: two one-slot workers of one thread.
-    "workers": {"engine": "llama", "count": 2, "slots": 1, "threads": 1},
+    # The layout of the README's table: two one-slot workers of one thread, one per core.
+    "workers": {"engine": "llama", "count": 2, "slots": 1, "threads": 1, "cpus": []},
     "routing": {"mode": "full"},  # degrade mode's rules would answer in ~2 ms
     "fallback": {"rules": ""},
 }

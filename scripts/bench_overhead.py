@@ -101,9 +101,16 @@ RELAY_WORKER = textwrap.dedent(
 )
 
 NODE_SECTIONS: dict[str, dict[str, Any]] = {
-    # nice 0, as the relay's worker: on a busy machine a nice-10 worker's wait for a
-    # core, not the broker, would set the node's req/s.
-    "workers": {"engine": "test", "count": 1, "threads": 1, "test_token_ms": 0, "nice": 0},
+    # nice 0 and every core (cpus = []), as the relay's worker: on a busy machine a nice-10
+    # worker's wait for a core, not the broker, would set the node's req/s.
+    "workers": {
+        "engine": "test",
+        "count": 1,
+        "threads": 1,
+        "test_token_ms": 0,
+        "nice": 0,
+        "cpus": [],
+    },
     "fallback": {"rules": ""},
     "pressure": {"cpu_warn_pct": 0.0},
     "broker": {"max_in_flight_per_client": 10_000},

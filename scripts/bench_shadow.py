@@ -158,14 +158,14 @@ def main() -> None:
     parser.add_argument(
         "--cpus",
         default="",
-        help="cores reserved for the model workers, e.g. 1 (workers.cpus); default none",
+        help="cores reserved for the model workers, e.g. 1 (workers.cpus); default none: "
+        "every core, as in the README's table",
     )
     parser.add_argument("--nice", type=int, default=10, help="model workers' nice (workers.nice)")
     args = parser.parse_args()
     # One-slot workers of one thread: the layout of the README's table.
     workers: dict[str, Any] = {"count": args.workers, "slots": 1, "threads": 1, "nice": args.nice}
-    if args.cpus:
-        workers["cpus"] = [int(c) for c in args.cpus.split(",")]
+    workers["cpus"] = [int(c) for c in args.cpus.split(",")] if args.cpus else []
 
     result = latency_phase(args.requests, args.blocks, args.gap_ms / 1000, workers)
     lat = result["latency"]

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import os
 import shutil
 import signal
 import sys
@@ -53,7 +52,14 @@ from typing import Any
 
 import zmq
 
-from node.bench.backends import Backend, DirectBackend, NodeBackend, ServerBackend, cpu_list
+from node.bench.backends import (
+    Backend,
+    DirectBackend,
+    NodeBackend,
+    ServerBackend,
+    cpu_list,
+    default_cores,
+)
 from node.bench.context import list_type
 from node.bench.throughput import (
     MAX_TOKENS,
@@ -103,7 +109,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="node WxS (repeatable; default: the node's, {}x{})".format(*DEFAULT_LAYOUT),
     )
     parser.add_argument("--threads", type=int, help="threads (default: one per core of --cpus)")
-    parser.add_argument("--cpus", type=cores, help="cores, e.g. 0,1 (default: all allowed)")
+    parser.add_argument(
+        "--cpus",
+        type=cores,
+        help="cores, e.g. 0,1 (default: the node's default workers.cpus = auto: every "
+        "allowed core but the first, on this 2-core machine core 1)",
+    )
     parser.add_argument(
         "--levels",
         type=list_type("level", int),
@@ -189,8 +200,7 @@ def quietest(
 
 def main() -> None:
     args = parse_args()
-    allowed = sorted(os.sched_getaffinity(0))
-    cpus: list[int] = args.cpus or allowed
+    cpus: list[int] = args.cpus or default_cores()
     threads: int = args.threads or len(cpus)
     default_levels = QUICK_LEVELS if args.quick else tuple(REQUESTS_PER_CLIENT)
     levels: list[int] = args.levels or list(default_levels)

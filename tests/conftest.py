@@ -30,6 +30,10 @@ class StartedNodes:
                 "slots": 1,
                 "threads": 1,
                 "test_token_ms": 10,
+                # Every allowed core, as before "auto" reserved one for the host: the
+                # suite's nodes test the broker, not placement (test_skeleton's
+                # test_reserved_cores_keep_the_whole_node_off_the_hosts_cores does).
+                "cpus": [],
             },
             "broker": dict(FAST_BROKER),
             # No rule worker unless a test asks for one: pool sizes stay the model's.

@@ -30,7 +30,9 @@ from typing import IO, Any, cast
 
 import psutil
 
+from node.config import WorkersSection
 from node.interpreter import module_command
+from node.sandbox.cores import allowed_cores, reserved_cores
 from node.testing import DIE_WITH_HARNESS, NodeProcess, free_port
 
 #: The context of every sequence, in every backend (the default ``model.n_ctx``).
@@ -85,6 +87,14 @@ class Backend(ABC):
 
 
 # ---------------------------------------------------------------------- pinning
+
+
+def default_cores() -> list[int]:
+    """The cores the node's default config gives its workers on this host
+    (``workers.cpus = "auto"``: all allowed but the first; the one core of a
+    one-core host): where a comparison of the default layout runs every backend."""
+    allowed = allowed_cores()
+    return list(reserved_cores(WorkersSection().cpus, allowed) or allowed)
 
 
 def cpu_list(cpus: Iterable[int]) -> str:
@@ -165,7 +175,14 @@ class NodeBackend(Backend):
         self.name = f"node {workers}x{slots}" + (" repack" if repack else "")
         self.cpus = cpus
         self.sections: dict[str, dict[str, Any]] = {
-            "workers": {"engine": "llama", "count": workers, "threads": threads, "nice": nice},
+            # cpus = []: every core it is pinned to, as the other backends get them.
+            "workers": {
+                "engine": "llama",
+                "count": workers,
+                "threads": threads,
+                "nice": nice,
+                "cpus": [],
+            },
             "routing": {"mode": "full"},
             "fallback": {"rules": ""},
             "broker": {"max_in_flight_per_client": 64, "max_timeout_ms": TIMEOUT_MS},

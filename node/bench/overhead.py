@@ -40,6 +40,7 @@ NODE: dict[str, dict[str, Any]] = {
         "slots": SLOTS,
         "threads": 1,
         "test_token_ms": 0,
+        "cpus": [],  # every core, as the relay has: not the default's reserved ones
     },
     "broker": {"max_in_flight_per_client": 64},
     "fallback": {"rules": ""},

@@ -53,9 +53,11 @@ The backends:
 compare like with like; the default leaves each backend at its own default (the
 node on, llama-cpp-python off, llama-server ``auto``, which is on for CPU).
 
-Every process is pinned to ``--cpus`` (default: every core this process may use):
-the baselines with ``taskset``, the node by starting it from a thread pinned there
-(its processes inherit the affinity, and the node places its workers within it);
+Every process is pinned to ``--cpus`` (default: the cores the node's default
+``workers.cpus = "auto"`` gives its workers, ``backends.default_cores``: every allowed
+core but the first): the baselines with ``taskset``, the node by starting it from a
+thread pinned there, with ``workers.cpus = []`` (its processes inherit the affinity,
+and the node places its workers within it);
 the report records each process's affinity as measured after start. Everything
 runs at ``--nice`` (default 0, for the node ``workers.nice``): the node's default
 nice 10 would let outside load fall on the node alone. Every backend is started,
@@ -71,7 +73,7 @@ step, so a 2-thread process on 2 cores beside one busy core can slow down 10-50x
 
 In ``edgenode bench`` (``run``): the node with its built-in worker layout, ``direct -nr``
 (llama-cpp-python without weight repacking, as the node's default ``model.repack``) and,
-with ``--llama-server``, ``llama-server -nr``; one round on every allowed core, at 1, 2,
+with ``--llama-server``, ``llama-server -nr``; one round on the default's cores, at 1, 2,
 4 and 8 concurrent (quick: 1 and 4, a third of the requests, 32 tokens each).
 """
 
@@ -100,6 +102,7 @@ from node.bench.backends import (
     ServerBackend,
     affinities,
     cpu_list,
+    default_cores,
 )
 from node.bench.context import BenchContext
 from node.bench.probe import idle_by_core, tree_cpu
@@ -340,7 +343,7 @@ def run(ctx: BenchContext) -> Section:
     title = "Model throughput and TTFT"
     if ctx.engine != "llama":
         return Section("throughput", title, skipped="needs the model (`--engine llama`)")
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = default_cores()
     threads = len(cpus)
     levels = ctx.pick(QUICK_LEVELS, LEVELS)
     max_tokens = ctx.pick(QUICK_MAX_TOKENS, MAX_TOKENS)

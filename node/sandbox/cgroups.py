@@ -114,14 +114,16 @@ def limits_for(
 def options_for(
     workers: WorkersSection, plan: CpuPlan | None = None, name: str = "edgenode"
 ) -> SandboxOptions:
-    """Options from the config: cpu when a quota is set, cpuset when cores are reserved
-    (or merely wanted when the plan splits unreserved cores between workers)."""
+    """Options from the config: cpu when a quota is set, cpuset when cores are listed in
+    ``workers.cpus`` (or merely wanted when the plan confines workers otherwise: the
+    "auto" reservation, unreserved cores split between workers; affinity pins them anyway)."""
     need = {"memory"}
     if parse_cores(workers.cpu_quota) is not None:
         need.add("cpu")
-    if workers.cpus:
+    listed = not isinstance(workers.cpus, str) and bool(workers.cpus)
+    if listed:
         need.add("cpuset")
-    want = {"cpuset"} if plan is not None and plan.restricts and not workers.cpus else set()
+    want = {"cpuset"} if plan is not None and plan.restricts and not listed else set()
     return SandboxOptions(
         workers.sandbox, workers.cgroup_root, name, frozenset(need), frozenset(want), workers.nice
     )

@@ -5,8 +5,13 @@ stops the start with nothing half-started):
 
 * **Reserved cores** (``workers.cpus``) are for the workers; the other cores of
   the node's allowed set (``os.sched_getaffinity(0)``) stay with the host's own
-  processes. An empty list means "no reservation": the workers may use every
-  allowed core, and only nice level and CPU quota keep them behind the host.
+  processes. ``"auto"`` (the default) leaves the first allowed core to the host
+  and reserves the rest, on a host the node may run on with two cores or more
+  (``reserved_cores``): on a small board a model sharing the control loop's core
+  made it miss deadlines, one on the other core did not (measured:
+  docs/bench/figures.md, "Isolation: a quieter hour"). An empty list means "no
+  reservation": the workers may use every allowed core, and only nice level and
+  CPU quota keep them behind the host.
 * **The node's own cores** (``node.cpus``) are where the broker and the rule
   worker run. By default they follow the reservation: the whole node stays on
   the reserved cores, at nice 0 ahead of the workers (nice 10), so the host's
@@ -45,7 +50,7 @@ from node.sandbox.niceness import check_nice, renice, set_autogroup_nice, set_sl
 from node.units import parse_cores
 
 if TYPE_CHECKING:
-    from node.config import WorkersSection
+    from node.config import CoreSetting, WorkersSection
 
 log = logging.getLogger("edgenode.affinity")
 
@@ -90,24 +95,51 @@ class CpuPlan:
         """Whether any worker is confined to fewer cores than the node may use."""
         return any(len(p.cpus) < len(self.allowed) for p in self.workers)
 
+    @property
+    def reserves(self) -> bool:
+        """Whether cores are reserved: some allowed cores stay with the host alone."""
+        return len(self.host) < len(self.allowed)
+
 
 def allowed_cores() -> tuple[int, ...]:
     """The cores this process may run on (``os.sched_getaffinity(0)``), sorted."""
     return tuple(sorted(os.sched_getaffinity(0)))
 
 
+def reserved_cores(setting: CoreSetting, allowed: Sequence[int]) -> tuple[int, ...]:
+    """The cores ``workers.cpus`` reserves on a host whose allowed cores are ``allowed``.
+
+    ``"auto"``: every allowed core but the lowest-numbered, which the host keeps
+    (Linux's first core is where boot-time services and, by convention, the
+    host's own processes start); with one allowed core, none (the node shares
+    it, behind the host by nice). A list is returned as given (``plan_cpus``
+    checks it).
+    """
+    if not isinstance(setting, str):
+        return tuple(setting)
+    cores = sorted(allowed)
+    return tuple(cores[1:]) if len(cores) >= 2 else ()
+
+
 def plan_workers(
-    w: WorkersSection, node_cpus: Sequence[int] = (), *, count: int | None = None
+    w: WorkersSection,
+    node_cpus: Sequence[int] = (),
+    *,
+    count: int | None = None,
+    allowed: Iterable[int] | None = None,
 ) -> CpuPlan:
     """The core plan for ``[workers]`` and ``node.cpus`` on this host (``edgenode
-    start`` checks it first); ``count`` workers, default ``workers.count``.
+    start`` checks it first); ``count`` workers, default ``workers.count``;
+    ``allowed`` cores, default ``allowed_cores()``.
 
     Raises:
         ConfigError: an impossible reservation (cores outside the allowed set, all of them).
     """
+    allowed_set = tuple(sorted(set(allowed_cores() if allowed is None else allowed)))
     return plan_cpus(
         w.count if count is None else count,
-        w.cpus,
+        reserved_cores(w.cpus, allowed_set),
+        allowed=allowed_set,
         cpu_quota_cores=parse_cores(w.cpu_quota),
         max_threads=w.threads,
         nice=w.nice,

@@ -190,20 +190,29 @@ def test_start_refuses_a_plan_that_cannot_fit(make_node: NodeFactory) -> None:
     assert not (node.run_dir / "edgenode.pid").exists()
 
 
-def test_reserved_cores_keep_the_whole_node_off_the_hosts_cores(make_node: NodeFactory) -> None:
-    node = make_node(workers={"cpus": [1]}, fallback={"rules": "default"})
+@pytest.mark.parametrize("cpus", ["auto", [1]], ids=["default-auto", "listed"])
+def test_reserved_cores_keep_the_whole_node_off_the_hosts_cores(
+    make_node: NodeFactory, cpus: str | list[int]
+) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2 or 1 not in allowed:
+        pytest.skip(f"needs cores 0 and 1; this process may use {allowed}")
+    # "auto" (the default; the suite's nodes share every core unless told) keeps the
+    # first allowed core for the host: here every core but core 0.
+    reserved = allowed[1:] if cpus == "auto" else [1]
+    node = make_node(workers={"cpus": cpus}, fallback={"rules": "default"})
     status = node.status()
     by_id = {p["worker_id"]: p for p in status["processes"]}
     # The broker and the rules follow the reservation (node.cpus = []), ahead
     # of the workers by nice level: core 0 is the host's alone.
-    assert psutil.Process(status["pid"]).cpu_affinity() == [1]
+    assert psutil.Process(status["pid"]).cpu_affinity() == reserved
     # Every thread, including those a library started at import (numpy's OpenBLAS pool).
     for thread in psutil.Process(status["pid"]).threads():
-        assert os.sched_getaffinity(thread.id) == {1}, thread
-    assert psutil.Process(by_id["rules-0"]["pid"]).cpu_affinity() == [1]
+        assert os.sched_getaffinity(thread.id) == set(reserved), thread
+    assert psutil.Process(by_id["rules-0"]["pid"]).cpu_affinity() == reserved
     assert by_id["rules-0"]["nice"] == 0
     for wid in ("llm-0", "llm-1"):
-        assert psutil.Process(by_id[wid]["pid"]).cpu_affinity() == [1]
+        assert psutil.Process(by_id[wid]["pid"]).cpu_affinity() == reserved
         assert psutil.Process(by_id[wid]["pid"]).nice() == 10
         # ... and so is its session's autogroup, else nice 10 ranks it only
         # within its own session (node/sandbox/niceness.py).

@@ -70,6 +70,8 @@ BAD: list[tuple[str, Any]] = [
     ("workers.cpu_quota", math.inf),
     ("workers.cpu_quota", math.nan),
     ("workers.cpus", [1, 1]),
+    ("workers.cpus", "all"),
+    ("workers.cpus", 1),
     ("workers.nice", -1),
     ("workers.nice", 20),
     ("workers.slice_us", 100_001),

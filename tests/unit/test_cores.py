@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from broker.errors import ConfigError, SandboxError
-from node.config import from_dict, validate
+from node.config import WorkersSection, from_dict, validate
 from node.sandbox import niceness
 from node.sandbox.cores import (
     Placement,
@@ -22,6 +22,8 @@ from node.sandbox.cores import (
     parse_cpus,
     pin,
     plan_cpus,
+    plan_workers,
+    reserved_cores,
     split_cores,
     usable_threads,
 )
@@ -79,6 +81,29 @@ def test_no_reservation_splits_all_allowed_cores() -> None:
 def test_more_workers_than_cores_share_the_pool() -> None:
     plan = plan_cpus(3, allowed=(0, 1), max_threads=4)
     assert [p.cpus for p in plan.workers] == [(0, 1)] * 3
+
+
+def test_auto_reservation_leaves_the_first_allowed_core_to_the_host() -> None:
+    assert reserved_cores("auto", (0, 1)) == (1,)
+    assert reserved_cores("auto", (3, 2, 5)) == (3, 5)  # the lowest allowed, not core 0
+    assert reserved_cores("auto", (4,)) == ()  # one core: shared, nothing to leave
+    assert reserved_cores((), FOUR) == ()
+    assert reserved_cores((2, 3), FOUR) == (2, 3)
+
+
+def test_the_default_config_reserves_all_but_one_core_and_the_node_follows() -> None:
+    w = WorkersSection()
+    assert w.cpus == "auto"
+    two = plan_workers(w, allowed=(0, 1))
+    assert two.reserves and two.host == (0,) and two.node == (1,)
+    assert [(p.cpus, p.threads) for p in two.workers] == [((1,), 1)]
+    four = plan_workers(w, allowed=FOUR)
+    assert four.host == (0,) and four.node == (1, 2, 3)
+    assert [(p.cpus, p.threads) for p in four.workers] == [((1, 2, 3), w.threads)]
+    one = plan_workers(w, allowed=(0,))
+    assert not one.reserves and one.node == () and one.workers[0].cpus == (0,)
+    shared = plan_workers(WorkersSection(cpus=()), allowed=(0, 1))
+    assert not shared.reserves and shared.workers[0].cpus == (0, 1)
 
 
 def test_default_allowed_set_is_this_process_affinity() -> None:

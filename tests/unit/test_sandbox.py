@@ -21,6 +21,7 @@ from node.capacity.worker_limits import memory_high_bytes
 from node.config import WorkersSection, from_dict, validate
 from node.sandbox.cgroupfs import V1_UNLIMITED, Host
 from node.sandbox.cgroups import Sandbox, cgroup_name, join_cgroup, limits_for, options_for
+from node.sandbox.cores import plan_workers
 from node.sandbox.driver import Limits, SandboxOptions
 from node.sandbox.layout import parse_layout
 from node.units import format_size, parse_size
@@ -807,6 +808,9 @@ def test_config_keys_become_limits_and_options() -> None:
     )
     defaults = options_for(WorkersSection())
     assert defaults.need == {"memory"} and defaults.mode == "auto"
+    # "auto" reserves core 1 of two: a cpuset is wanted (affinity pins anyway), not needed.
+    auto = options_for(WorkersSection(), plan_workers(WorkersSection(), allowed=(0, 1)))
+    assert auto.need == {"memory"} and auto.want == {"cpuset"}
     assert limits_for(WorkersSection()).memory_max == 2**30
     assert limits_for(WorkersSection(memory_max=2**29)).memory_max == 2**29
     assert memory_high_bytes(WorkersSection(memory_max="max")) is None
