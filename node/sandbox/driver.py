@@ -101,7 +101,8 @@ class MemoryReading:
       when it was local anyway): the times this cgroup's usage reached its own
       ``memory.max`` and an allocation was about to fail (cgroup-v2.rst). Events
       propagate up to ancestors, never down, so a limit above it leaves it alone.
-    * ``above_limit_hits`` (v1; None on v2): ``memory.failcnt`` +
+    * ``above_limit_hits`` (v1 worker readings; None on v2 and for the whole node):
+      ``memory.failcnt`` +
       ``memory.memsw.failcnt`` summed over the cgroup's ancestors whose limits
       cover it (``node.sandbox.layout.v1_memory_ancestry``: the node's tree, its
       parents up to the mount point): how often a limit above it refused a charge.

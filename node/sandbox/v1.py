@@ -146,9 +146,10 @@ class V1Driver:
         d = tree.base / name if name else tree.base
         current = int(read_value(d / "memory.usage_in_bytes"))
         memsw = read_int(d / "memory.memsw.usage_in_bytes")
-        # The cgroups above d whose limits cover it: the tree, its parents up to the
-        # mount point (the budget walks the same path for its limits).
-        above = list(v1_memory_ancestry(self.layout.v1["memory"], d))[1:]
+        # A worker's: the cgroups above d whose limits cover it, the tree and its parents
+        # up to the mount point (the budget walks the same path for its limits). Only
+        # the OOM verdict reads them, so the pressure poll's node reading skips the walk.
+        above = list(v1_memory_ancestry(self.layout.v1["memory"], d))[1:] if name else None
         return MemoryReading(
             current=current,
             peak=read_int(d / "memory.max_usage_in_bytes"),
@@ -163,7 +164,7 @@ class V1Driver:
                 "total_inactive_file", 0
             ),
             own_limit_ooms=None,  # v1 keeps no such count (6.18's failcnt missed it too)
-            above_limit_hits=sum(_failcnt(a) for a in above),
+            above_limit_hits=None if above is None else sum(_failcnt(a) for a in above),
         )
 
     def remove(self, name: str) -> None:
