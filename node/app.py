@@ -833,6 +833,7 @@ class Node:
                 else "loaded"
             ),
             "sandbox": pool.sandbox.status(),
+            "cores": pool.plan.describe(self.config.workers.cpus),
             "memory": pressure.snapshot(),
             "cpu": cpu.snapshot(),
             "capacity": {

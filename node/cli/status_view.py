@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from node.sandbox.cores import format_cpus
 from node.service.health import judge
 from node.units import format_size
 
@@ -26,6 +27,7 @@ def render_status(node: dict[str, Any]) -> str:
         _gate_line(node),
         _breaker_line(routing.get("breaker")),
         _sandbox_line(node.get("sandbox")),
+        _cores_line(node.get("cores")),
         _capacity_line(node.get("capacity"), node.get("memory", {})),
         "",
         f"{'WORKER':<8} {'STATE':<10} {'PID':>7} {'CREDIT':>6} {'RESTARTS':>8} {'CPUS':>5} "
@@ -172,6 +174,27 @@ def _sandbox_line(sandbox: dict[str, Any] | None) -> str:
     if not sandbox.get("cgroup"):
         return f"sandbox: off ({sandbox.get('reason') or sandbox.get('mode')})"
     return f"sandbox: {sandbox.get('backend')} ({sandbox.get('layout')}) {sandbox['cgroup']}"
+
+
+def _cores_line(cores: dict[str, Any] | None) -> str | None:
+    """``cores: workers on 1, the node on 1; the host keeps 0 (workers.cpus = "auto")``, or
+    for no reservation ``cores: shared: workers on 0,1, below the host by nice``; nothing
+    from an older node."""
+    if not cores:
+        return None
+    setting = cores.get("setting")
+    said = f'"{setting}"' if isinstance(setting, str) else str(setting)
+    workers = format_cpus(cores.get("workers") or [])
+    if not cores.get("reserved"):
+        return (
+            f"cores: shared: workers on {workers}, below the host by nice (workers.cpus = {said})"
+        )
+    node = format_cpus(cores.get("node") or []) or "any"
+    host = format_cpus(cores.get("host") or [])
+    return (
+        f"cores: workers on {workers}, the node on {node}; the host keeps {host} "
+        f"(workers.cpus = {said})"
+    )
 
 
 def _capacity_line(plan: dict[str, Any] | None, memory: dict[str, Any]) -> str | None:

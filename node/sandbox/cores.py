@@ -43,7 +43,7 @@ import os
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from broker.errors import ConfigError, SandboxError
 from node.sandbox.niceness import check_nice, renice, set_autogroup_nice, set_slice
@@ -99,6 +99,19 @@ class CpuPlan:
     def reserves(self) -> bool:
         """Whether cores are reserved: some allowed cores stay with the host alone."""
         return len(self.host) < len(self.allowed)
+
+    def describe(self, setting: CoreSetting) -> dict[str, Any]:
+        """``status``'s ``cores`` map (docs/PROTOCOL.md §12.4): ``setting`` (``workers.cpus``:
+        "auto" or the list), ``reserved`` (bool), ``workers`` (the cores they may use),
+        ``host`` (the cores the node leaves to the host alone; [] when nothing is
+        reserved), ``node`` (the broker's and the rule worker's; [] = not pinned)."""
+        return {
+            "setting": setting if isinstance(setting, str) else list(setting),
+            "reserved": self.reserves,
+            "workers": list(self.reserved),
+            "host": list(self.host) if self.reserves else [],
+            "node": list(self.node),
+        }
 
 
 def allowed_cores() -> tuple[int, ...]:

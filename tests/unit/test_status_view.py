@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from node.cli.status_view import render_status
+from node.config import WorkersSection
+from node.sandbox.cores import plan_workers
 
 
 def _proc(wid: str, nice: int | None, group: int | None) -> dict[str, Any]:
@@ -268,3 +270,32 @@ def test_the_nodes_own_pressure_budget_is_not_a_lowered_one() -> None:
     assert "at start" not in _capacity_line(status)
     status["memory"]["budget_kind"] = "cgroup"
     assert "at start; the budget is now 1 GiB" in _capacity_line(status)
+
+
+def _cores_line(cores: dict[str, Any] | None) -> str | None:
+    status = _capacity()
+    if cores is not None:
+        status["cores"] = cores
+    lines = render_status(status).splitlines()
+    found = [line for line in lines if line.startswith("cores: ")]
+    return found[0] if found else None
+
+
+def test_the_cores_line_says_what_the_host_keeps() -> None:
+    plan = plan_workers(WorkersSection(), allowed=(0, 1))
+    line = _cores_line(plan.describe(WorkersSection().cpus))
+    assert line == 'cores: workers on 1, the node on 1; the host keeps 0 (workers.cpus = "auto")'
+    listed = plan_workers(WorkersSection(cpus=(2, 3)), node_cpus=[0], allowed=range(4))
+    assert _cores_line(listed.describe((2, 3))) == (
+        "cores: workers on 2-3, the node on 0; the host keeps 0-1 (workers.cpus = [2, 3])"
+    )
+    shared = plan_workers(WorkersSection(cpus=()), allowed=(0, 1))
+    assert _cores_line(shared.describe(())) == (
+        "cores: shared: workers on 0-1, below the host by nice (workers.cpus = [])"
+    )
+    # "auto" on a one-core host reserves nothing.
+    alone = plan_workers(WorkersSection(), allowed=(0,))
+    assert _cores_line(alone.describe("auto")) == (
+        'cores: shared: workers on 0, below the host by nice (workers.cpus = "auto")'
+    )
+    assert _cores_line(None) is None  # an older node's status: no line
