@@ -243,6 +243,17 @@ def _readable(sock: zmq.Socket[bytes]) -> bool:
     return isinstance(events, int) and bool(events & zmq.POLLIN)
 
 
+def _source_fd(frame: zmq.Frame) -> int:
+    """The descriptor of the connection ``frame`` came on, or -1 when libzmq has none
+    for it: a message from a ZMTP/1.0 peer (no greeting, so no metadata) raises EINVAL,
+    which reached the loop and stopped the node (a new user's five raw bytes)."""
+    try:
+        fd = frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return -1
+    return fd if isinstance(fd, int) else -1
+
+
 class BrokerLoop:
     """Runs a ``Broker`` on two ROUTER sockets until ``stop()`` is called.
 
@@ -454,8 +465,8 @@ class BrokerLoop:
             # ZMQ_SRCFD: the descriptor of the connection it came on (deprecated
             # in libzmq for ZMQ_MSG_PROPERTY_PEER_ADDRESS, which cannot tell two
             # ipc peers apart, yet still served by 4.3).
-            fd = parts[0].get(zmq.SRCFD)
-            if isinstance(fd, int) and fd >= 0:
+            fd = _source_fd(parts[0])
+            if fd >= 0:
                 self.connections.seen(frames[0], fd)
             principal = None
             if self.curve_frontend:

@@ -203,9 +203,10 @@ class Node:
     - Cgroups: the node's sandbox moves the whole process (the app with it) into
       the node's ``node`` leaf, as for the CLI's node (cgroup v2 allows no process
       in a cgroup that enables controllers), and ``stop`` moves it back to the
-      cgroup it came from and removes the node's tree. With reserved cores
-      (``node.cpus``) the app's threads run on the node's cores until ``stop``
-      gives them back the cores they had.
+      cgroup it came from and removes the node's tree. The default core
+      reservation (``workers.cpus = "auto"``) confines the workers only; with
+      ``node.cpus``, or cores listed in ``workers.cpus``, the app's threads run on
+      the node's cores until ``stop`` gives them back the cores they had.
 
     Raises (from ``run``, ``start`` and so ``__enter__``):
         ConfigError: the model or rules cannot be resolved, the rules file is
@@ -502,6 +503,7 @@ class Node:
             slots=self.plan.slots,
             backend_key=b"" if backend_curve is None else backend_curve.public_key,
             key_file=local_key_file(self.run_dir),
+            embedded=not self._own_signals,
         )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)

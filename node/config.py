@@ -593,6 +593,17 @@ _ALSO_ACCEPTS: dict[str, tuple[type, ...]] = {
     "workers.slots": (str,),
     "workers.cpus": (tuple,),
 }
+#: What a value of a TOML type is called in an error ("workers.cpus must be a
+#: string or a list, got an integer"): the user wrote TOML, not Python.
+_TOML_TYPES: dict[type, str] = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    tuple: "a list",
+    list: "a list",
+    dict: "a table",
+}
 
 
 def _build(cls: type, raw: dict[str, Any], section: str) -> Any:
@@ -612,10 +623,14 @@ def _build(cls: type, raw: dict[str, Any], section: str) -> Any:
         if isinstance(value, also) and not isinstance(value, bool):
             continue
         if type(value) is not expected:
-            raise ConfigError(
-                f"{section}.{key} must be {expected.__name__}, got {type(value).__name__}"
-            )
+            wanted = " or ".join(dict.fromkeys(_toml_type(t) for t in (expected, *also)))
+            raise ConfigError(f"{section}.{key} must be {wanted}, got {_toml_type(type(value))}")
     return cls(**values)
+
+
+def _toml_type(kind: type) -> str:
+    """``int`` -> "an integer": a TOML value's type in an error message."""
+    return _TOML_TYPES.get(kind, kind.__name__)
 
 
 def _int_tuple(key: str, value: list[Any]) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ from node.config import NodeConfig
 from node.endpoints import connect_endpoint
 from node.engine import EngineName, EngineSpec
 from node.sandbox.cgroups import Sandbox, cgroup_name, limits_for, options_for
-from node.sandbox.cores import CpuPlan, pin_all_threads, plan_workers
+from node.sandbox.cores import CpuPlan, cores_line, pin_all_threads, plan_workers
 from node.sandbox.driver import MemoryReading, killed_by_own_limit
 from node.sandbox.niceness import NO_NICENESS, process_niceness
 from node.sandbox.oom import oom_score_adj
@@ -90,6 +90,7 @@ class WorkerPool:
         backend_key: bytes = b"",
         key_file: Path | None = None,
         host: str | None = None,
+        embedded: bool = False,
     ) -> None:
         self.config = config
         self.host = host
@@ -99,7 +100,7 @@ class WorkerPool:
         self.capacity = capacity
         self.slots = resolve_slots(config) if slots is None else slots
         w = config.workers
-        self.plan: CpuPlan = plan_workers(w, config.node.cpus)
+        self.plan: CpuPlan = plan_workers(w, config.node.cpus, embedded=embedded)
         self.sandbox = Sandbox(options_for(w, self.plan, cgroup_name(run_dir)))
         self.specs = self._model_specs(model_path)
         if rules_path is not None:
@@ -150,7 +151,9 @@ class WorkerPool:
                     slots=self.slots,
                     heartbeat_interval_ms=c.broker.heartbeat_interval_ms,
                     heartbeat_liveness=c.broker.heartbeat_liveness,
-                    cpus=placement.cpus if self.plan.restricts else (),
+                    # Pinned to its planned cores when they are fewer than the node's, or
+                    # when the node is pinned itself: a worker would inherit its cores.
+                    cpus=placement.cpus if self.plan.restricts or self.plan.node else (),
                     nice=placement.nice,
                     slice_us=c.workers.slice_us,
                     oom_score_adj=c.workers.oom_score_adj,
@@ -189,6 +192,7 @@ class WorkerPool:
             SandboxError: ``sandbox = "required"`` and cgroups cannot be used.
         """
         self.sandbox.open()
+        log.info("%s", cores_line(self.plan.describe(self.config.workers.cpus)))
         if self.plan.node:
             # The broker (and its zmq threads, created later) stays on the node's
             # cores: the host's never see a token relayed (node/sandbox/cores.py).

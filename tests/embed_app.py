@@ -82,6 +82,8 @@ def serve(node: Node, report: dict[str, Any], rules: bool, kill9: bool) -> None:
         report["sandbox"] = status["sandbox"]
         report["node_cgroup_existed"] = node_cgroup_existed(status)
         report["workers"] = {p["worker_id"]: p["pid"] for p in status["processes"]}
+        report["affinity_inside"] = sorted(os.sched_getaffinity(0))
+        report["cores"] = status["cores"]
         if rules:
             reply = client.generate("hello there", route="rules")
             report["replies"] = [reply.text, reply.served_by]
@@ -277,6 +279,7 @@ def main() -> int:
         "handlers_before": handlers(),
         "wakeup_fd_before": wakeup_fd(),
         "cgroup_before": own_cgroup(),
+        "affinity_before": sorted(os.sched_getaffinity(0)),
     }
     code = 0
     try:
@@ -295,6 +298,7 @@ def main() -> int:
     report["handlers_after"] = handlers()
     report["wakeup_fd_after"] = wakeup_fd()
     report["cgroup_after"] = own_cgroup()
+    report["affinity_after"] = sorted(os.sched_getaffinity(0))
     report["ended_at"] = time.time()
     Path(report_path).write_text(json.dumps(report, indent=1))
     return code

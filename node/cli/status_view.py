@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from node.sandbox.cores import format_cpus
+from node.sandbox.cores import cores_line
 from node.service.health import judge
 from node.units import format_size
 
@@ -177,24 +177,8 @@ def _sandbox_line(sandbox: dict[str, Any] | None) -> str:
 
 
 def _cores_line(cores: dict[str, Any] | None) -> str | None:
-    """``cores: workers on 1, the node on 1; the host keeps 0 (workers.cpus = "auto")``, or
-    for no reservation ``cores: shared: workers on 0,1, below the host by nice``; nothing
-    from an older node."""
-    if not cores:
-        return None
-    setting = cores.get("setting")
-    said = f'"{setting}"' if isinstance(setting, str) else str(setting)
-    workers = format_cpus(cores.get("workers") or [])
-    if not cores.get("reserved"):
-        return (
-            f"cores: shared: workers on {workers}, below the host by nice (workers.cpus = {said})"
-        )
-    node = format_cpus(cores.get("node") or []) or "any"
-    host = format_cpus(cores.get("host") or [])
-    return (
-        f"cores: workers on {workers}, the node on {node}; the host keeps {host} "
-        f"(workers.cpus = {said})"
-    )
+    """``node.sandbox.cores.cores_line`` of the node's plan; nothing from an older node."""
+    return cores_line(cores) if cores else None
 
 
 def _capacity_line(plan: dict[str, Any] | None, memory: dict[str, Any]) -> str | None:

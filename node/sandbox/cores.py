@@ -7,9 +7,10 @@ stops the start with nothing half-started):
   the node's allowed set (``os.sched_getaffinity(0)``) stay with the host's own
   processes. ``"auto"`` (the default) leaves the first allowed core to the host
   and reserves the rest, on a host the node may run on with two cores or more
-  (``reserved_cores``): on a small board a model sharing the control loop's core
-  made it miss deadlines, one on the other core did not (measured:
-  docs/bench/figures.md, "Isolation: a quieter hour"). An empty list means "no
+  (``reserved_cores``): on a two-core board a host's control loop kept its idle
+  missed-deadline share in more runs with the model on the other core than on
+  its own (4 of 6 against 3 of 6, docs/bench/figures.md, "Isolation: the default
+  reserves a core"), and its core is never the model's. An empty list means "no
   reservation": the workers may use every allowed core, and only nice level and
   CPU quota keep them behind the host.
 * **The node's own cores** (``node.cpus``) are where the broker and the rule
@@ -18,6 +19,9 @@ stops the start with nothing half-started):
   cores see nothing of it. A broker on the host's cores relays every token
   there (tens of wake-ups a second), which makes the host's own latency-bound
   processes miss deadlines (measured: docs/bench/figures.md §node.sandbox.cores).
+  Except in a node embedded in an app (``node.app.Node`` started by the app)
+  under ``"auto"``: the broker's threads are the app's, which the node does not
+  move unless ``node.cpus`` or a ``workers.cpus`` list says so.
 * **Placement**: with at least as many cores as workers, each worker gets its
   own disjoint slice of the pool (sizes differ by at most one core); with fewer,
   every worker shares the whole pool (``cpus = [1]`` and two workers: both on
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -114,6 +118,26 @@ class CpuPlan:
         }
 
 
+def cores_line(cores: Mapping[str, Any]) -> str:
+    """One line for a ``CpuPlan.describe`` map (status and the node's start log):
+    ``cores: workers on 1, the node on 1; the host keeps 0 (workers.cpus = "auto")``,
+    or without a reservation ``cores: shared: workers on 0-1, below the host by nice
+    (workers.cpus = [])``."""
+    setting = cores.get("setting")
+    said = f'"{setting}"' if isinstance(setting, str) else str(setting)
+    workers = format_cpus(cores.get("workers") or [])
+    if not cores.get("reserved"):
+        return (
+            f"cores: shared: workers on {workers}, below the host by nice (workers.cpus = {said})"
+        )
+    node = format_cpus(cores.get("node") or []) or "any"
+    host = format_cpus(cores.get("host") or [])
+    return (
+        f"cores: workers on {workers}, the node on {node}; the host keeps {host} "
+        f"(workers.cpus = {said})"
+    )
+
+
 def allowed_cores() -> tuple[int, ...]:
     """The cores this process may run on (``os.sched_getaffinity(0)``), sorted."""
     return tuple(sorted(os.sched_getaffinity(0)))
@@ -140,10 +164,12 @@ def plan_workers(
     *,
     count: int | None = None,
     allowed: Iterable[int] | None = None,
+    embedded: bool = False,
 ) -> CpuPlan:
     """The core plan for ``[workers]`` and ``node.cpus`` on this host (``edgenode
     start`` checks it first); ``count`` workers, default ``workers.count``;
-    ``allowed`` cores, default ``allowed_cores()``.
+    ``allowed`` cores, default ``allowed_cores()``; ``embedded``: the node runs in
+    an app's process, whose threads ``"auto"`` does not pin (module docstring).
 
     Raises:
         ConfigError: an impossible reservation (cores outside the allowed set, all of them).
@@ -157,6 +183,7 @@ def plan_workers(
         max_threads=w.threads,
         nice=w.nice,
         node=node_cpus,
+        node_follows=not (embedded and isinstance(w.cpus, str)),
     )
 
 
@@ -182,6 +209,7 @@ def plan_cpus(
     max_threads: int | None = None,
     nice: int = 10,
     node: Sequence[int] = (),
+    node_follows: bool = True,
 ) -> CpuPlan:
     """Validate the reservation and place ``count`` workers and the node.
 
@@ -192,7 +220,8 @@ def plan_cpus(
         cpu_quota_cores: each worker's CPU quota in cores (None = no quota).
         max_threads: ``workers.threads``, an upper bound on ``n_threads`` (None = none).
         nice: the workers' nice level.
-        node: ``node.cpus``; empty = the reserved cores if any, else not pinned.
+        node: ``node.cpus``; empty = the reserved cores if any (and ``node_follows``),
+            else not pinned.
 
     Raises:
         ConfigError: a core listed twice or outside the allowed set, a
@@ -212,7 +241,8 @@ def plan_cpus(
         for i, cpus in enumerate(chunks)
     )
     host = tuple(c for c in allowed_set if c not in pool) if reserved else tuple(allowed_set)
-    node_cpus = _check_cores("node.cpus", node, allowed_set) if node else (pool if reserved else ())
+    follows = pool if reserved and node_follows else ()
+    node_cpus = _check_cores("node.cpus", node, allowed_set) if node else follows
     return CpuPlan(tuple(allowed_set), pool, host, workers, node_cpus)
 
 

@@ -202,6 +202,26 @@ def test_with_node_serves_and_leaves_nothing(app_dir: Path) -> None:
     app.assert_nothing_left(report)
 
 
+@pytest.mark.parametrize("cpus", ["auto", [1]], ids=["default-auto", "listed"])
+def test_only_a_listed_reservation_moves_the_apps_threads(
+    app_dir: Path, cpus: str | list[int]
+) -> None:
+    """The default "auto" reserves cores for the workers and leaves the app's threads
+    (the embedded broker's) where they were; listed cores pin them there until stop."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if not {0, 1} <= set(allowed):
+        pytest.skip(f"needs cores 0 and 1; this process may use {allowed}")
+    code, report, stderr = App(app_dir, workers={"cpus": cpus}).run("sync")
+    assert code == 0, report.get("error", stderr)
+    reserved = allowed[1:] if cpus == "auto" else [1]
+    assert report["cores"]["workers"] == reserved and report["cores"]["reserved"] is True
+    assert report["affinity_before"] == report["affinity_after"] == allowed
+    if cpus == "auto":
+        assert report["cores"]["node"] == [] and report["affinity_inside"] == allowed
+    else:
+        assert report["cores"]["node"] == [1] and report["affinity_inside"] == [1]
+
+
 def test_a_body_that_raises_still_leaves_nothing(app_dir: Path) -> None:
     app = App(app_dir)
     code, report, stderr = app.run("raise")

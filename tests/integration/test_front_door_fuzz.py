@@ -18,6 +18,8 @@ its falsifying example; shrinking against a live node would outlast the timeout)
 
 from __future__ import annotations
 
+import random
+import socket
 import string
 import time
 from collections.abc import Callable, Iterator
@@ -32,7 +34,7 @@ from hypothesis import strategies as st
 
 from broker import protocol as p
 from broker.errors import ErrorCode
-from node.testing import NodeProcess
+from node.testing import NodeProcess, free_port
 
 #: The node under test: a small body limit (so 413s are cheap to reach), budgets
 #: capped at 2 s (whatever a request asks, its final comes within that), fast tokens.
@@ -372,3 +374,43 @@ def test_a_frame_over_the_hard_limit_gets_no_reply_and_costs_only_its_connection
     (pong,) = client.exchange([b"", TAG, p.pack({"id": "ping-after", "op": "ping"})])
     assert (pong["id"], pong["status"], pong["pong"]) == ("ping-after", "ok", True)
     assert node.proc is not None and node.proc.poll() is None
+
+
+#: Bytes that are not ZMTP/3: a ZMTP/1.0 peer's greeting-less message (length 1,
+#: flags 0, then length 2, flags 0, "x"), a ZMTP/2.0 greeting and a message, and noise.
+RAW_PEERS = {
+    "zmtp1": b"\x01\x00\x02\x00x",
+    "zmtp2": b"\xff" + bytes(8) + b"\x01\x7f\x01\x05\x00\x00\x00\x04ping",
+    "noise": random.Random(7).randbytes(4096),
+}
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_a_peer_speaking_an_older_zmtp_or_noise_costs_only_its_connection(
+    make_node: Callable[..., NodeProcess], transport: str
+) -> None:
+    """A message from a ZMTP/1.0 peer carries no source descriptor: asking for it
+    (``ZMQ_SRCFD``) raised EINVAL out of the broker's loop and the whole node died
+    (a new user's five bytes on the ipc socket)."""
+    sections: dict[str, dict[str, Any]] = {}
+    if transport == "tcp":
+        sections["node"] = {"frontend": f"tcp://127.0.0.1:{free_port()}"}
+    node = make_node(**sections)
+    for name, data in RAW_PEERS.items():
+        if transport == "tcp":
+            host, port = node.frontend.removeprefix("tcp://").rsplit(":", 1)
+            raw = socket.create_connection((host, int(port)), timeout=5)
+        else:
+            raw = socket.socket(socket.AF_UNIX)
+            raw.settimeout(5)
+            raw.connect(node.frontend.removeprefix("ipc://"))
+        with raw:
+            raw.sendall(data)
+            time.sleep(0.3)  # the broker's turn reads it
+        assert node.proc is not None and node.proc.poll() is None, (name, node.log.read_text())
+        client = FrontDoor(node.frontend)
+        try:
+            (pong,) = client.exchange([b"", TAG, p.pack({"id": name, "op": "ping"})])
+        finally:
+            client.close()
+        assert (pong["id"], pong["status"]) == (name, "ok")

@@ -249,3 +249,18 @@ def test_node_cpus_put_the_broker_and_rules_on_the_given_cores(make_node: NodeFa
     assert psutil.Process(status["pid"]).cpu_affinity() == [0]
     assert psutil.Process(by_id["rules-0"]["pid"]).cpu_affinity() == [0]
     assert psutil.Process(by_id["llm-0"]["pid"]).cpu_affinity() == [1]
+
+
+def test_a_pinned_broker_does_not_confine_unreserved_workers(make_node: NodeFactory) -> None:
+    """``node.cpus = [0]`` with ``workers.cpus = []``: the workers may use every core,
+    as planned; they used to inherit the broker's pinning (two threads on core 0,
+    the host's) while status said "all"."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip(f"needs two cores; this process may use {allowed}")
+    node = make_node(node={"cpus": [allowed[0]]}, workers={"count": 1, "cpus": []})
+    status = node.status()
+    (llm,) = [p for p in status["processes"] if p["worker_id"] == "llm-0"]
+    assert psutil.Process(status["pid"]).cpu_affinity() == [allowed[0]]
+    assert psutil.Process(llm["pid"]).cpu_affinity() == allowed
+    assert llm["cpus"] == allowed  # status says where it runs

@@ -165,9 +165,9 @@ def test_the_default_layout_is_one_worker_of_four_slots_on_two_threads() -> None
         ("slots = -2", "got -2"),
         ('slots = "many"', "got 'many'"),
         ('slots = "4"', "got '4'"),  # a number in quotes is not a count
-        ("slots = true", "workers.slots must be int, got bool"),
-        ("slots = 2.5", "workers.slots must be int, got float"),
-        ("slots = [2]", "workers.slots must be int, got list"),
+        ("slots = true", "workers.slots must be an integer or a string, got true or false"),
+        ("slots = 2.5", "workers.slots must be an integer or a string, got a number"),
+        ("slots = [2]", "workers.slots must be an integer or a string, got a list"),
     ],
 )
 def test_bad_workers_slots_are_named_without_a_traceback(
@@ -177,6 +177,24 @@ def test_bad_workers_slots_are_named_without_a_traceback(
         load_config(write(tmp_path, f"[workers]\n{text}\n"))
     assert message in info.value.message
     assert "workers.slots" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[workers]\ncpus = 1", "workers.cpus must be a string or a list, got an integer"),
+        ("[workers]\ncpus = true", "workers.cpus must be a string or a list, got true or false"),
+        ('[workers]\ncpus = "all"', 'workers.cpus must be "auto" or a list of core numbers'),
+        ('[node]\ncpus = "auto"', "node.cpus must be a list, got a string"),
+        ("[model]\nn_ctx = 2.5", "model.n_ctx must be an integer, got a number"),
+    ],
+)
+def test_a_value_of_the_wrong_toml_type_is_named_in_toml_words(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text + "\n"))
+    assert message in info.value.message
 
 
 def test_zero_workers_is_allowed() -> None:
