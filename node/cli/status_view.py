@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from node.sandbox.cores import cores_line
+from node.sandbox.cores import cores_line, format_cpus
 from node.service.health import judge
 from node.units import format_size
 
@@ -30,7 +30,7 @@ def render_status(node: dict[str, Any]) -> str:
         _cores_line(node.get("cores")),
         _capacity_line(node.get("capacity"), node.get("memory", {})),
         "",
-        f"{'WORKER':<8} {'STATE':<10} {'PID':>7} {'CREDIT':>6} {'RESTARTS':>8} {'CPUS':>5} "
+        f"{'WORKER':<8} {'STATE':<10} {'PID':>7} {'CREDIT':>6} {'RESTARTS':>8} {'CORES':>5} "
         f"{'THR':>3} {'NICE':>5} {'MEM/LIMIT':>13} {'PEAK':>7} {'OOM':>3}  LAST EXIT",
     ]
     registered = {w["worker_id"]: w for w in node.get("workers", [])}
@@ -83,14 +83,15 @@ def _remote_lines(workers: list[dict[str, Any]]) -> list[str]:
     the node does not supervise them, so they have no row among its processes."""
     lines = [
         f"{'REMOTE WORKER':<20} {'HOST':<12} {'STATE':<6} {'PID':>7} {'CREDIT':>6} "
-        f"{'CPUS':>5} {'THR':>3} {'SEEN':>7}"
+        f"{'CORES':>5} {'THR':>3} {'SEEN':>7}"
     ]
     for w in sorted(workers, key=lambda w: str(w.get("worker_id"))):
         cpus = w.get("cpus")
         lines.append(
             f"{w.get('worker_id')!s:<20} {w.get('host')!s:<12} {w.get('state')!s:<6} "
             f"{w.get('pid', '-')!s:>7} {str(w.get('credit')) + '/' + str(w.get('slots')):>6} "
-            f"{len(cpus) if isinstance(cpus, list) else '-':>5} {_threads(w.get('threads'), w):>3} "
+            f"{format_cpus(cpus) if isinstance(cpus, list) and cpus else '-':>5} "
+            f"{_threads(w.get('threads'), w):>3} "
             f"{str(w.get('last_seen_ms')) + 'ms':>7}"
         )
     return lines
@@ -251,7 +252,7 @@ def _worker_line(proc: WorkerStatus, reg: dict[str, Any] | None) -> str:
     credit = f"{reg['credit']}/{reg['slots']}" if reg else "-"
     memory = proc.get("memory") or {}
     used = f"{_size(memory.get('current'))}/{_size(memory.get('limit'))}" if memory else "-"
-    cpus = ",".join(str(c) for c in proc.get("cpus") or []) or "all"
+    cpus = format_cpus(proc.get("cpus") or []) or "all"
     return (
         f"{proc['worker_id']:<8} {state:<10} {proc['pid'] or '-':>7} {credit:>6} "
         f"{proc['restarts']:>8} {cpus:>5} {_threads(proc.get('threads'), reg):>3} {_nice(proc):>5} "

@@ -192,7 +192,7 @@ def test_remote_workers_get_a_table_of_their_own_and_local_ones_stay_in_theirs()
         "busy",
         "777",
         "3/4",
-        "3",
+        "1-3",  # its cores, as the local table lists them
         "3",
         "120ms",
     ]
