@@ -2,8 +2,9 @@
 idle and with every slot of its workers generating.
 
 The probe (``node.bench.probe``) stands in for the host's own control loop: pinned to the
-first allowed core, at nice 0, every 1 ms it wakes and computes for half the period
-(calibrated on the idle core before the node starts). Its response p99 (release to end
+first allowed core (the one the default ``workers.cpus = "auto"`` leaves to the host), at
+nice 0, every 1 ms it wakes and computes for half the period (calibrated on the idle core
+before the node starts). Its response p99 (release to end
 of work, µs) and missed deadlines are measured with the node idle (the baseline) and
 busy (one ``Generator`` per slot streaming long generations back to back), in rounds
 that alternate the two, so the host's other load falls on both alike. The node runs its
