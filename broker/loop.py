@@ -474,7 +474,8 @@ class BrokerLoop:
                 # routing id it has (RFC 27: the handler's User-Id reply).
                 principal = str(parts[0].get("User-Id")).encode()
                 if self.principals.get(frames[0]) != principal:
-                    log.info("client %s is key %s", frames[0].hex(), principal.decode())
+                    # debug: a probe connecting every few seconds made a line each time
+                    log.debug("client %s is key %s", frames[0].hex(), principal.decode())
                     self.principals[frames[0]] = principal
             self.broker.handle_client(frames, self.clock(), principal)
             if self.clock() >= stop_at:

@@ -62,7 +62,7 @@ from node.pidfile import (
 from node.pool import WorkerPool
 from node.pressure import CpuPressureMonitor, PressureMonitor, cpu_psi_file
 from node.sandbox.cgroupfs import Host
-from node.sandbox.cores import pin_all_threads
+from node.sandbox.cores import restore_affinities, thread_affinities
 from node.sandbox.layout import Layout, read_layout
 from node.security.keys import also_allow, curve_servers, local_key_file, local_keypair
 from node.service.notify import Notifier
@@ -539,15 +539,15 @@ class Node:
         if self._stop_requested:  # stopped while starting: nothing to make, nothing to undo
             return 0
         # An embedded node's sandbox may pin the app's threads (reserved cores):
-        # the cores they had come back at stop.
-        affinity = os.sched_getaffinity(0)
+        # the cores each had come back at stop.
+        affinities, own = thread_affinities(), os.sched_getaffinity(0)
         try:
             pool.open()  # cgroups before any zmq thread exists
             return self._serve(pool, model)
         finally:
             pool.stop(c.workers.stop_grace_ms / 1000)  # after a clean stop: a no-op
             if not self._own_signals and pool.plan.node:
-                _restore_affinity(affinity)
+                _restore_affinity(affinities, pool.plan.node, own)
             # Free or stale when checked, under this node's lock: they are this node's.
             for name in (FRONTEND_SOCKET, BACKEND_SOCKET):
                 (self.run_dir / name).unlink(missing_ok=True)
@@ -899,10 +899,12 @@ def _exited() -> None:
     """A pidfd turned readable: nothing to read; the turn's tick reaps the process."""
 
 
-def _restore_affinity(cpus: set[int]) -> None:
-    """Give every thread of the app that embeds the node back the cores it had."""
+def _restore_affinity(saved: dict[int, set[int]], pinned: tuple[int, ...], own: set[int]) -> None:
+    """Give each thread of the app that embeds the node back the cores it had
+    (``restore_affinities``: one the app moved meanwhile keeps its own; one started
+    since gets those of the thread that started the node)."""
     try:
-        pin_all_threads(cpus)
+        restore_affinities(saved, pinned, own)
     except SandboxError as exc:
         log.warning("cannot give the app's threads back their cores: %s", exc.message)
 

@@ -598,7 +598,7 @@ _ALSO_ACCEPTS: dict[str, tuple[type, ...]] = {
 _TOML_TYPES: dict[type, str] = {
     str: "a string",
     int: "an integer",
-    float: "a number",
+    float: "a float",
     bool: "true or false",
     tuple: "a list",
     list: "a list",
@@ -634,8 +634,9 @@ def _toml_type(kind: type) -> str:
 
 
 def _int_tuple(key: str, value: list[Any]) -> tuple[int, ...]:
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise ConfigError(f"{key} must be a list of integers, got {value!r}")
+    bad = [v for v in value if not isinstance(v, int) or isinstance(v, bool)]
+    if bad:
+        raise ConfigError(f"{key} must be a list of integers, got {_toml_type(type(bad[0]))} in it")
     return tuple(value)
 
 

@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -83,6 +84,7 @@ def serve(node: Node, report: dict[str, Any], rules: bool, kill9: bool) -> None:
         report["node_cgroup_existed"] = node_cgroup_existed(status)
         report["workers"] = {p["worker_id"]: p["pid"] for p in status["processes"]}
         report["affinity_inside"] = sorted(os.sched_getaffinity(0))
+        report["held_inside"] = HELD.cores() if HELD is not None else None
         report["cores"] = status["cores"]
         if rules:
             reply = client.generate("hello there", route="rules")
@@ -266,6 +268,29 @@ async def run_async_cancelled(config_path: str, report: dict[str, Any]) -> None:
         report["cancelled"] = True
 
 
+class HeldThread:
+    """An app thread pinned to its own core (the first allowed) before the node
+    starts, as a control-loop thread would be: ``cores()`` reads its affinity."""
+
+    def __init__(self) -> None:
+        self.tid = 0
+        self.ready, self.done = threading.Event(), threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+        self.ready.wait(5)
+
+    def _run(self) -> None:
+        self.tid = threading.get_native_id()
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        self.ready.set()
+        self.done.wait()
+
+    def cores(self) -> list[int]:
+        return sorted(os.sched_getaffinity(self.tid))
+
+
+HELD: HeldThread | None = None
+
+
 def main() -> int:
     config_path, report_path, mode = sys.argv[1:4]
     os.environ["EDGENODE_CONFIG"] = config_path
@@ -281,6 +306,9 @@ def main() -> int:
         "cgroup_before": own_cgroup(),
         "affinity_before": sorted(os.sched_getaffinity(0)),
     }
+    global HELD
+    HELD = HeldThread()
+    report["held_before"] = HELD.cores()
     code = 0
     try:
         if mode == "async":
@@ -299,6 +327,7 @@ def main() -> int:
     report["wakeup_fd_after"] = wakeup_fd()
     report["cgroup_after"] = own_cgroup()
     report["affinity_after"] = sorted(os.sched_getaffinity(0))
+    report["held_after"] = HELD.cores()
     report["ended_at"] = time.time()
     Path(report_path).write_text(json.dumps(report, indent=1))
     return code

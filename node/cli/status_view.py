@@ -252,7 +252,9 @@ def _worker_line(proc: WorkerStatus, reg: dict[str, Any] | None) -> str:
     credit = f"{reg['credit']}/{reg['slots']}" if reg else "-"
     memory = proc.get("memory") or {}
     used = f"{_size(memory.get('current'))}/{_size(memory.get('limit'))}" if memory else "-"
-    cpus = format_cpus(proc.get("cpus") or []) or "all"
+    # Planned cores, else the affinity the worker reported in READY (a node started
+    # under taskset pins nothing yet runs its workers on fewer cores than the host's).
+    cpus = format_cpus(proc.get("cpus") or (reg or {}).get("cpus") or []) or "all"
     return (
         f"{proc['worker_id']:<8} {state:<10} {proc['pid'] or '-':>7} {credit:>6} "
         f"{proc['restarts']:>8} {cpus:>5} {_threads(proc.get('threads'), reg):>3} {_nice(proc):>5} "

@@ -106,35 +106,34 @@ class CpuPlan:
 
     def describe(self, setting: CoreSetting) -> dict[str, Any]:
         """``status``'s ``cores`` map (docs/PROTOCOL.md §12.4): ``setting`` (``workers.cpus``:
-        "auto" or the list), ``reserved`` (bool), ``workers`` (the cores they may use),
-        ``host`` (the cores the node leaves to the host alone; [] when nothing is
-        reserved), ``node`` (the broker's and the rule worker's; [] = not pinned)."""
+        "auto" or the list), ``reserved`` (bool: the workers are kept to reserved cores),
+        ``workers`` (the cores they may use), ``node`` (the broker's and the rule
+        worker's; [] = not pinned, so any), ``host`` (the allowed cores neither may use:
+        the host's alone)."""
+        used = set(self.reserved) | set(self.node or self.allowed)
         return {
             "setting": setting if isinstance(setting, str) else list(setting),
             "reserved": self.reserves,
             "workers": list(self.reserved),
-            "host": list(self.host) if self.reserves else [],
             "node": list(self.node),
+            "host": [c for c in self.allowed if c not in used],
         }
 
 
 def cores_line(cores: Mapping[str, Any]) -> str:
     """One line for a ``CpuPlan.describe`` map (status and the node's start log):
-    ``cores: workers on 1, the node on 1; the host keeps 0 (workers.cpus = "auto")``,
-    or without a reservation ``cores: shared: workers on 0-1, below the host by nice
-    (workers.cpus = [])``."""
+    ``cores: workers on 1; the node on 1; the host keeps 0 alone (workers.cpus =
+    "auto")``; without a reservation ``cores: workers on 0-1, shared with the host
+    below it by nice; the node on any; no core is the host's alone (workers.cpus = [])``."""
     setting = cores.get("setting")
     said = f'"{setting}"' if isinstance(setting, str) else str(setting)
     workers = format_cpus(cores.get("workers") or [])
-    if not cores.get("reserved"):
-        return (
-            f"cores: shared: workers on {workers}, below the host by nice (workers.cpus = {said})"
-        )
+    shared = "" if cores.get("reserved") else ", shared with the host below it by nice"
     node = format_cpus(cores.get("node") or []) or "any"
     host = format_cpus(cores.get("host") or [])
+    keeps = f"the host keeps {host} alone" if host else "no core is the host's alone"
     return (
-        f"cores: workers on {workers}, the node on {node}; the host keeps {host} "
-        f"(workers.cpus = {said})"
+        f"cores: workers on {workers}{shared}; the node on {node}; {keeps} (workers.cpus = {said})"
     )
 
 
@@ -269,7 +268,7 @@ def _check_reserved(reserved: Sequence[int], allowed: list[int]) -> tuple[int, .
     if seen == set(allowed):
         raise ConfigError(
             f"workers.cpus reserves every core this process may use ({format_cpus(allowed)}), "
-            "leaving none for the host; reserve fewer, or set cpus = [] to share all cores "
+            "leaving none for the host; reserve fewer, or set workers.cpus = [] to share all cores "
             "at a lower priority"
         )
     return tuple(sorted(seen))
@@ -352,6 +351,40 @@ def pin_all_threads(cpus: Collection[int], task_dir: Path = Path("/proc/self/tas
             raise SandboxError(
                 f"cannot pin thread {tid} to cores {format_cpus(cpus)}: {exc.strerror}"
             ) from exc
+
+
+def thread_affinities(task_dir: Path = Path("/proc/self/task")) -> dict[int, set[int]]:
+    """Each thread's cores, by thread id: what ``restore_affinities`` gives back."""
+    saved: dict[int, set[int]] = {}
+    for tid in (int(t) for t in os.listdir(task_dir)):
+        try:
+            saved[tid] = os.sched_getaffinity(tid)
+        except ProcessLookupError:
+            continue  # a thread that ended meanwhile
+    return saved
+
+
+def restore_affinities(
+    saved: dict[int, set[int]],
+    pinned: Collection[int],
+    default: set[int],
+    task_dir: Path = Path("/proc/self/task"),
+) -> None:
+    """Undo ``pin_all_threads(pinned)`` for an app that embeds the node: each thread
+    still on exactly ``pinned`` gets back its own cores from ``saved`` (a thread
+    started since: ``default``); a thread the app moved meanwhile keeps its cores.
+
+    Raises:
+        SandboxError: the kernel refused (a core offline or outside the cpuset).
+    """
+    for tid in sorted(int(t) for t in os.listdir(task_dir)):
+        try:
+            if os.sched_getaffinity(tid) == set(pinned):
+                os.sched_setaffinity(tid, saved.get(tid, default))
+        except ProcessLookupError:
+            continue
+        except OSError as exc:
+            raise SandboxError(f"cannot give thread {tid} its cores back: {exc.strerror}") from exc
 
 
 def apply_placement(cpus: Collection[int], nice: int, slice_us: int = 0) -> None:

@@ -207,7 +207,9 @@ def test_only_a_listed_reservation_moves_the_apps_threads(
     app_dir: Path, cpus: str | list[int]
 ) -> None:
     """The default "auto" reserves cores for the workers and leaves the app's threads
-    (the embedded broker's) where they were; listed cores pin them there until stop."""
+    (the embedded broker's) where they were; listed cores pin them there until stop,
+    which gives each its own cores back (a thread the app pinned to core 0 came back
+    on every core: all got the starting thread's)."""
     allowed = sorted(os.sched_getaffinity(0))
     if not {0, 1} <= set(allowed):
         pytest.skip(f"needs cores 0 and 1; this process may use {allowed}")
@@ -216,10 +218,13 @@ def test_only_a_listed_reservation_moves_the_apps_threads(
     reserved = allowed[1:] if cpus == "auto" else [1]
     assert report["cores"]["workers"] == reserved and report["cores"]["reserved"] is True
     assert report["affinity_before"] == report["affinity_after"] == allowed
+    assert report["held_before"] == report["held_after"] == [0]
     if cpus == "auto":
         assert report["cores"]["node"] == [] and report["affinity_inside"] == allowed
+        assert report["held_inside"] == [0]
     else:
         assert report["cores"]["node"] == [1] and report["affinity_inside"] == [1]
+        assert report["held_inside"] == [1]
 
 
 def test_a_body_that_raises_still_leaves_nothing(app_dir: Path) -> None:

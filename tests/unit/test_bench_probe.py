@@ -27,6 +27,9 @@ def test_the_probes_own_core_shows_its_duty() -> None:
     the share came from the tick-sampled user and system columns."""
     core = max(os.sched_getaffinity(0))
     result = probe(core, 500, calibrate(core, 0.5), [])
-    assert result["core_busy"][core] >= 0.3, result["core_busy"]
+    # Not >= 0.5: a calibration on a core other work was using makes less work per
+    # cycle, and the probe's interpreter start idles too (0.28 beside a CI run); the
+    # old accounting's 0.01-0.04 stays far below.
+    assert result["core_busy"][core] >= 0.15, result["core_busy"]
     assert all(0.0 <= share <= 1.0 for share in result["core_busy"])
     assert result["other_cores"] >= 0.0

@@ -166,7 +166,7 @@ def test_the_default_layout_is_one_worker_of_four_slots_on_two_threads() -> None
         ('slots = "many"', "got 'many'"),
         ('slots = "4"', "got '4'"),  # a number in quotes is not a count
         ("slots = true", "workers.slots must be an integer or a string, got true or false"),
-        ("slots = 2.5", "workers.slots must be an integer or a string, got a number"),
+        ("slots = 2.5", "workers.slots must be an integer or a string, got a float"),
         ("slots = [2]", "workers.slots must be an integer or a string, got a list"),
     ],
 )
@@ -186,7 +186,9 @@ def test_bad_workers_slots_are_named_without_a_traceback(
         ("[workers]\ncpus = true", "workers.cpus must be a string or a list, got true or false"),
         ('[workers]\ncpus = "all"', 'workers.cpus must be "auto" or a list of core numbers'),
         ('[node]\ncpus = "auto"', "node.cpus must be a list, got a string"),
-        ("[model]\nn_ctx = 2.5", "model.n_ctx must be an integer, got a number"),
+        ("[model]\nn_ctx = 2.5", "model.n_ctx must be an integer, got a float"),
+        ("[workers]\ncpus = [true]", "workers.cpus must be a list of integers, got true or false"),
+        ('[workers]\ncpus = ["1"]', "workers.cpus must be a list of integers, got a string in it"),
     ],
 )
 def test_a_value_of_the_wrong_toml_type_is_named_in_toml_words(

@@ -284,18 +284,49 @@ def _cores_line(cores: dict[str, Any] | None) -> str | None:
 def test_the_cores_line_says_what_the_host_keeps() -> None:
     plan = plan_workers(WorkersSection(), allowed=(0, 1))
     line = _cores_line(plan.describe(WorkersSection().cpus))
-    assert line == 'cores: workers on 1, the node on 1; the host keeps 0 (workers.cpus = "auto")'
-    listed = plan_workers(WorkersSection(cpus=(2, 3)), node_cpus=[0], allowed=range(4))
+    assert line == (
+        'cores: workers on 1; the node on 1; the host keeps 0 alone (workers.cpus = "auto")'
+    )
+    listed = plan_workers(WorkersSection(cpus=(2, 3)), node_cpus=[1], allowed=range(4))
     assert _cores_line(listed.describe((2, 3))) == (
-        "cores: workers on 2-3, the node on 0; the host keeps 0-1 (workers.cpus = [2, 3])"
+        "cores: workers on 2-3; the node on 1; the host keeps 0 alone (workers.cpus = [2, 3])"
+    )
+    # The node on the host's core: no core is the host's alone any more.
+    on_host = plan_workers(WorkersSection(), node_cpus=[0], allowed=(0, 1))
+    assert on_host.describe("auto")["host"] == []
+    assert _cores_line(on_host.describe("auto")) == (
+        'cores: workers on 1; the node on 0; no core is the host\'s alone (workers.cpus = "auto")'
     )
     shared = plan_workers(WorkersSection(cpus=()), allowed=(0, 1))
     assert _cores_line(shared.describe(())) == (
-        "cores: shared: workers on 0-1, below the host by nice (workers.cpus = [])"
+        "cores: workers on 0-1, shared with the host below it by nice; the node on any; "
+        "no core is the host's alone (workers.cpus = [])"
     )
+    # An app embedding the node under "auto": its threads (the broker's) stay anywhere.
+    embedded = plan_workers(WorkersSection(), allowed=(0, 1), embedded=True)
+    assert embedded.describe("auto") == {
+        "setting": "auto",
+        "reserved": True,
+        "workers": [1],
+        "node": [],
+        "host": [],
+    }
     # "auto" on a one-core host reserves nothing.
     alone = plan_workers(WorkersSection(), allowed=(0,))
     assert _cores_line(alone.describe("auto")) == (
-        'cores: shared: workers on 0, below the host by nice (workers.cpus = "auto")'
+        "cores: workers on 0, shared with the host below it by nice; the node on any; "
+        'no core is the host\'s alone (workers.cpus = "auto")'
     )
     assert _cores_line(None) is None  # an older node's status: no line
+
+
+def test_an_unpinned_worker_shows_the_cores_it_reported() -> None:
+    status = _capacity()
+    unpinned = {**_proc("llm-0", 10, 10), "cpus": []}
+    status["processes"] = [unpinned]
+    status["workers"] = [{"worker_id": "llm-0", "state": "ready", "credit": 4, "slots": 4}]
+    row = next(line for line in render_status(status).splitlines() if line.startswith("llm-0"))
+    assert row.split()[5] == "all"  # no plan and no READY affinity: nothing narrower known
+    status["workers"][0]["cpus"] = [1]  # READY: a node started under taskset -c 1
+    row = next(line for line in render_status(status).splitlines() if line.startswith("llm-0"))
+    assert row.split()[5] == "1"
