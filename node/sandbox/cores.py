@@ -9,7 +9,7 @@ stops the start with nothing half-started):
   and reserves the rest, on a host the node may run on with two cores or more
   (``reserved_cores``): on a two-core board a host's control loop kept its idle
   missed-deadline share in more runs with the model on the other core than on
-  its own (4 of 6 against 3 of 6, docs/bench/figures.md, "Isolation: the default
+  its own (4 of 8 against 3 of 8, docs/bench/figures.md, "Isolation: the default
   reserves a core"), and its core is never the model's. An empty list means "no
   reservation": the workers may use every allowed core, and only nice level and
   CPU quota keep them behind the host.
