@@ -835,7 +835,7 @@ class Node:
                 else "loaded"
             ),
             "sandbox": pool.sandbox.status(),
-            "cores": pool.plan.describe(self.config.workers.cpus),
+            "cores": pool.cores,
             "memory": pressure.snapshot(),
             "cpu": cpu.snapshot(),
             "capacity": {

@@ -101,6 +101,8 @@ class WorkerPool:
         self.slots = resolve_slots(config) if slots is None else slots
         w = config.workers
         self.plan: CpuPlan = plan_workers(w, config.node.cpus, embedded=embedded)
+        #: The plan as status shows it (``CpuPlan.describe``): made once, never changes.
+        self.cores = self.plan.describe(w.cpus)
         self.sandbox = Sandbox(options_for(w, self.plan, cgroup_name(run_dir)))
         self.specs = self._model_specs(model_path)
         if rules_path is not None:
@@ -192,7 +194,7 @@ class WorkerPool:
             SandboxError: ``sandbox = "required"`` and cgroups cannot be used.
         """
         self.sandbox.open()
-        log.info("%s", cores_line(self.plan.describe(self.config.workers.cpus)))
+        log.info("%s", cores_line(self.cores))
         if self.plan.node:
             # The broker (and its zmq threads, created later) stays on the node's
             # cores: the host's never see a token relayed (node/sandbox/cores.py).
