@@ -21,6 +21,13 @@ and cgroup):
   share all of them: a worker runs on the probe's core (at nice 10, its
   autogroup too).
 
+* ``busy loop`` (the control, unless ``--no-control``): no model at all, one process
+  per reserved core spinning ``while True: pass`` at the workers' nice level, pinned
+  there. What the host's probe shows beside it is what this machine does to the
+  probe's core when the reserved core is merely busy (a VM's vCPUs may share a
+  physical core, caches, memory bandwidth and the host's clock): the part of a
+  reserved node's deviation that no placement of the node can remove.
+
 * with ``--slice-baseline``, a third: ``unreserved-s0``, the unreserved node with
   ``workers.slice_us = 0`` (the kernel's default scheduler slice, as before that
   key): what the short slice buys the host (node.sandbox.niceness).
@@ -59,7 +66,7 @@ The layout is the built-in default unless ``--workers``, ``--slots`` or
 ``--threads`` say otherwise.
 
 Usage: ``python scripts/bench_isolation.py [--iterations 3000] [--rounds 3] [--duty 0.5]
-[--workers W] [--slots S] [--threads T] [--slice-baseline] [--json]``.
+[--workers W] [--slots S] [--threads T] [--slice-baseline] [--no-control] [--json]``.
 Needs root (cgroups and cpusets) and at least 2 cores.
 """
 
@@ -69,6 +76,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -240,20 +248,67 @@ class Config:
         }
 
 
-def run(args: argparse.Namespace, reserved: list[int] | str) -> dict[str, Any]:
+#: The control's load: a loop with no memory traffic at the workers' nice level.
+SPIN = "import os, sys\nos.nice(int(sys.argv[1]))\nwhile True:\n    pass\n"
+
+
+class Control:
+    """The control case: the reserved cores busy without a node (``SPIN``, one
+    process per core, pinned to it), so the report can tell what any busy process
+    there costs the probe from what the model adds."""
+
+    name = "busy loop"
+
+    def __init__(self, cores: list[int]) -> None:
+        self.cores = cores
+        self.busy: list[dict[str, Any]] = []
+
+    def busy_probe(self, args: argparse.Namespace, pids: list[int], last: bool) -> None:
+        """Probe once with every reserved core spinning; the spinners end with it."""
+        nice = str(WorkersSection().nice)
+        spinners = [
+            subprocess.Popen(["taskset", "-c", str(core), sys.executable, "-c", SPIN, nice])
+            for core in self.cores
+        ]
+        try:
+            time.sleep(1.0)  # as a node's case waits past its prompts
+            self.busy.append(probe(args.probe_core, args.iterations, args.work, pids))
+        finally:
+            for p in spinners:
+                p.kill()
+                p.wait()
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "workers_cpus": self.cores,
+            "placement": {},
+            "busy": summarize(self.busy),
+            "busy_coverage": None,
+            "tok_per_s": None,
+            "errors": [],
+            "error_count": 0,
+        }
+
+
+def run(args: argparse.Namespace, reserved: list[int] | str, cores: list[int]) -> dict[str, Any]:
     """Both nodes up at once; per round the probe runs idle, beside the reserved
-    node's workers busy and beside the unreserved node's, in a rotating order, so
-    the host's other load (which the benchmark cannot stop) hits every case alike."""
+    node's workers busy, beside the unreserved node's and beside the control's busy
+    loop on the reserved ``cores``, in a rotating order, so the host's other load
+    (which the benchmark cannot stop) hits every case alike."""
     configs = [Config("reserved", reserved, args), Config("unreserved", [], args)]
     if args.slice_baseline:
         configs.append(Config("unreserved-s0", [], args, slice_us=0))
+    control = Control(cores) if args.control else None
     idle: list[dict[str, Any]] = []
     try:
         for c in configs:
             c.start(args)
         pin_threads_off(args.probe_core)
         pids = [c.node.proc.pid for c in configs if c.node.proc is not None]
-        cases: list[Config | None] = [None, *configs]
+        cases: list[Config | Control | None] = [None, *configs]
+        if control is not None:
+            cases.append(control)
         for r in range(args.rounds):
             turn = r % len(cases)
             for case in cases[turn:] + cases[:turn]:
@@ -264,7 +319,11 @@ def run(args: argparse.Namespace, reserved: list[int] | str) -> dict[str, Any]:
     finally:
         for c in configs:
             c.stop()
-    return {"idle": summarize(idle), "configs": [c.result() for c in configs]}
+    return {
+        "idle": summarize(idle),
+        "configs": [c.result() for c in configs],
+        "control": control.result() if control is not None else None,
+    }
 
 
 def read_memory(node: NodeProcess) -> list[dict[str, Any]]:
@@ -312,6 +371,12 @@ def main() -> None:
         action="store_true",
         help="also an unreserved node with workers.slice_us = 0 (the kernel's default slice)",
     )
+    parser.add_argument(
+        "--no-control",
+        dest="control",
+        action="store_false",
+        help="leave out the control case (a busy loop on the reserved cores, no model)",
+    )
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -328,7 +393,7 @@ def main() -> None:
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} before the run"
     )
     args.work = calibrate(args.probe_core, args.duty)
-    result = run(args, reserved)
+    result = run(args, reserved, list(cores))
     report(result, args)
     if args.json:
         print(json.dumps(result, default=str))

@@ -20,7 +20,10 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def report_probe(result: dict[str, Any], args: argparse.Namespace) -> None:
-    idle, configs = result["idle"], result["configs"]
+    """The probe's part: the cases' table, per-round figures, the spread tests, the
+    busy/idle ratios and, with a control case, each node against it."""
+    idle, control = result["idle"], result.get("control")
+    configs = [*result["configs"], *([control] if control else [])]
     print(
         f"\nprobe: {args.rounds} rounds x {args.iterations} cycles of a 1 ms control loop on core "
         f"{args.probe_core} at nice 0, {args.work} iterations of work per cycle "
@@ -35,12 +38,12 @@ def report_probe(result: dict[str, Any], args: argparse.Namespace) -> None:
         "by processes outside the nodes and the probe (their CPU times are the kernel's, "
         "within a tick))"
     )
-    print(f"\nresp p99 per round: idle {idle['resp_p99_rounds_us']}")
+    print(f"\nresp p99 per round: idle: {idle['resp_p99_rounds_us']}")
     for c in configs:
-        print(f"                    {c['name']} busy {c['busy']['resp_p99_rounds_us']}")
-    print(f"missed % per round: idle {idle['missed_rounds_pct']}")
+        print(f"                    {c['name']}: {c['busy']['resp_p99_rounds_us']}")
+    print(f"missed % per round: idle: {idle['missed_rounds_pct']}")
     for c in configs:
-        print(f"                    {c['name']} busy {c['busy']['missed_rounds_pct']}")
+        print(f"                    {c['name']}: {c['busy']['missed_rounds_pct']}")
     print("\nwithin the idle rounds' spread (the target: at most the highest idle round's):")
     _spread_test(configs, idle["resp_p99_rounds_us"], idle["missed_rounds_pct"], values=True)
     quiet_p99, quiet_missed = quiet(idle["resp_p99_rounds_us"]), quiet(idle["missed_rounds_pct"])
@@ -62,9 +65,24 @@ def report_probe(result: dict[str, Any], args: argparse.Namespace) -> None:
             f"wake p99 {b['p99_us'] / idle['p99_us']:.2f}x; "
             f"missed {b['missed_pct']}% (idle {idle['missed_pct']}%)"
         )
+    if control:
+        _against_control(result["configs"], control["busy"])
     for c in configs:
         if c["errors"]:
             print(f"  {c['name']}: {c['error_count']} generator errors, first: {c['errors']}")
+
+
+def _against_control(configs: list[dict[str, Any]], spin: dict[str, Any]) -> None:
+    """Each node's busy case over the control's (1.0 = the model costs the probe no
+    more than a busy loop on the same cores: the rest is the machine's)."""
+    print("\nnode/busy loop (1.0 = no worse than any busy process on the reserved cores):")
+    for c in configs:
+        b = c["busy"]
+        missed = b["missed_pct"] / spin["missed_pct"] if spin["missed_pct"] else float("inf")
+        print(
+            f"  {c['name']:<13} resp p99 median "
+            f"{b['resp_p99_median_us'] / spin['resp_p99_median_us']:.2f}x, missed {missed:.2f}x"
+        )
 
 
 def report_memory(configs: list[dict[str, Any]]) -> None:
@@ -112,6 +130,9 @@ def _table(idle: dict[str, Any], configs: list[dict[str, Any]]) -> None:
     rows = [("both nodes idle", "", "", idle, "", "")]
     for c in configs:
         place = " ".join(f"{w[4:]}:{','.join(map(str, v))}" for w, v in c["placement"].items() if v)
+        if c["tok_per_s"] is None:  # the control: no model, so no coverage and no tokens
+            rows.append((f"{c['name']} only", str(c["workers_cpus"]), place, c["busy"], "-", "-"))
+            continue
         cover, rate = f"{c['busy_coverage']:.0%}", str(c["tok_per_s"])
         rows.append((f"{c['name']} busy", str(c["workers_cpus"]), place, c["busy"], cover, rate))
     for label, cpus, place, s, cover, rate in rows:

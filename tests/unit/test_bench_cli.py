@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from click.testing import CliRunner
 
@@ -407,27 +408,28 @@ def test_the_isolation_report_also_judges_against_the_quiet_idle_rounds() -> Non
     assert module.quiet([0.5, 2.0]) == [0.5, 2.0]  # too few to call one noisy
 
 
+def case(p99: list[float], missed: list[float]) -> dict[str, Any]:
+    """A probe case's summary (``node.bench.probe.summarize``) with these rounds."""
+    return {
+        "p50_us": 90.0,
+        "p99_us": 200.0,
+        "resp_p50_us": 700.0,
+        "resp_p99_us": 1000.0,
+        "resp_p99_median_us": sorted(p99)[(len(p99) - 1) // 2],
+        "missed_pct": round(sum(missed) / len(missed), 2),
+        "core_busy": [0.5, 0.5],
+        "other_cores": 0.1,
+        "resp_p99_rounds_us": p99,
+        "missed_rounds_pct": missed,
+    }
+
+
 def test_the_isolation_report_prints_the_quiet_idle_test(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The 2026-12-07 run's rounds: the default passed the first test by the median, and
     fails against the idle rounds but their noisiest."""
     module = load_script("isolation_report")
-
-    def case(p99: list[float], missed: list[float]) -> dict[str, Any]:
-        return {
-            "p50_us": 90.0,
-            "p99_us": 200.0,
-            "resp_p50_us": 700.0,
-            "resp_p99_us": 1000.0,
-            "resp_p99_median_us": sorted(p99)[(len(p99) - 1) // 2],
-            "missed_pct": round(sum(missed) / len(missed), 2),
-            "core_busy": [0.5, 0.5],
-            "other_cores": 0.1,
-            "resp_p99_rounds_us": p99,
-            "missed_rounds_pct": missed,
-        }
-
     idle = case(
         [872.2, 846.5, 837.4, 864.1, 1187.4, 1040.1, 886.6, 949.7],
         [0.21, 0.51, 0.35, 0.23, 1.86, 1.21, 0.41, 0.9],
@@ -455,6 +457,71 @@ def test_the_isolation_report_prints_the_quiet_idle_test(
         "unreserved    resp p99 median above (1.13x the idle max), rounds 1 of 8 inside; "
         "missed above (1.40x the idle max), rounds 3 of 8 inside" in out
     )
+
+
+def test_the_isolation_report_sets_each_node_against_the_busy_loop(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The control case (no model, the reserved core spinning) gets a row of its own,
+    and each node's busy case is divided by it."""
+    module = load_script("isolation_report")
+    idle = case([900.0, 910.0, 920.0], [0.3, 0.4, 0.5])
+    node = {
+        "name": "reserved",
+        "workers_cpus": "auto",
+        "placement": {"llm-0": [1]},
+        "busy_coverage": 1.0,
+        "tok_per_s": 47.1,
+        "busy": case([950.0, 960.0, 1000.0], [0.6, 0.9, 1.2]),
+        "errors": [],
+        "error_count": 0,
+    }
+    control = {
+        "name": "busy loop",
+        "workers_cpus": [1],
+        "placement": {},
+        "busy_coverage": None,
+        "tok_per_s": None,
+        "busy": case([940.0, 1000.0, 1010.0], [0.5, 1.0, 1.5]),
+        "errors": [],
+        "error_count": 0,
+    }
+    args = argparse.Namespace(rounds=3, iterations=10000, probe_core=0, work=16470, duty=0.5)
+    module.report_probe({"idle": idle, "configs": [node], "control": control}, args)
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("busy loop only"))
+    cells = row.split()
+    assert cells[3:5] == ["[1]", "90.0"] and cells[-5] == cells[-1] == "-"  # busy, tok/s
+    assert "  busy loop     resp p99 median 1000.0 µs above (1.09x the idle max)" in out
+    assert "  reserved      resp p99 median 0.96x, missed 0.90x" in out
+
+
+def test_the_isolation_control_spins_on_its_core_and_ends_with_the_probe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The control's load runs only during its probe, at the workers' nice level, on
+    the reserved core alone, and is gone when the probe has ended."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    module = load_script("bench_isolation")
+    allowed = sorted(os.sched_getaffinity(0))
+    seen: list[tuple[list[int], int]] = []
+    real_probe = module.probe
+
+    def probe(core: int, iterations: int, work: int, pids: list[int]) -> dict[str, Any]:
+        for child in psutil.Process().children(recursive=True):
+            if "while True" in " ".join(child.cmdline()):
+                seen.append((child.cpu_affinity(), child.nice()))
+        return real_probe(core, iterations, work, pids)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(module, "probe", probe)
+    control = module.Control([allowed[-1]])
+    args = argparse.Namespace(probe_core=allowed[0], iterations=20, work=10)
+    control.busy_probe(args, [], last=True)
+    assert seen == [([allowed[-1]], WorkersSection().nice)]
+    assert not [c for c in psutil.Process().children(recursive=True) if c.status() != "zombie"]
+    result = control.result()
+    assert result["workers_cpus"] == [allowed[-1]] and result["tok_per_s"] is None
+    assert len(result["busy"]["missed_rounds_pct"]) == 1
 
 
 def test_bench_throughput_measures_the_nodes_default_layout_by_default(
