@@ -6,7 +6,10 @@ read, runtime 0): ``edgenode capacity --memory 8G --weights 4.2G --kv-per-seq
 Without them it reads the configured model's GGUF metadata. ``--slots`` (an
 integer or "auto", default ``workers.slots``) sets the sequences per worker; the
 plan shows the resolved layout, workers x slots. Exit status 1 when the asked
-workers do not fit (the plan is printed anyway).
+workers do not fit (the plan is printed anyway), and with an error and no plan
+for a config ``edgenode start`` refuses before it plans memory: a core plan it
+cannot make (``node.cpus`` or ``workers.cpus`` outside the cores this process may
+use, ``node.sandbox.cores.plan_workers``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from node.capacity.plan import (
 from node.capacity.worker_limits import describe, is_auto
 from node.cli.context import add_global_options, config_path, wants_json
 from node.config import MAX_SLOTS, NodeConfig, is_auto_slots, load_config
-from node.sandbox.cores import worker_threads
+from node.sandbox.cores import plan_workers, worker_threads
 from node.units import parse_size
 
 
@@ -112,6 +115,7 @@ def capacity(
         raise click.UsageError("--n-ctx and --kv-type apply to the model, not to sizes by hand")
     try:
         config = load_config(config_path(ctx))
+        plan_workers(config.workers, config.node.cpus)  # the cores start checks
         if weights is not None and kv_per_seq is not None:
             sizes = (weights, kv_per_seq)
             plan, meta = _manual(config, memory, reserve, sizes, workers, slots), None

@@ -1,5 +1,6 @@
 """An unusable run or cache directory is a one-line ``Error:`` naming it, exit 1,
-not a traceback (``edgenode`` run as a real process)."""
+not a traceback; a refused start leaves no run directory it made (``edgenode``
+run as a real process)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,45 @@ def test_an_unusable_cache_dir_is_an_error_naming_it(tmp_path: Path, command: li
     assert done.stderr.splitlines()[-1].startswith(f"Error: unusable cache directory {a_file}:"), (
         done.stderr
     )
+
+
+#: Configs ``start`` refuses before any node runs (and what it says): a core this
+#: process may not use, a plan that cannot fit.
+REFUSED = {
+    "cores": (
+        f'[node]\ncpus = [{max(os.sched_getaffinity(0)) + 1}]\n\n[workers]\nengine = "test"\n',
+        "Error: node.cpus names core(s)",
+    ),
+    "plan": (
+        '[capacity]\nmemory_budget = "1G"\nreserve = "512M"\n\n[workers]\nengine = "test"\n'
+        "count = 40\n",
+        "Error: capacity: 40 worker(s) ",
+    ),
+}
+
+
+@pytest.mark.parametrize("foreground", [False, True], ids=["background", "foreground"])
+@pytest.mark.parametrize("refusal", sorted(REFUSED))
+def test_a_refused_start_removes_the_run_dir_it_made(
+    tmp_path: Path, refusal: str, foreground: bool
+) -> None:
+    toml, said = REFUSED[refusal]
+    config = tmp_path / "edgenode.toml"
+    config.write_text(toml)
+    run_dir = tmp_path / "run"
+    args = ["start", "--foreground"] if foreground else ["start", "--wait-s", "10"]
+    done = edgenode("-c", str(config), "--run-dir", str(run_dir), *args, env={})
+    assert done.returncode == 1, done
+    assert done.stderr.splitlines()[-1].startswith(said), done.stderr
+    assert not run_dir.exists()
+
+
+def test_a_refused_start_keeps_a_run_dir_that_was_there(tmp_path: Path) -> None:
+    toml, said = REFUSED["cores"]
+    config = tmp_path / "edgenode.toml"
+    config.write_text(toml)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    done = edgenode("-c", str(config), "--run-dir", str(run_dir), "start", env={})
+    assert done.returncode == 1 and said in done.stderr, done
+    assert run_dir.is_dir()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -437,6 +438,29 @@ def test_cli_rejects_bad_sizes_and_half_manual_mode(tmp_path: Path) -> None:
     assert half.exit_code == 2 and "--weights and --kv-per-seq go together" in half.output
     mixed = run_cli(tmp_path, *TEXTBOOK, "--n-ctx", "4096")
     assert mixed.exit_code == 2 and "apply to the model" in mixed.output
+
+
+#: A core this process may not run on (one past the highest it may).
+OUTSIDE = max(os.sched_getaffinity(0)) + 1
+
+
+@pytest.mark.parametrize(
+    ("toml", "said"),
+    [
+        (f"[node]\ncpus = [{OUTSIDE}]\n", f"node.cpus names core(s) {OUTSIDE}, but this process"),
+        (f"[workers]\ncpus = [{OUTSIDE}]\n", f"workers.cpus names core(s) {OUTSIDE}, but"),
+    ],
+    ids=["node", "workers"],
+)
+@pytest.mark.parametrize("by_hand", [False, True], ids=["model", "by-hand"])
+def test_cli_refuses_the_cores_start_refuses(
+    tmp_path: Path, toml: str, said: str, by_hand: bool
+) -> None:
+    # The test engine reads no model: only the core plan can refuse here.
+    toml += '\n[workers]\nengine = "test"\n' if "[workers]" not in toml else 'engine = "test"\n'
+    result = run_cli(tmp_path, *(TEXTBOOK if by_hand else []), toml=toml)
+    assert result.exit_code == 1, result.output
+    assert f"Error: {said}" in result.output and "verdict" not in result.output, result.output
 
 
 def test_check_fits_refuses_a_worker_limit_below_one_workers_need() -> None:
