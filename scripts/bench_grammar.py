@@ -139,16 +139,12 @@ def tokens_for(name: str, asked: int) -> int:
 
 def _widest() -> int:
     """The most required string properties ``node.llama.grammar`` admits (schema and grammar)."""
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
     from broker.errors import TooLarge
-    from node.llama.grammar import check_grammar, check_schema
+    from node.llama.grammar import schema_grammar
 
     def admitted(n: int) -> bool:
-        schema = wide_object(n)
         try:
-            check_schema(schema)
-            check_grammar(json_schema_to_gbnf(json.dumps(schema)))
+            schema_grammar(wide_object(n))
         except TooLarge:
             return False
         return True
@@ -160,10 +156,10 @@ def _widest() -> int:
 
 
 def grammar_bytes(schema: dict[str, Any] | None) -> int:
-    """Bytes of the GBNF grammar llama-cpp-python makes of ``schema`` (0 without one)."""
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
+    """Bytes of the GBNF grammar a worker makes of ``schema`` (0 without one)."""
+    from node.llama.grammar import schema_grammar
 
-    return 0 if schema is None else len(json_schema_to_gbnf(json.dumps(schema)))
+    return 0 if schema is None else len(schema_grammar(schema))
 
 
 def private_bytes(pid: int) -> int:

@@ -61,7 +61,6 @@ from llama_cpp.llama_chat_format import (
     LlamaChatCompletionHandlerNotFoundException,
     LlamaChatCompletionHandlerRegistry,
 )
-from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from broker.errors import (
     Cancelled,
@@ -73,7 +72,7 @@ from broker.errors import (
 )
 from node.engine import FLASH_PROMPT_ROWS, Emit, EngineSpec, Outcome, flash_attn_on
 from node.llama.candidates import TopK
-from node.llama.grammar import check_grammar, check_schema, trim_heap
+from node.llama.grammar import schema_grammar, trim_heap
 from node.llama.log import LLAMA_LOG as _LOG
 from node.llama.log import LOG_QUIET
 from node.llama.slots import Slot, SlotJob, TextOut, batch_order, pick_slot
@@ -648,21 +647,21 @@ class LlamaEngine:
             TooLarge: the schema or its grammar is beyond a bound (413).
             ProtocolError: the converter or llama.cpp cannot use the schema (400).
         """
-        check_schema(schema)
-        try:
-            gbnf = json_schema_to_gbnf(json.dumps(schema))
-        except Exception as exc:  # the converter raises assorted types on bad schemas
-            raise ProtocolError(f"json_schema is not usable: {exc}") from exc
-        check_grammar(gbnf)
+        gbnf = schema_grammar(schema)
         with _LOG.at_level(LOG_QUIET), _LOG.capture() as lines:
             sampler = llama_c.llama_sampler_init_grammar(self._vocab, gbnf.encode(), b"root")
         if not sampler:
             # The parser's own message goes to fd 2 (the worker's log), not to the callback.
             why = " ".join(line.strip() for line in lines)[:200] or "no reason given"
+            hint = (
+                " A pattern's \\d, \\w or \\s is a common cause: write [0-9], [a-zA-Z0-9_] "
+                "or [ \\t\\n] instead"
+                if '"pattern"' in json.dumps(schema)
+                else ""
+            )
             raise ProtocolError(
                 f"json_schema is not usable: llama.cpp cannot parse its grammar ({why}; "
-                "the worker's log has the details). A pattern's \\d, \\w or \\s is a "
-                "common cause: write [0-9], [a-zA-Z0-9_] or [ \\t\\n] instead"
+                f"the worker's log has the details).{hint}"
             )
         return sampler
 

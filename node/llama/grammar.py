@@ -1,4 +1,4 @@
-"""Bounds on a request's ``json_schema``, so that one request cannot take a model worker down.
+r"""Bounds on a request's ``json_schema``, so that one request cannot take a model worker down.
 
 A schema becomes a llama.cpp grammar in two steps, both in the worker:
 llama-cpp-python's converter (``json_schema_to_gbnf``, Python) writes GBNF text,
@@ -18,9 +18,29 @@ llama.cpp parses it. Anything over a bound gets 413 TOO_LARGE for that request
 alone, and the message names the bound:
 
 * ``check_schema``: at most ``MAX_SCHEMA_BYTES`` of JSON, ``MAX_SCHEMA_DEPTH``
-  nested maps and lists, and ``MAX_REPEAT`` for every repetition count;
+  nested maps and lists, ``MAX_REPEAT`` for every repetition count, and for the
+  product of a ``pattern``'s nested bounded repetitions (``nested_repeat``);
 * ``check_grammar``: at most ``MAX_GRAMMAR_BYTES`` of GBNF, with groups nested
   at most ``MAX_GRAMMAR_NESTING`` deep (the depth of llama.cpp's parser recursion).
+
+Nested repetitions are bounded by their product because llama.cpp's grammar
+sampler keeps every way the text so far can be parsed (a "stack" each) and
+checks each vocabulary token against every one of them at every step: text
+that ``(a{0,64}){0,64}`` matches can be split into its groups in thousands of
+ways, and one such request took 0.7 s per token, holding every other slot of
+its worker; ``((a{0,256}){0,256}){0,256}`` never produced a token (found by a
+break-it pass, 2026-12-07). A schema no value can satisfy (``minLength`` above
+``maxLength`` and the like) gets 400: the grammar would force output that is not
+even JSON.
+
+``schema_grammar`` converts with llama-cpp-python's converter, but writes its
+literals (``const``, ``enum`` values, property names) as GBNF expects: the
+converter puts JSON's own escapes (``\"``, ``\\``, ``\n``, ``\u00e9``)
+into GBNF string literals, where llama.cpp reads them as GBNF escapes, so a
+``"`` or ``\`` in a property name broke the grammar, a ``\n`` or a control
+character came out raw (not JSON), a U+0000 crashed the worker (SIGABRT:
+"Unexpected empty grammar stack"), and a character outside the BMP, escaped as
+a UTF-16 surrogate pair, came out as six U+FFFD.
 
 What a schema within these bounds costs in memory is mostly the vocabulary's,
 not the schema's: ``node.capacity.plan.grammar_allowance`` plans it, and
@@ -33,7 +53,9 @@ from __future__ import annotations
 import ctypes
 import json
 import re
-from typing import Any
+from typing import Any, TypeGuard
+
+from llama_cpp.llama_grammar import SchemaConverter
 
 from broker.errors import ProtocolError, TooLarge
 
@@ -56,8 +78,19 @@ MAX_GRAMMAR_NESTING = 2 * MAX_REPEAT
 
 #: Schema keywords that the converter spells out as repetitions.
 REPEAT_KEYS = ("minLength", "maxLength", "minItems", "maxItems")
+#: Keyword pairs whose lower bound must not exceed the upper: otherwise no value fits.
+BOUND_PAIRS = (
+    ("minLength", "maxLength"),
+    ("minItems", "maxItems"),
+    ("minProperties", "maxProperties"),
+    ("minimum", "maximum"),
+)
 #: A regex quantifier ``{m}``, ``{m,}`` or ``{m,n}`` in a ``pattern``.
-_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:(,)\s*(\d*)\s*)?\}")
+#: Characters a GBNF string literal must escape (llama.cpp's grammar parser,
+#: ``parse_char``: ``\\``, ``\"``, ``\n``, ``\r``, ``\t``, ``\xHH``).
+_GBNF_SPECIAL = re.compile(r'[\\"\x00-\x1f\x7f]')
+_GBNF_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def check_schema(schema: dict[str, Any]) -> None:
@@ -80,11 +113,153 @@ def check_schema(schema: dict[str, Any]) -> None:
             count = node.get(key)
             if isinstance(count, int) and count > MAX_REPEAT:
                 raise TooLarge(_repeat_message(f"{key} {count}", f"{path}/{key}"))
+        for low, high in BOUND_PAIRS:
+            a, b = node.get(low), node.get(high)
+            if _number(a) and _number(b) and a > b:
+                raise ProtocolError(
+                    f"json_schema is not usable: {low} {a} is above {high} {b} at "
+                    f"{path or '/'}; no value can satisfy it"
+                )
         pattern = node.get("pattern")
         if isinstance(pattern, str):
-            for match in _QUANTIFIER.finditer(pattern):
-                if max(int(n) for n in match.groups() if n) > MAX_REPEAT:
-                    raise TooLarge(_repeat_message(f"{match.group(0)}", f"{path}/pattern"))
+            _check_pattern(pattern, f"{path}/pattern")
+
+
+def _check_pattern(pattern: str, where: str) -> None:
+    """Refuse a ``pattern`` whose repetitions, alone or nested, exceed ``MAX_REPEAT``,
+    or which holds a U+0000 (llama.cpp reads its grammar as a C string).
+
+    Raises:
+        TooLarge: a quantifier's count, or the product along a nesting, is too high.
+        ProtocolError: the pattern holds a U+0000.
+    """
+    if "\x00" in pattern:
+        raise ProtocolError(f"json_schema is not usable: a U+0000 in {where}")
+    for match in _QUANTIFIER.finditer(pattern):
+        if max(int(n) for n in (match.group(1), match.group(3)) if n) > MAX_REPEAT:
+            raise TooLarge(_repeat_message(f"{match.group(0)}", where))
+    product = nested_repeat(pattern)
+    if product > MAX_REPEAT:
+        raise TooLarge(
+            f"json_schema repeats too often: nested repetitions in {where} multiply to "
+            f"{product}; this node allows {MAX_REPEAT} (llama.cpp's grammar tracks every "
+            "way to split the text between them)"
+        )
+
+
+def nested_repeat(pattern: str) -> int:
+    """The largest product of bounded repetition counts along one nesting of groups
+    in a regex ``pattern``: 256 for ``(a{0,16}){0,16}``, 16 for ``a{0,16}b{0,16}``.
+
+    A count is a quantifier's upper bound (``{m,n}``: n; ``{m}``: m). Unbounded
+    quantifiers (``*``, ``+``, ``{m,}``) and ``?`` count 1: the converter writes
+    them as GBNF repetition operators, whose parses do not multiply like the
+    nested optional groups ``{m,n}`` is spelled out as. A rough reading of the
+    regex (escapes and classes skipped, no validation): the converter and
+    llama.cpp still judge the pattern itself.
+    """
+    inside = [1]  # per open group: the largest product seen inside it so far
+    last = 1  # the product of the unit just read (what a quantifier applies to)
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i, last = i + 2, 1
+        elif c == "[":
+            i, last = _class_end(pattern, i), 1
+        elif c == "(":
+            inside.append(1)
+            i, last = i + 1, 1
+        elif c == ")" and len(inside) > 1:
+            last = inside.pop()
+            inside[-1] = max(inside[-1], last)
+            i += 1
+        elif (match := _QUANTIFIER.match(pattern, i)) is not None:
+            low, comma, high = match.groups()
+            bound = 1 if comma and not high else int(high or low)
+            last *= max(bound, 1)
+            inside[-1] = max(inside[-1], last)
+            i = match.end()
+        else:
+            i, last = i + 1, 1
+    return max(inside)
+
+
+def _class_end(pattern: str, start: int) -> int:
+    """The index after the character class opening at ``start`` (or the end)."""
+    i = start + 1
+    if i < len(pattern) and pattern[i] == "^":
+        i += 1
+    if i < len(pattern) and pattern[i] == "]":  # a leading ] is a member
+        i += 1
+    while i < len(pattern) and pattern[i] != "]":
+        i += 2 if pattern[i] == "\\" else 1
+    return i + 1
+
+
+def _number(value: Any) -> TypeGuard[float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class _Converter(SchemaConverter):
+    r"""llama-cpp-python's converter, with its literals written as GBNF literals.
+
+    The converter builds a literal from ``json.dumps`` output (JSON text, with
+    JSON's escapes) and escapes only quotes and line breaks for GBNF. Here the
+    JSON text keeps non-ASCII characters as they are (``ensure_ascii=False``:
+    JSON needs no escape for them, and a surrogate pair is no GBNF code point),
+    and every backslash, quote and control character is escaped for GBNF, so the
+    grammar matches the JSON text itself: a U+0000 in a value stays the six
+    characters ``\u0000``.
+    """
+
+    def _format_literal(self, literal: str) -> str:
+        text = _raw_non_ascii(literal)
+        return '"' + _GBNF_SPECIAL.sub(_gbnf_escape, text) + '"'
+
+    def _generate_constant_rule(self, value: Any) -> str:
+        return self._format_literal(json.dumps(value, ensure_ascii=False))
+
+
+def _raw_non_ascii(literal: str) -> str:
+    """``literal``, if it is JSON text as ``json.dumps`` writes it, with its
+    non-ASCII characters unescaped (control characters stay escaped); else as is."""
+    try:
+        value = json.loads(literal)
+    except ValueError:
+        return literal
+    if json.dumps(value) != literal:
+        return literal
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _gbnf_escape(match: re.Match[str]) -> str:
+    ch = match.group(0)
+    if ch == "\x00":  # a C string ends there: refused, never written
+        raise ValueError("a U+0000 cannot be part of a llama.cpp grammar")
+    return _GBNF_ESCAPES.get(ch) or f"\\x{ord(ch):02x}"
+
+
+def schema_grammar(schema: dict[str, Any]) -> str:
+    """The GBNF grammar for ``schema``, within this module's bounds.
+
+    Raises:
+        TooLarge: the schema or its grammar is beyond a bound (413).
+        ProtocolError: the converter cannot use the schema, or no value fits it (400).
+    """
+    check_schema(schema)
+    try:
+        # The converter's own entry point (json_schema_to_gbnf), with this subclass.
+        converter = _Converter(  # type: ignore[no-untyped-call]
+            prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False
+        )
+        resolved = converter.resolve_refs(json.loads(json.dumps(schema)), "stdin")
+        converter.visit(resolved, "")  # type: ignore[no-untyped-call]
+        gbnf: str = converter.format_grammar()  # type: ignore[no-untyped-call]
+    except Exception as exc:  # the converter raises assorted types on bad schemas
+        raise ProtocolError(f"json_schema is not usable: {exc}") from exc
+    check_grammar(gbnf)
+    return gbnf
 
 
 def check_grammar(gbnf: str) -> None:

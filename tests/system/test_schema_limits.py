@@ -5,6 +5,7 @@ llama-cpp-python chains the NULL sampler llama.cpp returns for a grammar it refu
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -72,4 +73,59 @@ def test_a_pattern_llama_cpp_cannot_parse_gets_400_with_its_reason(engine: Llama
 def test_a_schema_the_converter_rejects_is_still_400(engine: LlamaEngine) -> None:
     with pytest.raises(ProtocolError, match="json_schema is not usable"):
         run(engine, {"$ref": "#/$defs/missing"})
+    still_works(engine)
+
+
+def as_json(engine: LlamaEngine, schema: dict[str, Any]) -> Any:
+    """The model's whole answer under ``schema``, parsed as strict JSON."""
+    job: dict[str, Any] = {
+        "op": "generate",
+        "prompt": "Answer in JSON:",
+        "max_tokens": 32,
+        "temperature": 0.0,
+        "json_schema": schema,
+    }
+    outcome = engine.run(job, threading.Event(), lambda _: None)
+    assert outcome["finish_reason"] == "stop", outcome
+    return json.loads(outcome["text"])
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["a\x00b", "😀", "ключ 日本", 'q"b\\s\n', "\x01\x7f"],
+    ids=["nul", "emoji", "non-ascii", "json-escapes", "controls"],
+)
+def test_a_const_comes_out_as_json_of_that_value(engine: LlamaEngine, value: str) -> None:
+    """A break-it pass: a U+0000 in a const killed the worker (SIGABRT), an emoji came
+    out as six U+FFFD, a quote or backslash broke the grammar, a control character
+    came out raw (not JSON)."""
+    assert as_json(engine, {"const": value}) == value
+    assert as_json(engine, {"enum": [value]}) == value
+    still_works(engine)
+
+
+@pytest.mark.parametrize("key", ["a\x00", "k😀", 'a"b\\c\n', "a\x01"])
+def test_a_property_name_comes_out_as_json_of_that_name(engine: LlamaEngine, key: str) -> None:
+    schema = {"type": "object", "properties": {key: {"type": "boolean"}}, "required": [key]}
+    answer = as_json(engine, schema)
+    assert list(answer) == [key] and isinstance(answer[key], bool)
+
+
+def test_nested_repetitions_that_hung_a_worker_get_413(engine: LlamaEngine) -> None:
+    """Every count within MAX_REPEAT, yet the worker never produced a token (and every
+    other slot of it waited): now refused before the grammar is made."""
+    with pytest.raises(TooLarge, match="nested repetitions") as info:
+        run(engine, {"type": "string", "pattern": "^((a{0,256}){0,256}){0,256}$"})
+    assert info.value.code == ErrorCode.TOO_LARGE
+    still_works(engine)
+
+
+def test_nested_repetitions_within_the_bound_are_served(engine: LlamaEngine) -> None:
+    text = run(engine, {"type": "string", "pattern": "^(a{0,16}){0,16}$"})["text"]
+    assert text.startswith('"') and set(text.strip().strip('"')) <= {"a"}
+
+
+def test_a_schema_no_value_fits_gets_400(engine: LlamaEngine) -> None:
+    with pytest.raises(ProtocolError, match="minLength 10 is above maxLength 2"):
+        run(engine, {"type": "string", "minLength": 10, "maxLength": 2})
     still_works(engine)

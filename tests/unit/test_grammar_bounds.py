@@ -23,6 +23,8 @@ from node.llama.grammar import (
     check_grammar,
     check_schema,
     grammar_nesting,
+    nested_repeat,
+    schema_grammar,
 )
 
 
@@ -83,6 +85,74 @@ def test_pattern_quantifiers_above_the_bound_are_413(quantifier: str) -> None:
 def test_pattern_quantifiers_within_the_bound_pass() -> None:
     pattern = f"^[a-z]{{1,{MAX_REPEAT}}}-[0-9]{{4}}$"
     assert check_schema({"type": "string", "pattern": pattern}) is None  # type: ignore[func-returns-value]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "product"),
+    [
+        ("^(a{0,16}){0,16}$", 256),
+        ("^a{0,16}b{0,16}$", 16),
+        ("^([a-z]{1,8}\\.){0,4}[a-z]{2,6}$", 32),
+        ("^(?:ab){0,8}c$", 8),
+        ("^(a{3}){4}$", 12),
+        ("^(a+)+$", 1),
+        ("^a{2,}$", 1),
+        ("^[(]{0,9}$", 9),  # a parenthesis in a class opens no group
+        ("^\\({0,9}$", 9),  # nor does an escaped one
+        ("^((a{0,256}){0,256}){0,256}$", 256**3),
+    ],
+)
+def test_nested_repeat_multiplies_bounded_counts_along_a_nesting(
+    pattern: str, product: int
+) -> None:
+    assert nested_repeat(pattern) == product
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["^((a{0,256}){0,256}){0,256}$", "^(a{0,256}){0,256}$", "^(a{0,64}){0,64}$", "^(x{2}){200}$"],
+)
+def test_nested_repetitions_beyond_the_bound_are_413(pattern: str) -> None:
+    """A break-it pass hung a worker with the first (every count within MAX_REPEAT):
+    llama.cpp's grammar keeps every way to split the text between the groups."""
+    with pytest.raises(TooLarge, match="nested repetitions in /properties/p/pattern multiply"):
+        check_schema(
+            {"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}
+        )
+
+
+@pytest.mark.parametrize(
+    ("low", "high"),
+    [("minLength", "maxLength"), ("minItems", "maxItems"), ("minimum", "maximum")],
+)
+def test_a_schema_no_value_fits_is_400(low: str, high: str) -> None:
+    """``minLength 10, maxLength 2`` made the grammar force output that was not JSON."""
+    with pytest.raises(ProtocolError, match=f"{low} 10 is above {high} 2 at /") as info:
+        check_schema({low: 10, high: 2})
+    assert info.value.code == ErrorCode.BAD_REQUEST
+    check_schema({low: 2, high: 2})
+
+
+def test_a_nul_in_a_pattern_is_400() -> None:
+    with pytest.raises(ProtocolError, match="U\\+0000 in /pattern"):
+        check_schema({"type": "string", "pattern": "^a\x00b$"})
+
+
+@pytest.mark.parametrize(
+    ("value", "literal"),
+    [
+        ("a\x00b", r'"\"a\\u0000b\""'),  # JSON's escape, as text: no U+0000 in the grammar
+        ("😀é", r'"\"😀é\""'),  # raw: no \u escape, no surrogate pair
+        ('q"b\\s\n', r'"\"q\\\"b\\\\s\\n\""'),  # JSON's escapes, escaped for GBNF
+    ],
+)
+def test_literals_are_the_json_text_escaped_for_gbnf(value: str, literal: str) -> None:
+    """A const, an enum value and a property name: the grammar matches their JSON text
+    (llama.cpp reads a GBNF literal's backslashes as its own escapes)."""
+    assert f"root ::= {literal}\n" in schema_grammar({"const": value})
+    assert f'root ::= {literal} | "1"\n' in schema_grammar({"enum": [value, 1]})
+    keyed = schema_grammar({"type": "object", "properties": {value: {"type": "null"}}})
+    assert f'::= {literal} space ":" space null\n' in keyed
 
 
 def test_the_3000_character_string_that_crashed_a_worker_is_refused_before_conversion() -> None:
