@@ -272,7 +272,9 @@ class Control:
         ]
         try:
             time.sleep(1.0)  # as a node's case waits past its prompts
-            self.busy.append(probe(args.probe_core, args.iterations, args.work, pids))
+            # The spinners' CPU is the case's load, not the host's "other" work.
+            own = [*pids, *(p.pid for p in spinners)]
+            self.busy.append(probe(args.probe_core, args.iterations, args.work, own))
         finally:
             for p in spinners:
                 p.kill()
