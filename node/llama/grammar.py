@@ -85,6 +85,13 @@ BOUND_PAIRS = (
     ("minProperties", "maxProperties"),
     ("minimum", "maximum"),
 )
+#: Keywords whose value is a subschema, a map of them or a list of them: the
+#: converter takes each as a map, and ``true``/``false`` there (valid JSON Schema)
+#: made it fail with "'bool' object has no attribute 'get'". ``additionalProperties``
+#: is not here: the converter reads its booleans.
+SUBSCHEMA_ONE = ("items", "not", "contains")
+SUBSCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions")
+SUBSCHEMA_LIST = ("prefixItems", "anyOf", "oneOf", "allOf")
 #: A regex quantifier ``{m}``, ``{m,}`` or ``{m,n}`` in a ``pattern``.
 _QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:(,)\s*(\d*)\s*)?\}")
 #: Characters a GBNF string literal must escape (llama.cpp's grammar parser,
@@ -120,9 +127,28 @@ def check_schema(schema: dict[str, Any]) -> None:
                     f"json_schema is not usable: {low} {a} is above {high} {b} at "
                     f"{path or '/'}; no value can satisfy it"
                 )
+        if booleans := _boolean_subschemas(node):
+            raise ProtocolError(
+                f"json_schema is not usable: a boolean subschema at {path}/{booleans[0]} is "
+                "not supported (write {} for true; leave out what false forbids)"
+            )
         pattern = node.get("pattern")
         if isinstance(pattern, str):
             _check_pattern(pattern, f"{path}/pattern")
+
+
+def _boolean_subschemas(node: dict[str, Any]) -> list[str]:
+    """Where ``node`` has ``true`` or ``false`` in place of a subschema (pointer parts)."""
+    found = [key for key in SUBSCHEMA_ONE if isinstance(node.get(key), bool)]
+    for key in SUBSCHEMA_MAP:
+        value = node.get(key)
+        if isinstance(value, dict):
+            found += [f"{key}/{k}" for k, v in value.items() if isinstance(v, bool)]
+    for key in SUBSCHEMA_LIST:
+        value = node.get(key)
+        if isinstance(value, list):
+            found += [f"{key}/{i}" for i, v in enumerate(value) if isinstance(v, bool)]
+    return found
 
 
 def _check_pattern(pattern: str, where: str) -> None:

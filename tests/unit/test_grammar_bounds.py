@@ -133,6 +133,21 @@ def test_a_schema_no_value_fits_is_400(low: str, high: str) -> None:
     check_schema({low: 2, high: 2})
 
 
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"type": "object", "properties": {"a": False}}, "/properties/a"),
+        ({"type": "array", "items": True}, "/items"),
+        ({"anyOf": [{"type": "null"}, True]}, "/anyOf/1"),
+    ],
+)
+def test_a_boolean_subschema_is_400_naming_where(schema: dict[str, Any], where: str) -> None:
+    """A break-it pass got Python's "'bool' object has no attribute 'get'" instead."""
+    with pytest.raises(ProtocolError, match=f"a boolean subschema at {where} is not supported"):
+        schema_grammar(schema)
+    schema_grammar({"type": "object", "additionalProperties": False})  # the converter's own
+
+
 def test_a_nul_in_a_pattern_is_400() -> None:
     with pytest.raises(ProtocolError, match="U\\+0000 in /pattern"):
         check_schema({"type": "string", "pattern": "^a\x00b$"})
