@@ -5,11 +5,14 @@ real converter of llama-cpp-python, no model)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from broker.errors import ErrorCode, ProtocolError, TooLarge
@@ -168,6 +171,33 @@ def test_literals_are_the_json_text_escaped_for_gbnf(value: str, literal: str) -
     assert f'root ::= {literal} | "1"\n' in schema_grammar({"enum": [value, 1]})
     keyed = schema_grammar({"type": "object", "properties": {value: {"type": "null"}}})
     assert f'::= {literal} space ":" space null\n' in keyed
+
+
+#: A GBNF escape in a string literal (llama.cpp's ``parse_char``).
+GBNF_ESCAPE = re.compile(r'\\(x[0-9a-fA-F]{2}|[\\"nrt])')
+
+
+def gbnf_text(literal: str) -> str:
+    """The text a GBNF string literal (quotes included) matches: the test's oracle."""
+    assert literal[0] == literal[-1] == '"'
+    plain = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\", '"': '"'}
+
+    def one(m: re.Match[str]) -> str:
+        code = m.group(1)
+        return chr(int(code[1:], 16)) if code[0] == "x" else plain[code]
+
+    return GBNF_ESCAPE.sub(one, literal[1:-1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_categories=["Cs"]), max_size=12))
+def test_a_const_literal_matches_exactly_its_json_text(value: str) -> None:
+    """Any string (controls, quotes, backslashes, astral characters): the grammar's
+    literal matches the JSON text of the value, non-ASCII characters as they are."""
+    grammar = schema_grammar({"const": value})
+    literal = grammar.split("root ::= ", 1)[1].split("\n", 1)[0]
+    assert gbnf_text(literal) == json.dumps(value, ensure_ascii=False)
+    assert "\x00" not in grammar
 
 
 def test_the_3000_character_string_that_crashed_a_worker_is_refused_before_conversion() -> None:
