@@ -97,6 +97,8 @@ _QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:(,)\s*(\d*)\s*)?\}")
 #: Characters a GBNF string literal must escape (llama.cpp's grammar parser,
 #: ``parse_char``: ``\\``, ``\"``, ``\n``, ``\r``, ``\t``, ``\xHH``).
 _GBNF_SPECIAL = re.compile(r'[\\"\x00-\x1f\x7f]')
+#: One escape in GBNF text: ``\xHH``, ``\uHHHH``, ``\UHHHHHHHH`` or a single character.
+_GBNF_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|.)", re.DOTALL)
 _GBNF_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
@@ -289,11 +291,25 @@ def schema_grammar(schema: dict[str, Any]) -> str:
 
 
 def check_grammar(gbnf: str) -> None:
-    """Refuse a GBNF grammar too large or nested too deep for llama.cpp's parser.
+    r"""Refuse a GBNF grammar too large or nested too deep for llama.cpp's parser, or
+    one that names the code point U+0000.
+
+    A U+0000 in a grammar (a pattern's ``\x00`` or ``\u0000``, which the converter
+    copies into the grammar as written, alone or in a class) killed the worker with
+    SIGABRT at the first token, as a U+0000 in a ``const`` did ("Unexpected empty
+    grammar stack after accepting piece: <pad>").
 
     Raises:
         TooLarge: over ``MAX_GRAMMAR_BYTES`` or ``MAX_GRAMMAR_NESTING``.
+        ProtocolError: the grammar names U+0000.
     """
+    # Left to right, so that an escaped backslash is never read as an escape's start.
+    codes = [m.group(1) for m in _GBNF_ESCAPE.finditer(gbnf)]
+    if "\x00" in gbnf or any(len(c) > 1 and int(c[1:], 16) == 0 for c in codes):
+        raise ProtocolError(
+            "json_schema is not usable: its grammar would name U+0000 (a pattern's "
+            "\\x00 or \\u0000), which llama.cpp cannot match"
+        )
     size = len(gbnf.encode())
     if size > MAX_GRAMMAR_BYTES:
         raise TooLarge(

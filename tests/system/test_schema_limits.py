@@ -129,3 +129,11 @@ def test_a_schema_no_value_fits_gets_400(engine: LlamaEngine) -> None:
     with pytest.raises(ProtocolError, match="minLength 10 is above maxLength 2"):
         run(engine, {"type": "string", "minLength": 10, "maxLength": 2})
     still_works(engine)
+
+
+def test_a_pattern_naming_nul_gets_400_not_a_crash(engine: LlamaEngine) -> None:
+    """``\x00`` in a pattern reached llama.cpp as U+0000, which no token can match: the
+    sampler fell back to <pad> and accepting it aborted the worker (SIGABRT)."""
+    with pytest.raises(ProtocolError, match="would name U\\+0000"):
+        run(engine, {"type": "string", "pattern": r"^\x00$"})
+    still_works(engine)

@@ -151,6 +151,18 @@ def test_a_boolean_subschema_is_400_naming_where(schema: dict[str, Any], where: 
     schema_grammar({"type": "object", "additionalProperties": False})  # the converter's own
 
 
+@pytest.mark.parametrize("pattern", [r"^\x00$", r"^\u0000$", r"^[\u0000-\u0001]$", r"^\U00000000$"])
+def test_a_pattern_naming_nul_is_400(pattern: str) -> None:
+    """The converter copies these escapes into the grammar, and the worker died of
+    SIGABRT at the first token (a second break-it pass, after the const fix)."""
+    with pytest.raises(ProtocolError, match="would name U\\+0000"):
+        schema_grammar({"type": "string", "pattern": pattern})
+
+
+def test_an_escaped_backslash_before_u0000_is_no_nul() -> None:
+    assert r'"a\\u0000"' in schema_grammar({"type": "string", "pattern": r"^a\\u0000$"})
+
+
 def test_a_nul_in_a_pattern_is_400() -> None:
     with pytest.raises(ProtocolError, match="U\\+0000 in /pattern"):
         check_schema({"type": "string", "pattern": "^a\x00b$"})
