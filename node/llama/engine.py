@@ -45,6 +45,7 @@ import ctypes
 import itertools
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -102,6 +103,11 @@ RANDOM_SEED = 0xFFFFFFFF
 #: long prompt does not hold the other slots' streams for a whole n_batch chunk
 #: (measured: docs/bench/figures.md §node.llama.engine).
 PROMPT_BESIDE_DECODE = 128
+#: How a request ends whose grammar admits no next token (``LlamaEngine._grammar_sample``).
+DEAD_END = (
+    "json_schema is not usable: its grammar admits no next character (a character range "
+    "written backwards, such as [z-a], is one cause)"
+)
 #: llama_decode's return code when the abort callback stopped it (llama.h).
 DECODE_ABORTED = 2
 #: s; after a step this slow, decode-only steps run with the abort callback too. A
@@ -187,6 +193,9 @@ class LlamaEngine:
         self._masked = np.zeros(self._n_vocab, dtype=bool)
         self._masked[masked] = True
         self._candidates = TopK(self._masked, TOP_K)  # engine thread only: one buffer
+        # The whole vocabulary as candidates, for grammar requests (``_grammar_sample``).
+        self._all = (llama_c.llama_token_data * self._n_vocab)()
+        self._all_view: Any = np.ctypeslib.as_array(self._all)
         self._piece = ctypes.create_string_buffer(64)  # detokenize's, reused: engine thread only
         self._chat = _chat_formatter(self.llm, spec.chat_format)  # ValueError: unknown name
         self._slots = [Slot(seq) for seq in range(self.slots)]
@@ -453,7 +462,11 @@ class LlamaEngine:
             token = self._argmax(row)
         elif not job.schema:  # a grammar must see every token: the whole chain
             token = self._top_k(job, row)
-        if token is None:
+        if job.schema:
+            token = self._grammar_sample(job, row)
+            if token is None:
+                return self._end(slot, ProtocolError(DEAD_END))
+        elif token is None:
             token = llama_c.llama_sampler_sample(job.sampler, self._ctx, row)
         if llama_c.llama_vocab_is_eog(self._vocab, token):
             return self._finish(slot, "stop", flush=True)
@@ -467,6 +480,33 @@ class LlamaEngine:
             return self._finish(slot, "length", flush=True)
         job.next_token = token
         return None
+
+    def _grammar_sample(self, job: SlotJob, row: int) -> int | None:
+        """The token ``job``'s chain (with its grammar) picks from batch row ``row``,
+        accepted into the chain; None if the grammar admits no token at all.
+
+        ``llama_sampler_sample`` would accept whatever the chain selected, and when the
+        grammar has set every logit to -inf (a character range written backwards,
+        ``[z-a]``; a U+0000 no token holds) that is token 0, whose acceptance throws in
+        llama.cpp's grammar ("Unexpected empty grammar stack after accepting piece"):
+        the worker died of SIGABRT with every slot on it. So the chain is applied
+        here and a -inf choice never accepted.
+        """
+        pointer = llama_c.llama_get_logits_ith(self._ctx, row)
+        if not pointer:
+            return int(llama_c.llama_sampler_sample(job.sampler, self._ctx, row))
+        self._all_view["id"] = np.arange(self._n_vocab, dtype=np.int32)
+        self._all_view["logit"] = np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
+        self._all_view["p"] = 0.0
+        array = llama_c.llama_token_data_array(self._all, self._n_vocab, -1, False)
+        llama_c.llama_sampler_apply(job.sampler, ctypes.byref(array))
+        if not 0 <= array.selected < array.size:
+            return None
+        chosen = array.data[array.selected]
+        if not math.isfinite(chosen.logit):
+            return None
+        llama_c.llama_sampler_accept(job.sampler, chosen.id)
+        return int(chosen.id)
 
     def _argmax(self, row: int) -> int | None:
         """The token a greedy chain (special-token mask, then ``llama_sampler_init_greedy``)

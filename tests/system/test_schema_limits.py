@@ -137,3 +137,14 @@ def test_a_pattern_naming_nul_gets_400_not_a_crash(engine: LlamaEngine) -> None:
     with pytest.raises(ProtocolError, match="would name U\\+0000"):
         run(engine, {"type": "string", "pattern": r"^\x00$"})
     still_works(engine)
+
+
+@pytest.mark.parametrize("pattern", ["^[z-a]$", "^a[b-a]c$"])
+def test_a_grammar_that_admits_nothing_ends_its_request_not_the_worker(
+    engine: LlamaEngine, pattern: str
+) -> None:
+    """A second break-it pass: with every logit at -inf the chain chose token 0, and
+    llama.cpp's grammar threw accepting it (SIGABRT, every slot of the worker lost)."""
+    with pytest.raises(ProtocolError, match="admits no next character"):
+        run(engine, {"type": "string", "pattern": pattern})
+    still_works(engine)
