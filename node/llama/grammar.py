@@ -55,7 +55,7 @@ import json
 import re
 from typing import Any, TypeGuard
 
-from llama_cpp.llama_grammar import SchemaConverter
+from llama_cpp.llama_grammar import BuiltinRule, SchemaConverter
 
 from broker.errors import ProtocolError, TooLarge
 
@@ -97,6 +97,13 @@ _QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:(,)\s*(\d*)\s*)?\}")
 #: Characters a GBNF string literal must escape (llama.cpp's grammar parser,
 #: ``parse_char``: ``\\``, ``\"``, ``\n``, ``\r``, ``\t``, ``\xHH``).
 _GBNF_SPECIAL = re.compile(r'[\\"\x00-\x1f\x7f]')
+#: A character of a JSON string, in GBNF: anything but a quote, a backslash and
+#: U+0001-U+001F unescaped (RFC 8259 §7; U+0000 no token holds, and naming it is
+#: refused), or an escape. The converter's rule let control characters through raw,
+#: and a plain ``{"type": "string"}`` answer held a raw newline: not JSON.
+JSON_CHAR = (
+    r'[^"\\\x01-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+)
 #: One escape in GBNF text: ``\xHH``, ``\uHHHH``, ``\UHHHHHHHH`` or a single character.
 _GBNF_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|.)", re.DOTALL)
 _GBNF_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
@@ -247,6 +254,12 @@ class _Converter(SchemaConverter):
 
     def _generate_constant_rule(self, value: Any) -> str:
         return self._format_literal(json.dumps(value, ensure_ascii=False))
+
+    def _add_primitive(self, name: str, rule: BuiltinRule) -> str:
+        # A JSON string's unescaped characters (JSON_CHAR), not the converter's.
+        return str(
+            super()._add_primitive(name, BuiltinRule(JSON_CHAR, []) if name == "char" else rule)
+        )
 
 
 def _raw_non_ascii(literal: str) -> str:

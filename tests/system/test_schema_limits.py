@@ -148,3 +148,21 @@ def test_a_grammar_that_admits_nothing_ends_its_request_not_the_worker(
     with pytest.raises(ProtocolError, match="admits no next character"):
         run(engine, {"type": "string", "pattern": pattern})
     still_works(engine)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "schema"),
+    [
+        ('Line one\nLine two\n"', {"type": "string", "maxLength": 20}),
+        ("<html>", {"type": "string"}),
+    ],
+)
+def test_a_string_never_holds_a_raw_control_character(
+    engine: LlamaEngine, prompt: str, schema: dict[str, Any]
+) -> None:
+    """A second break-it pass: the converter's string rule let a raw newline into a
+    string (a quote, a newline, a quote): not JSON."""
+    job: dict[str, Any] = {"op": "generate", "prompt": prompt, "max_tokens": 24}
+    job.update(json_schema=schema, temperature=0.0)
+    text = engine.run(job, threading.Event(), lambda _: None)["text"]
+    assert not [c for c in text if ord(c) < 0x20], text
