@@ -196,6 +196,7 @@ class LlamaEngine:
         # The whole vocabulary as candidates, for grammar requests (``_grammar_sample``).
         self._all = (llama_c.llama_token_data * self._n_vocab)()
         self._all_view: Any = np.ctypeslib.as_array(self._all)
+        self._ids = np.arange(self._n_vocab, dtype=np.int32)
         self._piece = ctypes.create_string_buffer(64)  # detokenize's, reused: engine thread only
         self._chat = _chat_formatter(self.llm, spec.chat_format)  # ValueError: unknown name
         self._slots = [Slot(seq) for seq in range(self.slots)]
@@ -457,16 +458,11 @@ class LlamaEngine:
         """Sample ``slot``'s next token from batch row ``row``; its end, if it ended."""
         job = slot.job
         assert job is not None
-        token: int | None = None
-        if job.greedy:
-            token = self._argmax(row)
-        elif not job.schema:  # a grammar must see every token: the whole chain
-            token = self._top_k(job, row)
-        if job.schema:
+        if job.schema:  # a grammar must see every token: the whole chain
             token = self._grammar_sample(job, row)
             if token is None:
                 return self._end(slot, ProtocolError(DEAD_END))
-        elif token is None:
+        elif (token := self._argmax(row) if job.greedy else self._top_k(job, row)) is None:
             token = llama_c.llama_sampler_sample(job.sampler, self._ctx, row)
         if llama_c.llama_vocab_is_eog(self._vocab, token):
             return self._finish(slot, "stop", flush=True)
@@ -492,11 +488,12 @@ class LlamaEngine:
         the worker died of SIGABRT with every slot on it. So the chain is applied
         here and a -inf choice never accepted.
         """
-        pointer = llama_c.llama_get_logits_ith(self._ctx, row)
-        if not pointer:
+        logits = self._logits(row)
+        if logits is None:
             return int(llama_c.llama_sampler_sample(job.sampler, self._ctx, row))
-        self._all_view["id"] = np.arange(self._n_vocab, dtype=np.int32)
-        self._all_view["logit"] = np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
+        # Every field afresh: the chain sorts and truncates the array in place.
+        self._all_view["id"] = self._ids
+        self._all_view["logit"] = logits
         self._all_view["p"] = 0.0
         array = llama_c.llama_token_data_array(self._all, self._n_vocab, -1, False)
         llama_c.llama_sampler_apply(job.sampler, ctypes.byref(array))
@@ -522,10 +519,9 @@ class LlamaEngine:
         those are its own); neither chain sampler keeps state, so skipping
         ``llama_sampler_accept`` changes nothing.
         """
-        pointer = llama_c.llama_get_logits_ith(self._ctx, row)
-        if not pointer:  # no logits at that row: the chain reports it as it always did
+        logits = self._logits(row)
+        if logits is None:  # no logits at that row: the chain reports it as it always did
             return None
-        logits = np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
         token = int(logits.argmax())
         if self._masked[token] or logits[token] != logits[token]:
             return None
@@ -541,11 +537,15 @@ class LlamaEngine:
         token, and when it declines: a NaN, or equal logits among the K+1 highest).
         A grammar must see every token, so a ``json_schema`` request never comes here.
         """
-        pointer = llama_c.llama_get_logits_ith(self._ctx, row)
-        if not pointer:  # no logits at that row: the chain reports it as it always did
+        logits = self._logits(row)
+        if logits is None:  # no logits at that row: the chain reports it as it always did
             return None
-        logits = np.ctypeslib.as_array(pointer, shape=(self._n_vocab,))
         return self._candidates.sample(job.sampler, logits)
+
+    def _logits(self, row: int) -> np.ndarray | None:
+        """Batch row ``row``'s logits (a view, shape ``(n_vocab,)``), None if it has none."""
+        pointer = llama_c.llama_get_logits_ith(self._ctx, row)
+        return np.ctypeslib.as_array(pointer, shape=(self._n_vocab,)) if pointer else None
 
     def _finish(self, slot: Slot, reason: str, flush: bool) -> tuple[int, Outcome]:
         job = slot.job

@@ -275,9 +275,8 @@ def _raw_non_ascii(literal: str) -> str:
 
 
 def _gbnf_escape(match: re.Match[str]) -> str:
+    # A U+0000 becomes \x00, which check_grammar refuses with the pattern's.
     ch = match.group(0)
-    if ch == "\x00":  # a C string ends there: refused, never written
-        raise ValueError("a U+0000 cannot be part of a llama.cpp grammar")
     return _GBNF_ESCAPES.get(ch) or f"\\x{ord(ch):02x}"
 
 
