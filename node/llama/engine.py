@@ -16,12 +16,13 @@ llama.cpp's own server does it (tools/server: slots, ``update_slots``):
   steps while the other slots keep decoding, and while short prompts that came
   after it start;
 * every request samples through its own ``llama_sampler`` chain (special-token
-  mask, its ``json_schema`` grammar, temperature/top_p/seed), except that a
-  greedy one's token is the argmax of its logits row, and another request without
-  a ``json_schema`` runs its chain over the row's top-K candidates only (the
-  chain's token, without the chain's copy of the whole vocabulary:
-  ``LlamaEngine._argmax``, ``LlamaEngine._top_k``); a finished, cancelled or
-  failed request leaves its slot at once;
+  mask, temperature/top_p/seed), except that a greedy one's token is the argmax
+  of its logits row, and another one's chain runs over the row's top-K candidates
+  only (the chain's token, without the chain's copy of the whole vocabulary:
+  ``LlamaEngine._argmax``, ``LlamaEngine._top_k``). A ``json_schema``'s grammar
+  judges the chain's token, and only a token it refuses makes it filter the
+  whole vocabulary, within a CPU budget (``LlamaEngine._grammar_sample``);
+  a finished, cancelled or failed request leaves its slot at once;
 * a slot keeps its sequence's KV after a request: the next request goes to the
   free slot sharing the longest prompt prefix, and only the rest is evaluated
   (``node.llama.slots.pick_slot``; llama-server's ``cache_prompt``).
@@ -108,6 +109,26 @@ DEAD_END = (
     "json_schema is not usable: its grammar admits no next character (a character range "
     "written backwards, such as [z-a], is one cause)"
 )
+#: Vocabulary tokens per ``llama_sampler_apply`` when a grammar filters them all,
+#: so that its CPU budget is checked between pieces (``_grammar_filter``). 512
+#: tokens took at most 0.45 s under the costliest pattern measured (8192: 3.2 s),
+#: and the 512 calls per filter cost nothing measurable (docs/bench/figures.md).
+GRAMMAR_CHUNK = 512
+#: s of the engine thread's CPU time that a grammar may take to filter the vocabulary
+#: for one token. The intent schema's takes 25-70 ms here; an ambiguous pattern,
+#: ``([a-z ]{0,8}){0,8}``, took 2-5 s per token and ``([a-z ]{0,16}){0,16}``
+#: minutes, holding every other slot of the worker (docs/bench/figures.md,
+#: "Grammar cost"). CPU time, not wall time: a starved host does not count.
+GRAMMAR_BUDGET_S = 1.0
+#: How a request ends whose grammar took more than ``GRAMMAR_BUDGET_S`` for a token.
+TOO_COSTLY = (
+    "json_schema is too costly to follow: its grammar took over {budget_ms} ms of CPU to "
+    "check the vocabulary for one token (a repetition of a group that can itself repeat, "
+    "such as ([a-z ]{{0,8}}){{0,8}}, is a common cause: write [a-z ]{{0,64}}, or end the "
+    "group with a separator the inner class does not match)"
+)
+#: Bytes of one ``llama_token_data`` (id, logit, p): the stride of ``_grammar_filter``'s pieces.
+_TOKEN_DATA_BYTES = ctypes.sizeof(llama_c.llama_token_data)
 #: llama_decode's return code when the abort callback stopped it (llama.h).
 DECODE_ABORTED = 2
 #: s; after a step this slow, decode-only steps run with the abort callback too. A
@@ -318,7 +339,9 @@ class LlamaEngine:
         if self.busy >= self.slots:
             raise Unavailable("worker has no free slot")
         prompt, stops, lstrip = self._prompt(job, cancelled)
-        sampler = self._sampler(job)  # last: nothing to free if the prompt failed
+        # Last: nothing to free if the prompt or the schema failed.
+        grammar = self.grammar_sampler(job["json_schema"]) if "json_schema" in job else None
+        sampler = self._sampler(job)
         slot, keep = pick_slot(self._slots, prompt, job.get("cache_prompt") is not False)
         if keep < len(slot.cached) and not llama_c.llama_memory_seq_rm(
             self._mem, slot.seq, keep, -1
@@ -336,7 +359,7 @@ class LlamaEngine:
             emit=emit,
             out=TextOut([*job.get("stop", []), *stops], lstrip=lstrip),
             sampler=sampler,
-            schema="json_schema" in job,
+            grammar=grammar,
             reused=keep,
         )
 
@@ -458,12 +481,13 @@ class LlamaEngine:
         """Sample ``slot``'s next token from batch row ``row``; its end, if it ended."""
         job = slot.job
         assert job is not None
-        if job.schema:  # a grammar must see every token: the whole chain
-            token = self._grammar_sample(job, row)
-            if token is None:
-                return self._end(slot, ProtocolError(DEAD_END))
-        elif (token := self._argmax(row) if job.greedy else self._top_k(job, row)) is None:
-            token = llama_c.llama_sampler_sample(job.sampler, self._ctx, row)
+        if job.grammar is None:
+            token = self._chain_sample(job, row)
+        else:
+            try:
+                token = self._grammar_sample(job, row)
+            except EdgeNodeError as error:
+                return self._end(slot, error)
         if llama_c.llama_vocab_is_eog(self._vocab, token):
             return self._finish(slot, "stop", flush=True)
         job.generated += 1
@@ -477,33 +501,81 @@ class LlamaEngine:
         job.next_token = token
         return None
 
-    def _grammar_sample(self, job: SlotJob, row: int) -> int | None:
-        """The token ``job``'s chain (with its grammar) picks from batch row ``row``,
-        accepted into the chain; None if the grammar admits no token at all.
+    def _chain_sample(self, job: SlotJob, row: int) -> int:
+        """The token ``job``'s chain picks from batch row ``row``, accepted into it:
+        ``_argmax`` or ``_top_k``, or the chain itself where they cannot tell."""
+        token = self._argmax(row) if job.greedy else self._top_k(job, row)
+        if token is None:
+            token = llama_c.llama_sampler_sample(job.sampler, self._ctx, row)
+        return int(token)
 
-        ``llama_sampler_sample`` would accept whatever the chain selected, and when the
-        grammar has set every logit to -inf (a character range written backwards,
-        ``[z-a]``; a U+0000 no token holds) that is token 0, whose acceptance throws in
-        llama.cpp's grammar ("Unexpected empty grammar stack after accepting piece"):
-        the worker died of SIGABRT with every slot on it. So the chain is applied
-        here and a -inf choice never accepted.
+    def _grammar_sample(self, job: SlotJob, row: int) -> int:
+        """The token ``job``'s chain picks from batch row ``row`` among those its
+        grammar admits, accepted into both.
+
+        As llama.cpp's own sampler does it (common/sampling.h, llama-server's
+        default): the grammar first judges the chain's token alone, and only when
+        it refuses it does it filter the whole vocabulary (262,144 tokens), after
+        which the chain picks again. Greedy requests get the token they got with
+        the grammar first; sampled ones draw again after a refusal (another draw
+        from the seeded generator, as llama-server's do). Filtering is the grammar's
+        whole cost: 25-70 ms for the intent schema, seconds to minutes for an
+        ambiguous pattern, so it runs within ``GRAMMAR_BUDGET_S`` (``_grammar_filter``).
+
+        ``llama_sampler_sample`` would accept whatever the chain selected, and when
+        the grammar has set every logit to -inf (a character range written
+        backwards, ``[z-a]``; a U+0000 no token holds) that is token 0, whose
+        acceptance throws in llama.cpp's grammar ("Unexpected empty grammar stack
+        after accepting piece"): the worker died of SIGABRT with every slot on it.
+        So a -inf choice is never accepted.
+
+        Raises:
+            ProtocolError: the grammar admits no token at all (``DEAD_END``).
+            TooLarge: filtering took more than ``GRAMMAR_BUDGET_S`` (``TOO_COSTLY``).
+            InternalError: llama.cpp has no logits for ``row``.
         """
-        logits = self._logits(row)
-        if logits is None:
-            return int(llama_c.llama_sampler_sample(job.sampler, self._ctx, row))
-        # Every field afresh: the chain sorts and truncates the array in place.
-        self._all_view["id"] = self._ids
-        self._all_view["logit"] = logits
-        self._all_view["p"] = 0.0
-        array = llama_c.llama_token_data_array(self._all, self._n_vocab, -1, False)
-        llama_c.llama_sampler_apply(job.sampler, ctypes.byref(array))
-        if not 0 <= array.selected < array.size:
-            return None
-        chosen = array.data[array.selected]
-        if not math.isfinite(chosen.logit):
-            return None
-        llama_c.llama_sampler_accept(job.sampler, chosen.id)
-        return int(chosen.id)
+        token = self._chain_sample(job, row)
+        one = llama_c.llama_token_data(token, 1.0, 0.0)
+        alone = llama_c.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
+        llama_c.llama_sampler_apply(job.grammar, ctypes.byref(alone))
+        if not math.isfinite(one.logit):
+            logits = self._logits(row)
+            if logits is None:
+                raise InternalError(f"llama.cpp has no logits for batch row {row}")
+            # Every field afresh: the chain sorts and truncates the array in place.
+            self._all_view["id"] = self._ids
+            self._all_view["logit"] = logits
+            self._all_view["p"] = 0.0
+            self._grammar_filter(job.grammar)
+            array = llama_c.llama_token_data_array(self._all, self._n_vocab, -1, False)
+            llama_c.llama_sampler_apply(job.sampler, ctypes.byref(array))
+            if not 0 <= array.selected < array.size:
+                raise ProtocolError(DEAD_END)
+            chosen = array.data[array.selected]
+            if not math.isfinite(chosen.logit):
+                raise ProtocolError(DEAD_END)
+            token = int(chosen.id)
+            llama_c.llama_sampler_accept(job.sampler, token)
+        llama_c.llama_sampler_accept(job.grammar, token)
+        return token
+
+    def _grammar_filter(self, grammar: Any) -> None:
+        """Apply ``grammar`` to the whole vocabulary in ``self._all`` (its refused
+        tokens' logits become -inf), ``GRAMMAR_CHUNK`` tokens at a time.
+
+        Raises:
+            TooLarge: it took more than ``GRAMMAR_BUDGET_S`` of the thread's CPU time;
+                the worker's other slots waited at most that and one chunk more.
+        """
+        began = time.thread_time()
+        base = ctypes.addressof(self._all)
+        for start in range(0, self._n_vocab, GRAMMAR_CHUNK):
+            data = ctypes.cast(base + start * _TOKEN_DATA_BYTES, llama_c.llama_token_data_p)
+            size = min(GRAMMAR_CHUNK, self._n_vocab - start)
+            part = llama_c.llama_token_data_array(data, size, -1, False)
+            llama_c.llama_sampler_apply(grammar, ctypes.byref(part))
+            if time.thread_time() - began > GRAMMAR_BUDGET_S:
+                raise TooLarge(TOO_COSTLY.format(budget_ms=round(GRAMMAR_BUDGET_S * 1000)))
 
     def _argmax(self, row: int) -> int | None:
         """The token a greedy chain (special-token mask, then ``llama_sampler_init_greedy``)
@@ -535,7 +607,7 @@ class LlamaEngine:
         The chain runs over the row's ``TOP_K`` highest unmasked logits instead of
         all 262,144 (``node.llama.candidates``: why each sampler gives the same
         token, and when it declines: a NaN, or equal logits among the K+1 highest).
-        A grammar must see every token, so a ``json_schema`` request never comes here.
+        A ``json_schema`` request's grammar judges the token after (``_grammar_sample``).
         """
         logits = self._logits(row)
         if logits is None:  # no logits at that row: the chain reports it as it always did
@@ -565,7 +637,8 @@ class LlamaEngine:
         assert job is not None
         slot.job = None
         llama_c.llama_sampler_free(job.sampler)
-        if job.schema:
+        if job.grammar is not None:
+            llama_c.llama_sampler_free(job.grammar)
             trim_heap()  # else the grammar sampler's freed vectors stay resident
         return job.rid, outcome
 
@@ -645,14 +718,9 @@ class LlamaEngine:
     # ------------------------------------------------------------------ sampling
 
     def _sampler(self, job: dict[str, Any]) -> Any:
-        """The request's sampler chain: special-token mask, its grammar, then
-        llama-cpp-python's defaults (top_k 40, top_p, min_p 0.05, temperature,
-        seeded draw), or greedy at temperature 0.
-
-        Raises:
-            TooLarge, ProtocolError: see ``grammar_sampler``.
-        """
-        grammar = self.grammar_sampler(job["json_schema"]) if "json_schema" in job else None
+        """The request's sampler chain: special-token mask, then llama-cpp-python's
+        defaults (top_k 40, top_p, min_p 0.05, temperature, seeded draw), or greedy
+        at temperature 0. A ``json_schema``'s grammar is not in it (``_grammar_sample``)."""
         params = llama_c.llama_sampler_chain_default_params()
         params.no_perf = True
         chain = llama_c.llama_sampler_chain_init(params)
@@ -663,8 +731,6 @@ class LlamaEngine:
                 llama_c.llama_vocab_n_tokens(self._vocab), len(self._mask), self._mask
             ),
         )
-        if grammar is not None:
-            add(chain, grammar)
         temperature = float(job.get("temperature", DEFAULT_TEMPERATURE))
         if temperature <= 0:
             add(chain, llama_c.llama_sampler_init_greedy())
@@ -708,8 +774,8 @@ class LlamaEngine:
 
 def _greedy(job: dict[str, Any]) -> bool:
     """Whether ``job`` samples with the greedy chain (``LlamaEngine._sampler``:
-    temperature 0 and no grammar), which ``LlamaEngine._argmax`` can stand in for."""
-    return float(job.get("temperature", DEFAULT_TEMPERATURE)) <= 0 and "json_schema" not in job
+    temperature 0), which ``LlamaEngine._argmax`` can stand in for."""
+    return float(job.get("temperature", DEFAULT_TEMPERATURE)) <= 0
 
 
 def _put(batch: Any, i: int, token: int, pos: int, seq: int, logits: bool) -> None:

@@ -29,7 +29,10 @@ checks each vocabulary token against every one of them at every step: text
 that ``(a{0,64}){0,64}`` matches can be split into its groups in thousands of
 ways, and one such request took 0.7 s per token, holding every other slot of
 its worker; ``((a{0,256}){0,256}){0,256}`` never produced a token (found by a
-break-it pass, 2026-12-07). A schema no value can satisfy (``minLength`` above
+break-it pass, 2026-12-07). The product does not see how broad a class is:
+``([a-z ]{0,16}){0,16}`` passes it and still took minutes per token, so the
+engine also stops a grammar that takes too long over one token
+(``node.llama.engine.GRAMMAR_BUDGET_S``, 413). A schema no value can satisfy (``minLength`` above
 ``maxLength`` and the like) gets 400: the grammar would force output that is not
 even JSON.
 

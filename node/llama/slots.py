@@ -45,10 +45,11 @@ class SlotJob:
     ``prompt`` is every prompt token id (BOS included), of which the first
     ``reused`` were in the slot's KV cache already; ``next_token`` the token
     sampled last and not yet decoded (None during prompt evaluation).
-    ``sampler`` is the request's own ``llama_sampler`` chain (a ctypes pointer),
-    freed by the engine when the request leaves its slot; ``greedy`` says it is
-    the special-token mask and greedy only (the engine may pick its token itself),
-    ``schema`` that it has a grammar (which must see every token: the whole chain).
+    ``sampler`` is the request's own ``llama_sampler`` chain and ``grammar`` its
+    ``json_schema``'s grammar sampler or None (ctypes pointers, kept apart:
+    ``LlamaEngine._grammar_sample``), both freed by the engine when the request
+    leaves its slot; ``greedy`` says the chain is the special-token mask and
+    greedy only (the engine may pick its token itself).
     """
 
     rid: int
@@ -58,7 +59,7 @@ class SlotJob:
     emit: Emit
     out: TextOut
     sampler: Any
-    schema: bool = False
+    grammar: Any = None
     greedy: bool = False
     reused: int = 0
     generated: int = 0

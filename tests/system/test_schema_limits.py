@@ -6,6 +6,7 @@ llama-cpp-python chains the NULL sampler llama.cpp returns for a grammar it refu
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 
 from broker.errors import ErrorCode, ProtocolError, TooLarge
 from node.engine import EngineSpec
-from node.llama.engine import LlamaEngine
+from node.llama.engine import GRAMMAR_BUDGET_S, LlamaEngine
 from node.llama.grammar import MAX_REPEAT
 from node.model import resolve_model
 
@@ -123,6 +124,48 @@ def test_nested_repetitions_that_hung_a_worker_get_413(engine: LlamaEngine) -> N
 def test_nested_repetitions_within_the_bound_are_served(engine: LlamaEngine) -> None:
     text = run(engine, {"type": "string", "pattern": "^(a{0,16}){0,16}$"})["text"]
     assert text.startswith('"') and set(text.strip().strip('"')) <= {"a"}
+
+
+def test_an_ambiguous_pattern_that_stalled_a_worker_ends_its_request_with_413(
+    engine: LlamaEngine,
+) -> None:
+    """``([a-z ]{0,16}){0,16}`` is within MAX_REPEAT (product 256), but its text splits
+    between the groups in countless ways, and filtering the vocabulary took minutes per
+    token: the worker was killed as stalled with its other slots' streams (second
+    break-it pass, 2026-12-07). Now the filter stops at its CPU budget."""
+    job: dict[str, Any] = {
+        "op": "generate",
+        "prompt": "Write a sentence in JSON:",
+        "max_tokens": 64,
+        "temperature": 0.0,
+        "json_schema": {"type": "string", "pattern": "^([a-z ]{0,16}){0,16}$"},
+    }
+    with pytest.raises(TooLarge, match="too costly to follow") as info:
+        engine.run(job, threading.Event(), lambda _: None)
+    assert f"{round(GRAMMAR_BUDGET_S * 1000)} ms" in info.value.message
+    still_works(engine)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_token_the_grammar_refuses_is_drawn_again_from_the_tokens_it_admits(
+    engine: LlamaEngine, temperature: float
+) -> None:
+    """The grammar judges the chain's token first and filters the whole vocabulary
+    only when it refuses it (as llama.cpp's sampler does). The model wants capitals
+    and punctuation here, so refusals happen; every answer still fits the pattern."""
+    pattern = "^[a-z]{1,8}( [a-z]{1,8}){0,3}$"
+    for seed in range(4):
+        job: dict[str, Any] = {
+            "op": "generate",
+            "prompt": "Write the title of a news story, in JSON:",
+            "max_tokens": 48,
+            "temperature": temperature,
+            "seed": seed,
+            "json_schema": {"type": "string", "pattern": pattern},
+        }
+        answer = engine.run(job, threading.Event(), lambda _: None)
+        assert answer["finish_reason"] == "stop", answer
+        assert re.fullmatch(pattern, json.loads(answer["text"])), answer
 
 
 def test_a_schema_no_value_fits_gets_400(engine: LlamaEngine) -> None:

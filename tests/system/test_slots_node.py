@@ -111,3 +111,34 @@ def test_credit_balances_after_mixed_real_requests(make_node: NodeFactory) -> No
         assert process["restarts"] == 0
     finally:
         col.close()
+
+
+def test_an_ambiguous_pattern_gets_413_and_its_neighbours_stream_on(
+    make_node: NodeFactory,
+) -> None:
+    """``([a-z ]{0,16}){0,16}`` beside three plain streams on one four-slot worker: the
+    grammar took minutes per token, the worker was killed as stalled and the three
+    streams got 503 worker_lost (second break-it pass, 2026-12-07). Now the schema
+    request alone ends, with 413, and the worker keeps running."""
+    node = slots_node(make_node)
+    col = Collector(node.frontend)
+    try:
+        for i in range(SLOTS - 1):
+            col.send(id=f"p{i}", op="generate", prompt=f"Story number {i}:", max_tokens=48,
+                     temperature=0.0, stream=True)  # fmt: skip
+        col.send(id="costly", op="generate", prompt="Write a sentence in JSON:", max_tokens=64,
+                 temperature=0.0, json_schema={"type": "string",
+                                               "pattern": "^([a-z ]{0,16}){0,16}$"})  # fmt: skip
+        col.collect(timeout=120, linger=0.5)
+        col.assert_exactly_one_final_each()
+        costly = col.final("costly")
+        assert costly["code"] == 413, costly
+        assert "too costly to follow" in costly["message"]
+        for i in range(SLOTS - 1):
+            reply = col.final(f"p{i}")
+            assert reply["status"] == "ok" and reply["usage"]["completion_tokens"] == 48, reply
+        assert wait_for(lambda: credit(node) == [(SLOTS, SLOTS)], timeout=10)
+        (process,) = node.status()["processes"]
+        assert process["restarts"] == 0
+    finally:
+        col.close()
