@@ -120,7 +120,8 @@ class Conversation:
         Raises:
             ProtocolError: an id the node would refuse (its 400 would carry ``id: nil``,
                 which no inbox takes), or, with ``keep``, an id still in flight here
-                (``reason`` ``"duplicate_id"``: the node's 400 would end that request).
+                (``reason`` ``"duplicate_id"``: the node's 400 would end that request),
+                or a value msgpack cannot carry (``broker.protocol.pack``).
             TooLarge: the packed body is over ``max_body_bytes``.
         """
         body = dict(body)

@@ -124,8 +124,22 @@ def message_limits(max_body_bytes: int) -> MessageLimits:
 
 
 def pack(body: dict[str, Any]) -> bytes:
-    """Encode a body as msgpack (bin type on, so bytes stay bytes)."""
-    data: bytes = msgpack.packb(body, use_bin_type=True)
+    """Encode a body as msgpack (bin type on, so bytes stay bytes).
+
+    Raises:
+        ProtocolError: a value msgpack cannot carry: an integer outside
+            -2**63 .. 2**64-1 (such as a schema's ``{"const": 2**64}``), a type it
+            does not know (a set, a datetime). msgpack's own OverflowError or
+            TypeError would reach the caller untyped.
+    """
+    try:
+        data: bytes = msgpack.packb(body, use_bin_type=True)
+    except OverflowError as exc:
+        raise ProtocolError(
+            f"the body cannot be encoded as msgpack: {exc} (integers go from -2**63 to 2**64-1)"
+        ) from exc
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"the body cannot be encoded as msgpack: {exc}") from exc
     return data
 
 

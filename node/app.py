@@ -56,6 +56,8 @@ from node.pidfile import (
     PIDFILE_NAME,
     RunLock,
     inherited_lock_fd,
+    make_run_dir,
+    remove_empty_dir,
     remove_pidfile,
     write_pidfile,
 )
@@ -505,8 +507,7 @@ class Node:
             key_file=local_key_file(self.run_dir),
             embedded=not self._own_signals,
         )
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.run_dir, 0o700)
+        made = make_run_dir(self.run_dir)
         if self._own_signals:
             # From here a SIGTERM (``edgenode stop`` of a starting node) must take the
             # clean path: the default action would leave the pidfile, later the cgroups.
@@ -529,6 +530,8 @@ class Node:
             finally:
                 remove_pidfile(self.pidfile)
                 snapshot.unlink(missing_ok=True)
+                if made:  # still locked: no other node is using it (a refused start's)
+                    remove_empty_dir(self.run_dir)
 
     def _run_locked(self, pool: WorkerPool, model: str) -> int:
         """Check the endpoints, open the cgroups, serve. Whatever fails on the way,

@@ -130,6 +130,29 @@ def embeds_node(run_dir: Path, proc: psutil.Process) -> bool:
         return False
 
 
+def make_run_dir(run_dir: Path) -> bool:
+    """Make ``run_dir`` (and its parents) if missing, mode 0700; whether this call made it.
+
+    Raises:
+        OSError: it cannot be made or is no directory (``FileExistsError`` for a file).
+    """
+    try:
+        run_dir.mkdir(parents=True)
+        made = True
+    except FileExistsError:
+        if not run_dir.is_dir():
+            raise
+        made = False
+    os.chmod(run_dir, 0o700)
+    return made
+
+
+def remove_empty_dir(path: Path) -> None:
+    """Remove ``path`` if it is an empty directory; anything else stays, silently."""
+    with contextlib.suppress(OSError):
+        path.rmdir()
+
+
 class RunLock:
     """The exclusive lock on a run directory; ``with RunLock(run_dir):`` holds it.
 

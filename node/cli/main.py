@@ -51,7 +51,9 @@ from node.pidfile import (
     in_use_message,
     is_launcher,
     lock_holder,
+    make_run_dir,
     read_node_record,
+    remove_empty_dir,
     signal_holder,
     wait_for_starts,
 )
@@ -227,14 +229,14 @@ def _start_background(config: NodeConfig, wait_s: float) -> None:
     proc: subprocess.Popen[bytes] | None = None
     try:
         interrupts.install()
-        made = _make_run_dir(config.run_dir)
+        made = make_run_dir(config.run_dir)
         # The lock first: from here a `stop` finds this start and stops it.
         with _locked(config.run_dir) as lock:
             try:
                 _check_startable(config)  # a refused start makes no logs, no node
             except click.ClickException:
                 if made:  # ... and no run directory: still locked, so no node's
-                    _remove_empty_dir(config.run_dir)
+                    remove_empty_dir(config.run_dir)
                 raise
             logfile.parent.mkdir(parents=True, exist_ok=True)
             # The node says "ready" down this pipe (node.app.READY_FD_ENV): no poll delay.
@@ -321,29 +323,6 @@ def _wait_ready_fd(fd: int | None, timeout_s: float) -> int | None:
         return fd
     os.read(fd, 64)
     return None
-
-
-def _make_run_dir(run_dir: Path) -> bool:
-    """Make ``run_dir`` (and its parents) if missing, mode 0700; whether this call made it.
-
-    Raises:
-        OSError: it cannot be made or is no directory (``FileExistsError`` for a file).
-    """
-    try:
-        run_dir.mkdir(parents=True)
-        made = True
-    except FileExistsError:
-        if not run_dir.is_dir():
-            raise
-        made = False
-    os.chmod(run_dir, 0o700)
-    return made
-
-
-def _remove_empty_dir(path: Path) -> None:
-    """Remove ``path`` if it is an empty directory; anything else stays, silently."""
-    with contextlib.suppress(OSError):
-        path.rmdir()
 
 
 @contextlib.contextmanager

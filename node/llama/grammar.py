@@ -165,16 +165,24 @@ def _boolean_subschemas(node: dict[str, Any]) -> list[str]:
 
 def _check_pattern(pattern: str, where: str) -> None:
     """Refuse a ``pattern`` whose repetitions, alone or nested, exceed ``MAX_REPEAT``,
-    or which holds a U+0000 (llama.cpp reads its grammar as a C string).
+    that holds a U+0000 (llama.cpp reads its grammar as a C string), or a ``{m,n}``
+    with m above n.
 
     Raises:
         TooLarge: a quantifier's count, or the product along a nesting, is too high.
-        ProtocolError: the pattern holds a U+0000.
+        ProtocolError: the pattern holds a U+0000, or a quantifier no text fits.
     """
     if "\x00" in pattern:
         raise ProtocolError(f"json_schema is not usable: a U+0000 in {where}")
     for match in _QUANTIFIER.finditer(pattern):
-        if max(int(n) for n in (match.group(1), match.group(3)) if n) > MAX_REPEAT:
+        low, high = match.group(1), match.group(3)
+        if high and int(low) > int(high):
+            # The converter wrote it as {low} and the answer did not fit the pattern.
+            raise ProtocolError(
+                f"json_schema is not usable: {match.group(0)} in {where} asks for at least "
+                f"{low} and at most {high}; no text fits"
+            )
+        if max(int(n) for n in (low, high) if n) > MAX_REPEAT:
             raise TooLarge(_repeat_message(f"{match.group(0)}", where))
     product = nested_repeat(pattern)
     if product > MAX_REPEAT:

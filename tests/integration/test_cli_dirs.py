@@ -5,6 +5,7 @@ run as a real process)."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +116,27 @@ def test_a_refused_start_keeps_a_run_dir_that_was_there(tmp_path: Path) -> None:
     done = edgenode("-c", str(config), "--run-dir", str(run_dir), "start", env={})
     assert done.returncode == 1 and said in done.stderr, done
     assert run_dir.is_dir()
+
+
+def test_a_foreground_start_on_an_endpoint_in_use_removes_the_run_dir_it_made(
+    tmp_path: Path,
+) -> None:
+    """The endpoints are checked under the run directory's lock, so after the
+    directory is made; a start refused there left it behind (break-it pass, session 17)."""
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = tmp_path / "edgenode.toml"
+        config.write_text(
+            f'[node]\nfrontend = "tcp://127.0.0.1:{port}"\n\n[workers]\nengine = "test"\n'
+        )
+        run_dir = tmp_path / "run"
+        done = edgenode("-c", str(config), "--run-dir", str(run_dir), "start", "--foreground",
+                        env={})  # fmt: skip
+    finally:
+        taken.close()
+    assert done.returncode == 1, done
+    assert "node.frontend" in done.stderr, done.stderr
+    assert not run_dir.exists()

@@ -268,6 +268,26 @@ def test_an_id_the_node_would_refuse_is_refused_before_sending(
     assert fake.requests.empty()
 
 
+def test_a_value_msgpack_cannot_carry_is_refused_before_sending_and_typed(
+    fake: FakeNode, connect_client: Connect
+) -> None:
+    """``{"const": 2**64 + 1}`` raised msgpack's OverflowError out of the client
+    (break-it pass, session 17); the same client then serves the next call."""
+    with connect_client(fake.endpoint, wait_ms=5000) as c:
+        with pytest.raises(ProtocolError, match="cannot be encoded as msgpack"):
+            c.generate("a", json_schema={"const": 2**64 + 1})
+        assert fake.requests.empty()
+
+        def answer() -> None:
+            request = fake.next_request()
+            fake.reply(ok(request["id"], "fine"))
+
+        answering = threading.Thread(target=answer, daemon=True)
+        answering.start()
+        assert c.generate("b").text == "fine"
+        answering.join(5)
+
+
 def test_dropped_partials_are_on_the_stream_and_its_reply(
     fake: FakeNode, connect_client: Connect
 ) -> None:

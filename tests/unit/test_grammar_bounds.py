@@ -90,6 +90,17 @@ def test_pattern_quantifiers_within_the_bound_pass() -> None:
     assert check_schema({"type": "string", "pattern": pattern}) is None  # type: ignore[func-returns-value]
 
 
+@pytest.mark.parametrize("quantifier", ["{3,2}", "{ 9 , 1 }"])
+def test_a_quantifier_no_text_fits_is_400(quantifier: str) -> None:
+    """``a{3,2}`` was written as ``a{3}`` by the converter: an answer the pattern refuses."""
+    with pytest.raises(ProtocolError, match="no text fits"):
+        check_schema({"type": "string", "pattern": f"^a{quantifier}$"})
+
+
+def test_a_quantifier_of_equal_bounds_passes() -> None:
+    assert check_schema({"type": "string", "pattern": "^a{2,2}b{0,0}$"}) is None  # type: ignore[func-returns-value]
+
+
 @pytest.mark.parametrize(
     ("pattern", "product"),
     [

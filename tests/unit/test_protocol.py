@@ -539,3 +539,17 @@ def test_body_over_the_limit_is_too_large() -> None:
         p.check_body_size(b"x" * 101, 100)
     assert info.value.code == ErrorCode.TOO_LARGE == 413
     assert "101" in info.value.message and "100" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ({"json_schema": {"const": 2**64 + 1}}, "integers go from -2\\*\\*63"),
+        ({"n": -(2**63) - 1}, "out of range"),
+        ({"stop": {"a", "b"}}, "'set'"),
+    ],
+)
+def test_a_value_msgpack_cannot_carry_is_a_protocol_error(body: dict[str, Any], why: str) -> None:
+    """msgpack's OverflowError reached a client's caller untyped (break-it pass, session 17)."""
+    with pytest.raises(ProtocolError, match=f"cannot be encoded as msgpack.*{why}"):
+        p.pack(body)
