@@ -67,6 +67,14 @@ class EngineSpec:
 #: (docs/bench/figures.md §node.llama.engine). The capacity plan's attention
 #: scratch counts the rows a step can then carry (``node.capacity.plan``).
 FLASH_PROMPT_ROWS = 63
+#: Vocabulary tokens per ``llama_sampler_apply`` when a ``json_schema``'s grammar
+#: filters them all (``node.llama.engine.LlamaEngine._grammar_filter``). Its CPU
+#: budget is checked between pieces: 512 tokens took at most 0.45 s under the
+#: costliest pattern measured (8192: 3.2 s), and the 512 calls per filter cost
+#: nothing measurable (docs/bench/figures.md §node.llama.grammar). llama.cpp's
+#: matching holds per-candidate vectors for the call's candidates only, so the
+#: piece also bounds the grammar's memory peak (``node.capacity.plan.grammar_allowance``).
+GRAMMAR_CHUNK = 512
 
 
 def flash_attn_on(kv_type: str, wanted: bool) -> bool:

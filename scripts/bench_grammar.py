@@ -156,10 +156,16 @@ def _widest() -> int:
 
 
 def grammar_bytes(schema: dict[str, Any] | None) -> int:
-    """Bytes of the GBNF grammar a worker makes of ``schema`` (0 without one)."""
+    """Bytes of the GBNF grammar a worker makes of ``schema`` (0 without one, or
+    for a schema over a bound: the worker refuses it before making a grammar)."""
     from node.llama.grammar import schema_grammar
 
-    return 0 if schema is None else len(schema_grammar(schema))
+    if schema is None:
+        return 0
+    try:
+        return len(schema_grammar(schema))
+    except EdgeNodeError:
+        return 0
 
 
 def private_bytes(pid: int) -> int:

@@ -72,7 +72,14 @@ from broker.errors import (
     TooLarge,
     Unavailable,
 )
-from node.engine import FLASH_PROMPT_ROWS, Emit, EngineSpec, Outcome, flash_attn_on
+from node.engine import (
+    FLASH_PROMPT_ROWS,
+    GRAMMAR_CHUNK,
+    Emit,
+    EngineSpec,
+    Outcome,
+    flash_attn_on,
+)
 from node.llama.candidates import TopK
 from node.llama.grammar import schema_grammar, trim_heap
 from node.llama.log import LLAMA_LOG as _LOG
@@ -109,11 +116,6 @@ DEAD_END = (
     "json_schema is not usable: its grammar admits no next character (a character range "
     "written backwards, such as [z-a], is one cause)"
 )
-#: Vocabulary tokens per ``llama_sampler_apply`` when a grammar filters them all,
-#: so that its CPU budget is checked between pieces (``_grammar_filter``). 512
-#: tokens took at most 0.45 s under the costliest pattern measured (8192: 3.2 s),
-#: and the 512 calls per filter cost nothing measurable (docs/bench/figures.md).
-GRAMMAR_CHUNK = 512
 #: s of the engine thread's CPU time that a grammar may take to filter the vocabulary
 #: for one token. The intent schema's takes 25-70 ms here; an ambiguous pattern,
 #: ``([a-z ]{0,8}){0,8}``, took 2-5 s per token and ``([a-z ]{0,16}){0,16}``
