@@ -234,36 +234,36 @@ def _start_background(config: NodeConfig, wait_s: float) -> None:
         with _locked(config.run_dir) as lock:
             try:
                 _check_startable(config)  # a refused start makes no logs, no node
-            except click.ClickException:
-                if made:  # ... and no run directory: still locked, so no node's
+                logfile.parent.mkdir(parents=True, exist_ok=True)
+                # The node says "ready" down this pipe (node.app.READY_FD_ENV): no poll delay.
+                ready_r, ready_w = os.pipe()
+                try:
+                    with open(logfile, "ab") as out, interrupts.held():
+                        proc = subprocess.Popen(
+                            module_command("node.cli", "start", "--foreground"),
+                            stdin=subprocess.DEVNULL,
+                            stdout=out,
+                            stderr=out,
+                            start_new_session=True,
+                            pass_fds=(lock.fd, ready_w),  # the node adopts the held lock
+                            env={
+                                **os.environ,
+                                LOCK_FD_ENV: str(lock.fd),
+                                READY_FD_ENV: str(ready_w),
+                            },
+                        )
+                    os.close(ready_w)
+                    ready_w = -1
+                    click.echo(f"starting edgenode (pid {proc.pid}, log {logfile}) ...")
+                    ready = _wait_started(proc, config, wait_s, logfile, ready_r)
+                finally:
+                    os.close(ready_r)
+                    if ready_w >= 0:
+                        os.close(ready_w)
+            except (click.ClickException, StartInterrupted):
+                if made and proc is None:  # ... and no run directory: still locked, no node's
                     remove_empty_dir(config.run_dir)
                 raise
-            logfile.parent.mkdir(parents=True, exist_ok=True)
-            # The node says "ready" down this pipe (node.app.READY_FD_ENV): no poll delay.
-            ready_r, ready_w = os.pipe()
-            try:
-                with open(logfile, "ab") as out, interrupts.held():
-                    proc = subprocess.Popen(
-                        module_command("node.cli", "start", "--foreground"),
-                        stdin=subprocess.DEVNULL,
-                        stdout=out,
-                        stderr=out,
-                        start_new_session=True,
-                        pass_fds=(lock.fd, ready_w),  # the node adopts the held lock
-                        env={
-                            **os.environ,
-                            LOCK_FD_ENV: str(lock.fd),
-                            READY_FD_ENV: str(ready_w),
-                        },
-                    )
-                os.close(ready_w)
-                ready_w = -1
-                click.echo(f"starting edgenode (pid {proc.pid}, log {logfile}) ...")
-                ready = _wait_started(proc, config, wait_s, logfile, ready_r)
-            finally:
-                os.close(ready_r)
-                if ready_w >= 0:
-                    os.close(ready_w)
             interrupts.disarm()
     except click.ClickException as exc:
         # A start that fails leaves nothing running: its node stops (workers,

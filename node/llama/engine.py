@@ -125,9 +125,10 @@ GRAMMAR_BUDGET_S = 1.0
 #: How a request ends whose grammar took more than ``GRAMMAR_BUDGET_S`` for a token.
 TOO_COSTLY = (
     "json_schema is too costly to follow: its grammar took over {budget_ms} ms of CPU to "
-    "check the vocabulary for one token (a repetition of a group that can itself repeat, "
-    "such as ([a-z ]{{0,8}}){{0,8}}, is a common cause: write [a-z ]{{0,64}}, or end the "
-    "group with a separator the inner class does not match)"
+    "check the vocabulary for one token (common causes: a repetition of a repeated group, "
+    "such as ([a-z ]{{1,16}}){{0,16}}: write [a-z ]{{0,256}} or end the group with a "
+    "separator its class does not match; an enum or anyOf of a thousand alternatives: "
+    "shorten it)"
 )
 #: Bytes of one ``llama_token_data`` (id, logit, p): the stride of ``_grammar_filter``'s pieces.
 _TOKEN_DATA_BYTES = ctypes.sizeof(llama_c.llama_token_data)

@@ -191,6 +191,15 @@ def _check_pattern(pattern: str, where: str) -> None:
             f"{product}; this node allows {MAX_REPEAT} (llama.cpp's grammar tracks every "
             "way to split the text between them)"
         )
+    group = repeated_nullable(pattern)
+    if group is not None:
+        raise TooLarge(
+            f"json_schema repeats a group that can match nothing: {group} in {where}. "
+            "llama.cpp's grammar follows every way of splitting the text between such "
+            "groups, empty ones included (minutes per token); let the group match at "
+            "least one character, or write one repetition ([a-z ]{0,256} for "
+            "([a-z ]{0,2}){0,128})"
+        )
 
 
 def nested_repeat(pattern: str) -> int:
@@ -229,6 +238,74 @@ def nested_repeat(pattern: str) -> int:
         else:
             i, last = i + 1, 1
     return max(inside)
+
+
+def repeated_nullable(pattern: str) -> str | None:
+    """The first group of a regex ``pattern`` that can match the empty string and is
+    repeated (a quantifier above 1, or unbounded), as written; None if there is none.
+
+    ``([a-z ]{0,2}){0,128}``, ``(a?){0,256}``, ``(a*)*``: llama.cpp's grammar
+    sampler advances every parse through every run of empty groups, and one
+    vocabulary token took 30 s to check (a break-it pass, session 18). A group can
+    match nothing when one of its alternatives is a sequence of items that each can:
+    a group that can, or anything quantified ``?``, ``*`` or ``{0,n}``. A rough
+    reading, like ``nested_repeat``'s (escapes and classes are single items).
+    """
+    found: list[str] = []
+
+    def alternation(i: int) -> tuple[bool, int]:
+        nullable = False
+        while True:
+            empty, i = sequence(i)
+            nullable |= empty
+            if i < len(pattern) and pattern[i] == "|":
+                i += 1
+                continue
+            return nullable, i
+
+    def sequence(i: int) -> tuple[bool, int]:
+        nullable = True
+        while i < len(pattern) and pattern[i] not in "|)":
+            start = i
+            empty, group, i = item(i)
+            low, high, i = _quantifier(pattern, i)
+            if group and empty and (high is None or high > 1) and not found:
+                found.append(pattern[start:i])
+            nullable &= empty or low == 0
+        return nullable, i
+
+    def item(i: int) -> tuple[bool, bool, int]:  # (can match nothing, is a group, end)
+        c = pattern[i]
+        if c == "(":
+            i += 3 if pattern.startswith("(?:", i) else 1
+            empty, i = alternation(i)
+            return empty, True, i + (i < len(pattern) and pattern[i] == ")")
+        if c == "[":
+            return False, False, _class_end(pattern, i)
+        if c == "\\":
+            return False, False, i + 2
+        return c in "^$", False, i + 1
+
+    i = 0
+    while i < len(pattern):  # a stray ")" ends alternation(): read on after it
+        _, i = alternation(i)
+        i += 1
+    return found[0] if found else None
+
+
+def _quantifier(pattern: str, i: int) -> tuple[int, int | None, int]:
+    """The quantifier at ``pattern[i]``, if any: (least, most or None for unbounded,
+    the index after it); (1, 1, i) without one. A lazy ``?`` after it is skipped."""
+    c = pattern[i] if i < len(pattern) else ""
+    if c in ("?", "*", "+"):
+        low, high, end = {"?": (0, 1), "*": (0, None), "+": (1, None)}[c] + (i + 1,)
+    elif (match := _QUANTIFIER.match(pattern, i)) is not None:
+        low = int(match.group(1))
+        high = None if match.group(2) and not match.group(3) else int(match.group(3) or low)
+        end = match.end()
+    else:
+        return 1, 1, i
+    return low, high, end + (end < len(pattern) and pattern[end] == "?")
 
 
 def _class_end(pattern: str, start: int) -> int:

@@ -122,23 +122,33 @@ def test_nested_repetitions_that_hung_a_worker_get_413(engine: LlamaEngine) -> N
 
 
 def test_nested_repetitions_within_the_bound_are_served(engine: LlamaEngine) -> None:
-    text = run(engine, {"type": "string", "pattern": "^(a{0,16}){0,16}$"})["text"]
+    text = run(engine, {"type": "string", "pattern": "^(a{1,16}){0,16}$"})["text"]
     assert text.startswith('"') and set(text.strip().strip('"')) <= {"a"}
 
 
-def test_an_ambiguous_pattern_that_stalled_a_worker_ends_its_request_with_413(
-    engine: LlamaEngine,
+@pytest.mark.parametrize("pattern", ["^([a-z ]{0,16}){0,16}$", "^([a-z ]{0,2}){0,128}$"])
+def test_a_repeated_group_that_can_match_nothing_gets_413(
+    engine: LlamaEngine, pattern: str
 ) -> None:
-    """``([a-z ]{0,16}){0,16}`` is within MAX_REPEAT (product 256), but its text splits
-    between the groups in countless ways, and filtering the vocabulary took minutes per
-    token: the worker was killed as stalled with its other slots' streams (second
-    break-it pass, 2026-12-07). Now the filter stops at its CPU budget."""
+    """Within MAX_REPEAT (product 256), yet llama.cpp's grammar followed every run of
+    empty groups: filtering the vocabulary took minutes per token, one token 30 s,
+    and the worker was killed as stalled with its other slots' streams (break-it
+    passes, sessions 17 and 18). Now refused before the grammar is made."""
+    with pytest.raises(TooLarge, match="repeats a group that can match nothing"):
+        run(engine, {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}})
+    still_works(engine)
+
+
+def test_a_grammar_too_costly_to_follow_ends_its_request_with_413(engine: LlamaEngine) -> None:
+    """``([a-z ]{1,16}){0,16}`` passes the schema bounds, but its text splits between
+    the groups in ever more ways as it grows: filtering the vocabulary took 3 s for an
+    early token and minutes later on. The filter stops at its CPU budget."""
     job: dict[str, Any] = {
         "op": "generate",
         "prompt": "Write a sentence in JSON:",
         "max_tokens": 64,
         "temperature": 0.0,
-        "json_schema": {"type": "string", "pattern": "^([a-z ]{0,16}){0,16}$"},
+        "json_schema": {"type": "string", "pattern": "^([a-z ]{1,16}){0,16}$"},
     }
     with pytest.raises(TooLarge, match="too costly to follow") as info:
         engine.run(job, threading.Event(), lambda _: None)

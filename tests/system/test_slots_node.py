@@ -116,10 +116,11 @@ def test_credit_balances_after_mixed_real_requests(make_node: NodeFactory) -> No
 def test_an_ambiguous_pattern_gets_413_and_its_neighbours_stream_on(
     make_node: NodeFactory,
 ) -> None:
-    """``([a-z ]{0,16}){0,16}`` beside three plain streams on one four-slot worker: the
-    grammar took minutes per token, the worker was killed as stalled and the three
-    streams got 503 worker_lost (second break-it pass, 2026-12-07). Now the schema
-    request alone ends, with 413, and the worker keeps running."""
+    """A pattern whose grammar is too costly to follow beside three plain streams on
+    one four-slot worker: ``([a-z ]{0,16}){0,16}`` took minutes per token, the worker
+    was killed as stalled and the three streams got 503 worker_lost (second break-it
+    pass, 2026-12-07; that one is now refused before it runs). Now the schema request
+    alone ends, with 413, and the worker keeps running."""
     node = slots_node(make_node)
     col = Collector(node.frontend)
     try:
@@ -128,7 +129,7 @@ def test_an_ambiguous_pattern_gets_413_and_its_neighbours_stream_on(
                      temperature=0.0, stream=True)  # fmt: skip
         col.send(id="costly", op="generate", prompt="Write a sentence in JSON:", max_tokens=64,
                  temperature=0.0, json_schema={"type": "string",
-                                               "pattern": "^([a-z ]{0,16}){0,16}$"})  # fmt: skip
+                                               "pattern": "^([a-z ]{1,16}){0,16}$"})  # fmt: skip
         col.collect(timeout=120, linger=0.5)
         col.assert_exactly_one_final_each()
         costly = col.final("costly")

@@ -27,6 +27,7 @@ from node.llama.grammar import (
     check_schema,
     grammar_nesting,
     nested_repeat,
+    repeated_nullable,
     schema_grammar,
 )
 
@@ -285,3 +286,42 @@ def test_trim_heap_gives_freed_heap_pages_back() -> None:
     )
     trimmed, released = out.stdout.split()
     assert trimmed == "True" and int(released) > 64 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("pattern", "group"),
+    [
+        ("^([a-z ]{0,2}){0,128}$", "([a-z ]{0,2}){0,128}"),  # one token took 30 s
+        ("^([a-z ]{0,16}){0,16}$", "([a-z ]{0,16}){0,16}"),  # minutes per token
+        ("^(a?){0,256}$", "(a?){0,256}"),
+        ("^(a*)*$", "(a*)*"),
+        ("^(a|){0,8}$", "(a|){0,8}"),
+        ("^x(a|b?)+y$", "(a|b?)+"),
+        ("^((a?)(b?)){2}$", "((a?)(b?)){2}"),
+        ("^(?:(a?)){0,4}$", "(?:(a?)){0,4}"),
+    ],
+)
+def test_a_repeated_group_that_can_match_nothing_is_413(pattern: str, group: str) -> None:
+    assert repeated_nullable(pattern) == group
+    with pytest.raises(TooLarge, match=re.escape(f"can match nothing: {group} in /pattern")):
+        check_schema({"type": "string", "pattern": pattern})
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "^(a{1,16}){0,16}$",  # each group takes a character
+        "^([a-z]{1,16} ){0,16}$",
+        "^([0-9]{1,3}\\.){3}[0-9]{1,3}$",
+        "^((a?)b){0,8}$",  # b is not optional
+        "^(a?)$",  # not repeated
+        "^(a?){1}$",
+        "^(a+)+$",
+        "^(a|aa|aaa)*$",
+        "^[(]{0,9}(x?)$",  # a parenthesis in a class opens no group
+        "^\\((x?)\\){0,9}$",  # nor does an escaped one
+    ],
+)
+def test_groups_that_take_a_character_or_are_not_repeated_pass(pattern: str) -> None:
+    assert repeated_nullable(pattern) is None
+    assert check_schema({"type": "string", "pattern": pattern}) is None  # type: ignore[func-returns-value]
