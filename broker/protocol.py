@@ -158,9 +158,9 @@ def unpack_map(data: bytes) -> dict[str, Any]:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except ValueError as exc:
         if "strict_map_key" in str(exc):
-            raise ProtocolError(
-                "map keys (field names) must be msgpack str, got an integer"
-            ) from exc
+            # msgpack names the key's Python type first: "float is not allowed for map key ..."
+            kind = _KEY_TYPES.get(str(exc).split(" ", 1)[0], "a non-string key")
+            raise ProtocolError(f"map keys (field names) must be msgpack str, got {kind}") from exc
         raise ProtocolError(f"body is not valid msgpack: {_unpack_failure(exc)}") from exc
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"body is not valid msgpack: {_unpack_failure(exc)}") from exc
@@ -168,6 +168,17 @@ def unpack_map(data: bytes) -> dict[str, Any]:
         raise ProtocolError(f"body must be a msgpack map, got {type(obj).__name__}")
     _check_str_keys(obj)
     return obj
+
+
+#: What msgpack's strict_map_key refusal names, in the wire's words.
+_KEY_TYPES = {
+    "int": "an integer",
+    "float": "a float",
+    "bool": "a boolean",
+    "NoneType": "nil",
+    "list": "an array",
+    "dict": "a map",
+}
 
 
 def _unpack_failure(exc: Exception) -> str:
@@ -236,7 +247,9 @@ def salvage_id(body: bytes) -> str | int | None:
     """The ``id`` of a body that failed validation, if one can be read at all,
     so even a malformed request's error reply reaches the caller's waiting id."""
     try:
-        obj = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        # use_list=False: an array used as a map key (valid msgpack) becomes a
+        # hashable tuple; as a list it made this fail, and the 400 lost its id.
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=False)
     except Exception:
         return None
     return request_id_of(obj) if isinstance(obj, dict) else None

@@ -553,3 +553,17 @@ def test_a_value_msgpack_cannot_carry_is_a_protocol_error(body: dict[str, Any], 
     """msgpack's OverflowError reached a client's caller untyped (break-it pass, session 17)."""
     with pytest.raises(ProtocolError, match=f"cannot be encoded as msgpack.*{why}"):
         p.pack(body)
+
+
+@pytest.mark.parametrize(
+    ("key", "named"),
+    [(1, "an integer"), (1.5, "a float"), (True, "a boolean"), (None, "nil"), ((1, 2), "an array")],
+)
+def test_a_non_string_key_is_named_and_the_400_keeps_the_requests_id(key: Any, named: str) -> None:
+    """An array key (valid msgpack, as a Python client sends a tuple key) lost the id of
+    its 400, so the client waited its whole timeout for a reply it could not match
+    (break-it pass, session 18); every key type was reported as "an integer"."""
+    body = msgpack.packb({"id": "k1", "op": "generate", "json_schema": {key: "x"}})
+    with pytest.raises(ProtocolError, match=f"must be msgpack str, got {named}$"):
+        p.unpack_map(body)
+    assert p.salvage_id(body) == "k1"
