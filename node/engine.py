@@ -73,8 +73,7 @@ FLASH_PROMPT_ROWS = 63
 #: costliest pattern measured (8192: 3.2 s), and the 512 calls per filter cost
 #: nothing measurable (docs/bench/figures.md §node.llama.grammar). llama.cpp's
 #: matching holds per-candidate vectors for the call's candidates only, so the
-#: piece also bounds the grammar's memory peak: +0.1-1.7 MiB measured, where the
-#: plan still holds the whole vocabulary's (``node.capacity.plan.grammar_allowance``).
+#: piece also bounds the grammar's memory peak (``node.capacity.plan.grammar_allowance``).
 GRAMMAR_CHUNK = 512
 
 

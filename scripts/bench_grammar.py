@@ -28,8 +28,9 @@ Each case gets a fresh node, so one case's heap never carries into the next.
 ``memory.max`` the whole peak.
 
 With ``--slots S`` the worker has S slots and each case sends S such requests
-at once: the plan holds one grammar allowance per worker, since a worker
-samples its slots one after another, one grammar's peak at a time.
+at once: the plan holds one filter call's candidates per worker (a worker
+samples its slots one after another) and one grammar per slot
+(``node.capacity.plan.grammar_allowance``).
 
 Usage: ``python scripts/bench_grammar.py [--cases plain,intent,obj1,...] [--n-ctx 2048] [--slots 1]
 [--max-tokens 48] [--no-fill] [--memory-max 1G]``. Needs root and cgroups (v1,

@@ -25,13 +25,15 @@ loading the weights) and the budget:
   (``node.engine.flash_attn_on``), which never materialises ``KQ``: see
   ``attention_scratch``.
 * Grammar per worker = ``grammar_allowance``: a request with a ``json_schema``
-  is sampled through a llama.cpp grammar, which checks every vocabulary token
-  at every step. The peak of that grows with the vocabulary, hardly with the
-  schema (``node.llama.grammar`` bounds the schema): ``n_vocab x
-  GRAMMAR_BYTES_PER_TOKEN``, planned for every worker, since any request may
-  carry a schema. Planned once per worker whatever its slots: a worker samples
-  its slots one after another in one thread, so one grammar's transient peak
-  exists at a time.
+  is sampled through a llama.cpp grammar, which checks vocabulary tokens against
+  it: llama.cpp holds per-candidate vectors for the tokens of one call, and the
+  engine filters ``node.engine.GRAMMAR_CHUNK`` tokens per call
+  (``LlamaEngine._grammar_filter``): ``GRAMMAR_CHUNK x GRAMMAR_BYTES_PER_TOKEN``
+  once per worker (its slots are sampled one after another in one thread), plus
+  ``GRAMMAR_STATE_BYTES`` per slot for each grammar's rules and parse stacks.
+  Planned for every worker, since any request may carry a schema. Before the
+  filter worked in pieces it was ``n_vocab x GRAMMAR_BYTES_PER_TOKEN``: 176 MiB
+  for the default model.
 * Slots (``workers.slots``): a worker with S slots is one process, one model,
   one llama context of S sequences with ``model.n_ctx`` cells each (non-unified
   KV), so it pays S x KV per sequence and the runtime and grammar once.
@@ -58,7 +60,7 @@ from node.capacity.budget import config_size, configured_budget, node_limit
 from node.capacity.gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ModelMeta, read_gguf_meta
 from node.capacity.worker_limits import is_auto, memory_high_bytes, memory_max_bytes
 from node.config import MAX_SLOTS, is_auto_slots
-from node.engine import FLASH_PROMPT_ROWS, flash_attn_on
+from node.engine import FLASH_PROMPT_ROWS, GRAMMAR_CHUNK, flash_attn_on
 from node.model import resolve_model
 from node.sandbox.cores import worker_threads
 from node.units import format_size as _format_size
@@ -69,15 +71,19 @@ if TYPE_CHECKING:
 CTX_PAD = 256  # llama.cpp: GGML_PAD(n_ctx, 256)
 N_UBATCH = 512  # llama-cpp-python's default n_ubatch
 PAGE = 4096
-#: Bytes per vocabulary token that one ``json_schema`` request adds to a worker's
-#: peak (``grammar_allowance``): the most ``scripts/bench_grammar.py`` measured over
-#: every schema case ``node.llama.grammar`` admits, rounded up (measured:
-#: docs/bench/figures.md §node.capacity.plan). The cost follows the vocabulary: at
-#: every sampled token llama.cpp matches all candidate tokens against the grammar
-#: (llama-grammar.cpp, ``llama_grammar_reject_candidates_for_stack``: 32 B per
-#: candidate and per code point matched), while the schema's size or depth hardly
-#: matters. Other vocabularies are planned at the same bytes per token, unmeasured.
+#: Bytes per candidate token that llama.cpp's grammar matching holds during one
+#: ``llama_sampler_apply`` (``grammar_allowance``): measured with the whole
+#: vocabulary in one call, the most ``scripts/bench_grammar.py`` saw over every
+#: schema case ``node.llama.grammar`` admits, rounded up (docs/bench/figures.md
+#: §node.capacity.plan). It follows the candidates (llama-grammar.cpp,
+#: ``llama_grammar_reject_candidates_for_stack``: 32 B per candidate and per code
+#: point matched), while the schema's size or depth hardly matters.
 GRAMMAR_BYTES_PER_TOKEN = 704
+#: Bytes of one request's grammar itself (its rules and parse stacks, within
+#: ``node.llama.grammar``'s bounds), per slot: the largest schemas allowed raised a
+#: worker's peak RSS by 0.3-0.6 MiB over a plain request and its cgroup peak by
+#: 0.1-1.7 MiB (four slots), rounded up (docs/bench/figures.md §node.capacity.plan).
+GRAMMAR_STATE_BYTES = 2 * 2**20
 #: Bytes per vocabulary token that each slot beyond the first adds to a worker:
 #: its row of f32 logits (4 B, llama.cpp's output buffer holds one per sequence)
 #: and its sampler's candidate array (``llama_token_data``, 12 B); checked against
@@ -155,7 +161,7 @@ class Plan:
 
     ``per_worker = private weights + slots x kv_per_seq + runtime_per_worker +
     grammar``: the runtime and the grammar allowance once per worker (its slots
-    are sampled one after another in one thread, so one grammar's peak at a
+    are sampled one after another in one thread, so one filter's peak at a
     time), the KV cache once per slot. ``sequences = workers x slots``. ``left =
     budget - reserve - shared weights``: ``left // per_worker`` workers fit before
     the margin. With it each worker is budgeted at its hard limit ``memory_max =
@@ -279,11 +285,15 @@ def _page_up(n: float) -> int:
     return math.ceil(n / PAGE) * PAGE
 
 
-def grammar_allowance(n_vocab: int) -> int:
-    """Bytes a worker's peak grows by while it samples under a ``json_schema``
-    grammar, for a model of ``n_vocab`` tokens: ``n_vocab x GRAMMAR_BYTES_PER_TOKEN``
-    (704 B, measured by ``scripts/bench_grammar.py``; 176 MiB for the default model)."""
-    return n_vocab * GRAMMAR_BYTES_PER_TOKEN
+def grammar_allowance(n_vocab: int, slots: int = 1) -> int:
+    """Bytes a worker of ``slots`` slots grows by while it samples under ``json_schema``
+    grammars, for a model of ``n_vocab`` tokens (0 without a vocabulary):
+    ``min(n_vocab, GRAMMAR_CHUNK) x GRAMMAR_BYTES_PER_TOKEN`` for the candidates of
+    one filter call, once, plus ``slots x GRAMMAR_STATE_BYTES`` (2.3 MiB for one slot
+    of the default model, 8.3 MiB for four; measured by ``scripts/bench_grammar.py``)."""
+    if n_vocab <= 0:
+        return 0
+    return min(n_vocab, GRAMMAR_CHUNK) * GRAMMAR_BYTES_PER_TOKEN + slots * GRAMMAR_STATE_BYTES
 
 
 def model_plan(meta: ModelMeta, **ask: Any) -> Plan:
@@ -300,7 +310,7 @@ def model_plan(meta: ModelMeta, **ask: Any) -> Plan:
         scratch=attention_scratch(meta, ask["n_ctx"], ask["n_batch"], flash, ask.get("slots", 1)),
         flash_attn=flash,
         n_vocab=meta.n_vocab,
-        grammar=grammar_allowance(meta.n_vocab),
+        grammar=grammar_allowance(meta.n_vocab, ask.get("slots", 1)),
         slot_runtime=meta.n_vocab * SLOT_BYTES_PER_TOKEN,
         **ask,
     )
@@ -458,7 +468,7 @@ def refusal(plan: Plan, meta: ModelMeta | None) -> str:
 
 
 def breakdown(plan: Plan) -> str:
-    """One worker's estimate: ``KV 4 x 36 MiB + runtime 120 MiB + grammar 176 MiB``
+    """One worker's estimate: ``KV 4 x 36 MiB + runtime 132 MiB + grammar 8.3 MiB``
     (slots x KV per sequence; + private weights; no grammar term without a model)."""
     parts = [] if plan.weights_shared else [f"weights {format_size(plan.weights)}"]
     parts += [

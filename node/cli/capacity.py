@@ -26,6 +26,7 @@ from node.capacity.gguf import ModelMeta
 from node.capacity.plan import (
     AUTO_SLOTS_PER_THREAD,
     GRAMMAR_BYTES_PER_TOKEN,
+    GRAMMAR_STATE_BYTES,
     KV_TYPES,
     Plan,
     advice,
@@ -40,6 +41,7 @@ from node.capacity.plan import (
 from node.capacity.worker_limits import describe, is_auto
 from node.cli.context import add_global_options, config_path, wants_json
 from node.config import MAX_SLOTS, NodeConfig, is_auto_slots, load_config
+from node.engine import GRAMMAR_CHUNK
 from node.sandbox.cores import plan_workers, worker_threads
 from node.units import parse_size
 
@@ -262,9 +264,10 @@ def _model_lines(plan: Plan, meta: ModelMeta) -> list[str]:
             else ""
         )
         + f" = {s(plan.runtime_per_worker)} per worker",
-        f"grammar     {plan.n_vocab:,} vocabulary tokens x {GRAMMAR_BYTES_PER_TOKEN} B"
-        f" = {s(plan.grammar)} per worker (a json_schema request's sampler peak;"
-        " once, whatever the slots: they sample one at a time)",
+        f"grammar     {min(plan.n_vocab, GRAMMAR_CHUNK):,} candidate tokens x"
+        f" {GRAMMAR_BYTES_PER_TOKEN} B + {plan.slots} x {s(GRAMMAR_STATE_BYTES)}"
+        f" = {s(plan.grammar)} per worker (json_schema sampling: the vocabulary is"
+        " checked in pieces, one slot at a time; each slot's grammar)",
     ]
 
 

@@ -45,9 +45,11 @@ character came out raw (not JSON), a U+0000 crashed the worker (SIGABRT:
 "Unexpected empty grammar stack"), and a character outside the BMP, escaped as
 a UTF-16 surrogate pair, came out as six U+FFFD.
 
-What a schema within these bounds costs in memory is mostly the vocabulary's,
-not the schema's: ``node.capacity.plan.grammar_allowance`` plans it, and
-``scripts/bench_grammar.py`` measures the largest schemas allowed here.
+What a schema within these bounds costs in memory is small: the engine checks
+the vocabulary in pieces (``node.engine.GRAMMAR_CHUNK``), so llama.cpp's
+per-candidate vectors stay small, and the grammar itself is bounded here.
+``node.capacity.plan.grammar_allowance`` plans it, and ``scripts/bench_grammar.py``
+measures the largest schemas allowed here.
 A grammar llama.cpp still cannot parse gets 400 (``node.llama.engine``).
 """
 

@@ -172,8 +172,9 @@ def test_default_config_plans_the_real_default_model(gemma: ModelMeta) -> None:
     assert meta == gemma
     assert plan.kv_per_token == 18_432 and plan.kv_type == "f16" and plan.n_ctx == 2048
     assert plan.runtime_per_worker == 88 * MiB + 32 * MiB
-    assert plan.grammar == 176 * MiB  # node.capacity.plan.grammar_allowance
-    assert plan.per_worker == 36 * MiB + 120 * MiB + 176 * MiB
+    # node.capacity.plan.grammar_allowance: one filter call's candidates, one grammar
+    assert plan.grammar == 512 * 704 + 2 * MiB
+    assert plan.per_worker == 36 * MiB + 120 * MiB + plan.grammar
     assert plan.total == gemma.weights_bytes + 2 * plan.per_worker
     assert plan.budget == 8 * GiB and plan.budget_source == "capacity.memory_budget"
 
@@ -210,23 +211,23 @@ def test_check_fits_returns_the_plan_when_it_fits(gemma: ModelMeta) -> None:
 
 def test_check_fits_refuses_too_many_workers_and_names_the_knobs(gemma: ModelMeta) -> None:
     with pytest.raises(ConfigError) as info:
-        check_fits(config(workers={"count": 3}, capacity={"memory_budget": "2250M"}))
+        check_fits(config(workers={"count": 3}, capacity={"memory_budget": "1700M"}))
     message = info.value.message
     assert "3 worker(s) do not fit" in message and "so 2 fit" in message
     assert "workers.count = 2" in message
-    assert "model.n_ctx = 1024" in message
-    assert 'capacity.memory_budget = "2355M"' in message
+    assert "model.n_ctx = 1280" in message
+    assert 'capacity.memory_budget = "1782M"' in message
 
 
 def test_check_fits_suggests_a_smaller_kv_type_when_that_is_enough(gemma: ModelMeta) -> None:
-    # n_ctx 8192: 536 MiB per worker with f16 (no room for 2), 364.5 MiB with q8_0
+    # n_ctx 8192: 362.3 MiB per worker with f16 (no room for 2), 169.8 MiB with q8_0
     # (half the KV, and flash attention: 24 MiB of scratch instead of 128).
-    cfg = config(model={"n_ctx": 8192}, capacity={"memory_budget": "2100M"})
+    cfg = config(model={"n_ctx": 8192}, capacity={"memory_budget": "1900M"})
     with pytest.raises(ConfigError) as info:
         check_fits(cfg)
     assert 'model.kv_type = "q8_0"' in info.value.message
     assert check_fits(
-        config(model={"n_ctx": 8192, "kv_type": "q8_0"}, capacity={"memory_budget": "2100M"})
+        config(model={"n_ctx": 8192, "kv_type": "q8_0"}, capacity={"memory_budget": "1900M"})
     )
 
 
@@ -239,10 +240,10 @@ def test_check_fits_refuses_when_the_weights_alone_do_not_fit(gemma: ModelMeta) 
 
 
 def test_check_fits_suggests_turning_repack_off(gemma: ModelMeta) -> None:
-    # Shared: 1 GiB + 235 MiB + 2 x 365 MiB fits 2100M; two private copies do not.
+    # Shared: 1 GiB + 235 MiB + 2 x 174 MiB fits 1700M; two private copies do not.
     with pytest.raises(ConfigError, match=r"model\.repack = false"):
-        check_fits(config(model={"repack": True}, capacity={"memory_budget": "2100M"}))
-    assert check_fits(config(capacity={"memory_budget": "2100M"}))
+        check_fits(config(model={"repack": True}, capacity={"memory_budget": "1700M"}))
+    assert check_fits(config(capacity={"memory_budget": "1700M"}))
 
 
 def test_the_test_engine_reads_no_model() -> None:
@@ -465,8 +466,8 @@ def test_cli_refuses_the_cores_start_refuses(
 
 def test_check_fits_refuses_a_worker_limit_below_one_workers_need() -> None:
     config = from_dict({"workers": {"memory_max": "100M", "slots": 1}})
-    # 36 MiB of KV + 88 + 1.5 MiB (flash attention's scratch, the default) + 176 of grammar
-    with pytest.raises(ConfigError, match=r"workers.memory_max 100 MiB is below the 301.5 MiB"):
+    # 36 MiB of KV + 88 + 1.5 MiB (flash attention's scratch, the default) + 2.3 of grammar
+    with pytest.raises(ConfigError, match=r"workers.memory_max 100 MiB is below the 127.8 MiB"):
         check_fits(config)
 
 

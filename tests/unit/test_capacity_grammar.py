@@ -1,4 +1,5 @@
-"""The capacity plan's grammar allowance: n_vocab x GRAMMAR_BYTES_PER_TOKEN per worker, in
+"""The capacity plan's grammar allowance: one filter call's candidates x GRAMMAR_BYTES_PER_TOKEN
+and GRAMMAR_STATE_BYTES per slot, per worker, in
 the per-worker estimate, memory.max and memory.high, the refusal, the CLI line and --json;
 none for the test engine or for sizes given by hand; n_vocab read from the GGUF header."""
 
@@ -18,6 +19,7 @@ from capacitykit import config, with_layout
 from node.capacity.gguf import ModelMeta, read_gguf_meta
 from node.capacity.plan import (
     GRAMMAR_BYTES_PER_TOKEN,
+    GRAMMAR_STATE_BYTES,
     PAGE,
     Plan,
     breakdown,
@@ -29,28 +31,32 @@ from node.cli.capacity import capacity
 
 MiB, GiB = 1 << 20, 1 << 30
 GEMMA_VOCAB = 262_144
+#: The default model's allowance for one slot: 512 candidates x 704 B + 2 MiB, 2.3 MiB.
+GRAMMAR_1 = 512 * 704 + 2 * MiB
 
 
-def test_the_allowance_is_bytes_per_vocabulary_token() -> None:
-    assert grammar_allowance(0) == 0
-    assert grammar_allowance(1000) == 1000 * GRAMMAR_BYTES_PER_TOKEN
-    assert grammar_allowance(GEMMA_VOCAB) == 176 * MiB  # the default model's
+def test_the_allowance_is_one_filter_calls_candidates_and_a_grammar_per_slot() -> None:
+    assert grammar_allowance(0) == 0  # no vocabulary, no grammar
+    assert grammar_allowance(300) == 300 * GRAMMAR_BYTES_PER_TOKEN + GRAMMAR_STATE_BYTES
+    assert grammar_allowance(GEMMA_VOCAB) == GRAMMAR_1  # node.engine.GRAMMAR_CHUNK = 512
+    assert grammar_allowance(GEMMA_VOCAB, slots=4) == GRAMMAR_1 + 3 * GRAMMAR_STATE_BYTES
 
 
 def test_every_worker_of_the_default_model_plans_the_allowance(gemma: ModelMeta) -> None:
     plan, meta = config_plan(config())
     assert meta is not None and meta.n_vocab == plan.n_vocab == GEMMA_VOCAB
-    assert plan.grammar == 176 * MiB
-    assert plan.per_worker == 36 * MiB + 120 * MiB + 176 * MiB  # KV + runtime + grammar
-    assert plan.memory_max == math.ceil(332 * MiB * 1.1 / PAGE) * PAGE
-    assert plan.memory_high == math.ceil(332 * MiB * 1.05 / PAGE) * PAGE
-    assert plan.total == gemma.weights_bytes + 2 * 332 * MiB
+    assert plan.grammar == GRAMMAR_1
+    per_worker = 36 * MiB + 120 * MiB + GRAMMAR_1  # KV + runtime + grammar
+    assert plan.per_worker == per_worker
+    assert plan.memory_max == math.ceil(per_worker * 1.1 / PAGE) * PAGE
+    assert plan.memory_high == math.ceil(per_worker * 1.05 / PAGE) * PAGE
+    assert plan.total == gemma.weights_bytes + 2 * per_worker
 
 
 def test_the_allowance_does_not_depend_on_context_or_kv_type(gemma: ModelMeta) -> None:
     small, _ = config_plan(config(model={"n_ctx": 512, "kv_type": "q8_0"}))
     large, _ = config_plan(config(model={"n_ctx": 8192}))
-    assert small.grammar == large.grammar == 176 * MiB
+    assert small.grammar == large.grammar == GRAMMAR_1
 
 
 def test_the_test_engine_and_sizes_by_hand_plan_no_grammar() -> None:
@@ -64,12 +70,12 @@ def test_the_test_engine_and_sizes_by_hand_plan_no_grammar() -> None:
 def test_a_limit_that_holds_kv_and_runtime_but_not_the_grammar_is_refused(
     gemma: ModelMeta,
 ) -> None:
-    # 300 MiB held the plan before the allowance (156 MiB); the grammar's peak does not fit.
+    # 157 MiB holds KV and runtime (156 MiB); the grammar's 2.3 MiB does not fit.
     with pytest.raises(ConfigError) as info:
-        check_fits(config(workers={"memory_max": "300M"}))
+        check_fits(config(workers={"memory_max": "157M"}))
     message = info.value.message
-    assert "workers.memory_max 300 MiB is below the 332 MiB one worker needs" in message
-    assert "(KV 1 x 36 MiB + runtime 120 MiB + grammar 176 MiB)" in message
+    assert "workers.memory_max 157 MiB is below the 158.3 MiB one worker needs" in message
+    assert "(KV 1 x 36 MiB + runtime 120 MiB + grammar 2.3 MiB)" in message
 
 
 def test_the_cli_prints_the_grammar_line_and_json_fields(tmp_path: Path, gemma: ModelMeta) -> None:
@@ -78,13 +84,14 @@ def test_the_cli_prints_the_grammar_line_and_json_fields(tmp_path: Path, gemma: 
     text = CliRunner().invoke(capacity, [], obj={"config": str(path)})
     assert text.exit_code == 0, text.output
     assert (
-        f"grammar     262,144 vocabulary tokens x {GRAMMAR_BYTES_PER_TOKEN} B = 176 MiB per "
-        "worker" in text.output
+        f"grammar     512 candidate tokens x {GRAMMAR_BYTES_PER_TOKEN} B + 1 x 2 MiB = 2.3 MiB"
+        " per worker" in text.output
     )
-    assert "per worker  KV 1 x 36 MiB + runtime 120 MiB + grammar 176 MiB = 332 MiB" in text.output
+    per_worker = "per worker  KV 1 x 36 MiB + runtime 120 MiB + grammar 2.3 MiB = 158.3 MiB"
+    assert per_worker in text.output
     data = json.loads(CliRunner().invoke(capacity, ["--json"], obj={"config": str(path)}).output)
-    assert (data["grammar"], data["n_vocab"]) == (176 * MiB, GEMMA_VOCAB)
-    assert data["per_worker"] == 332 * MiB
+    assert (data["grammar"], data["n_vocab"]) == (GRAMMAR_1, GEMMA_VOCAB)
+    assert data["per_worker"] == 36 * MiB + 120 * MiB + GRAMMAR_1
 
 
 def write_gguf(path: Path, vocab: int | None) -> Path:

@@ -33,8 +33,14 @@ from node.sandbox.cgroups import limits_for
 #: Slots per thread x ``workers.threads``, whatever cores the test host has.
 pytestmark = pytest.mark.usefixtures("many_cores")
 
-#: The default model's worker, one slot: KV 36 MiB + runtime 120 MiB + grammar 176 MiB.
-KV, RUNTIME, GRAMMAR = 36 * MiB, 120 * MiB, 176 * MiB
+#: The default model's worker, one slot: KV 36 MiB + runtime 120 MiB + grammar 2.3 MiB.
+KV, RUNTIME = 36 * MiB, 120 * MiB
+
+
+def grammar(slots: int) -> int:
+    """The default model's grammar allowance (``grammar_allowance``): one filter call's
+    512 candidates at 704 B, once, and 2 MiB per slot for its grammar."""
+    return 512 * 704 + slots * 2 * MiB
 
 
 def echo_engine(**workers: Any) -> Any:
@@ -52,7 +58,7 @@ def page_up(n: float) -> int:
 SLOT = 262_144 * 16  # the default model's vocabulary x SLOT_BYTES_PER_TOKEN
 
 
-def test_a_worker_pays_kv_per_slot_and_runtime_and_grammar_once(gemma: ModelMeta) -> None:
+def test_a_worker_pays_kv_and_a_grammar_per_slot_and_the_runtime_once(gemma: ModelMeta) -> None:
     one, _ = config_plan(config())
     four, _ = config_plan(config(workers={"slots": 4}))
     assert one.slots == 1 and four.slots == 4
@@ -61,11 +67,13 @@ def test_a_worker_pays_kv_per_slot_and_runtime_and_grammar_once(gemma: ModelMeta
     assert one.runtime_per_worker == RUNTIME
     # Each slot beyond the first: a logits row and a candidate array, 16 B per token.
     assert four.runtime_per_worker == RUNTIME + 3 * SLOT == RUNTIME + 12 * MiB
-    assert four.grammar == one.grammar == GRAMMAR  # once per worker, not per slot
-    assert four.per_worker == 4 * KV + RUNTIME + 3 * SLOT + GRAMMAR == 452 * MiB
-    assert four.per_worker - one.per_worker == 3 * (KV + SLOT)
-    assert four.memory_max == page_up(452 * MiB * 1.1)
-    assert four.total == gemma.weights_bytes + 2 * 452 * MiB
+    # The filter's candidates once per worker (one slot at a time), a grammar per slot.
+    assert (one.grammar, four.grammar) == (grammar(1), grammar(4))
+    per_worker = 4 * KV + RUNTIME + 3 * SLOT + grammar(4)
+    assert four.per_worker == per_worker == int(284.34375 * MiB)
+    assert four.per_worker - one.per_worker == 3 * (KV + SLOT + 2 * MiB)
+    assert four.memory_max == page_up(per_worker * 1.1)
+    assert four.total == gemma.weights_bytes + 2 * per_worker
 
 
 def test_sequences_are_workers_times_slots_and_fits_safe_counts_workers() -> None:
@@ -86,8 +94,9 @@ def test_four_slots_in_one_worker_cost_less_than_half_of_four_workers(gemma: Mod
     assert four_workers.sequences == one_worker.sequences == 4
     workers_side = four_workers.total - four_workers.shared_weights
     slots_side = one_worker.total - one_worker.shared_weights
-    assert slots_side == 452 * MiB and workers_side == 4 * 332 * MiB
-    assert slots_side <= workers_side / 2
+    assert slots_side == 4 * KV + RUNTIME + 3 * SLOT + grammar(4)
+    assert workers_side == 4 * (KV + RUNTIME + grammar(1))
+    assert slots_side <= workers_side / 2  # 284.3 against 633.4 MiB
 
 
 @pytest.mark.parametrize("slots", [0, -1, MAX_SLOTS + 1])
@@ -137,13 +146,13 @@ def test_auto_counts_the_threads_a_worker_really_runs(
 
 
 def test_auto_is_the_most_slots_that_fit_the_budget(gemma: ModelMeta) -> None:
-    # 2110M - 1G reserve - 235.2 MiB weights = 850.8 MiB for 2 workers. Each worker's
-    # memory.max: 2 slots (72 + 296 + 4) x 1.1 = 409.2 MiB (x 2 = 818.4 fits); 3 slots
-    # (108 + 296 + 8) x 1.1 = 453.2 MiB (x 2 = 906.4 does not).
-    cfg = config(workers={"slots": "auto", "threads": 2}, capacity={"memory_budget": "2110M"})
+    # 1780M - 1G reserve - 235.2 MiB weights = 520.8 MiB for 2 workers. Each worker's
+    # memory.max: 2 slots (72 + 124 + 4.3) x 1.1 = 220.4 MiB (x 2 = 440.8 fits); 3 slots
+    # (108 + 128 + 6.3) x 1.1 = 266.6 MiB (x 2 = 533.1 does not).
+    cfg = config(workers={"slots": "auto", "threads": 2}, capacity={"memory_budget": "1780M"})
     plan = check_fits(cfg)
     assert resolve_slots(cfg) == plan.slots == 2
-    assert plan.per_worker == 2 * KV + RUNTIME + SLOT + GRAMMAR and plan.sequences == 4
+    assert plan.per_worker == 2 * KV + RUNTIME + SLOT + grammar(2) and plan.sequences == 4
     assert not config_plan(cfg, slots=3)[0].fits
     # One worker instead of two leaves room for the cap, 4 per thread x 2 threads.
     assert resolve_slots(cfg, workers=1) == 8
@@ -157,9 +166,9 @@ def test_auto_keeps_one_slot_when_nothing_fits_and_start_refuses(gemma: ModelMet
 
 
 def test_auto_keeps_a_worker_within_a_fixed_memory_max(gemma: ModelMeta) -> None:
-    # 16 slots would fit 8G, but 40 MiB x (S - 1) + 332 MiB <= 600 MiB only up to S = 7.
+    # 16 slots would fit 8G, but 42 MiB x S + 116.3 MiB <= 600 MiB only up to S = 11.
     fixed = config(workers={"slots": "auto", "threads": 4, "memory_max": "600M"})
-    assert resolve_slots(fixed) == 7
+    assert resolve_slots(fixed) == 11
     check_fits(fixed)  # and start accepts it
     planned = config(workers={"slots": "auto", "threads": 4, "memory_max": "auto"})
     assert resolve_slots(planned) == 16
@@ -191,29 +200,30 @@ def test_an_integer_is_taken_as_it_is_without_reading_the_model() -> None:
 
 
 def test_a_refusal_says_slots_and_suggests_fewer(gemma: ModelMeta) -> None:
-    # 2G - 1G - 235.2 MiB = 788.8 MiB: two 1-slot workers (2 x 365.2 MiB) fit, 8 slots do not.
+    # 2G - 1G - 235.2 MiB = 788.8 MiB: two 1-slot workers (2 x 174.2 MiB) fit, two of
+    # 8 slots (2 x 497.6 MiB) do not.
     with pytest.raises(ConfigError) as info:
         check_fits(config(workers={"slots": 8}, capacity={"memory_budget": "2G"}))
     message = info.value.message
     assert "2 worker(s) of 8 slots do not fit" in message
-    assert "(KV 8 x 36 MiB + runtime 148 MiB + grammar 176 MiB)" in message
+    assert "(KV 8 x 36 MiB + runtime 148 MiB + grammar 16.3 MiB)" in message
     assert "workers.count = 1 (--workers)" in message
-    assert "workers.slots = 1 (--slots; fewer sequences per worker)" in message
+    assert "workers.slots = 5 (--slots; fewer sequences per worker)" in message
     assert check_fits(config(workers={"slots": 1}, capacity={"memory_budget": "2G"}))
 
 
 def test_a_one_slot_refusal_does_not_suggest_slots(gemma: ModelMeta) -> None:
     with pytest.raises(ConfigError) as info:
-        check_fits(config(workers={"count": 3}, capacity={"memory_budget": "2250M"}))
+        check_fits(config(workers={"count": 3}, capacity={"memory_budget": "1700M"}))
     assert "3 worker(s) do not fit" in info.value.message
     assert "workers.slots" not in info.value.message
 
 
 def test_a_fixed_limit_below_a_multi_slot_worker_names_the_slots(gemma: ModelMeta) -> None:
     with pytest.raises(ConfigError) as info:
-        check_fits(config(workers={"slots": 8, "memory_max": "500M"}))
+        check_fits(config(workers={"slots": 8, "memory_max": "400M"}))
     message = info.value.message
-    assert "workers.memory_max 500 MiB is below the 612 MiB one worker needs" in message
+    assert "workers.memory_max 400 MiB is below the 452.3 MiB one worker needs" in message
     assert "or lower model.n_ctx or workers.slots (now 8)" in message
 
 
@@ -221,8 +231,9 @@ def test_the_planned_cgroup_limit_follows_the_slots(gemma: ModelMeta) -> None:
     cfg = config(workers={"slots": 4, "memory_max": "auto"})
     plan = check_fits(cfg)
     limits = limits_for(cfg.workers, plan=plan)
-    assert limits.memory_max == plan.memory_max == page_up(452 * MiB * 1.1)
-    assert limits.memory_high == plan.memory_high == page_up(452 * MiB * 1.05)
+    per_worker = 4 * KV + RUNTIME + 3 * SLOT + grammar(4)
+    assert limits.memory_max == plan.memory_max == page_up(per_worker * 1.1)
+    assert limits.memory_high == plan.memory_high == page_up(per_worker * 1.05)
 
 
 # ---------------------------------------------------------------- edgenode capacity --slots
@@ -236,15 +247,16 @@ def test_cli_shows_workers_times_slots(tmp_path: Path, gemma: ModelMeta) -> None
     assert result.exit_code == 0, result.output
     out = result.output
     assert "layout      2 worker(s) x 4 slots = 8 sequences (workers.slots = 4)" in out
-    assert "per worker  KV 4 x 36 MiB + runtime 132 MiB + grammar 176 MiB = 452 MiB" in out
+    assert "per worker  KV 4 x 36 MiB + runtime 132 MiB + grammar 8.3 MiB = 284.3 MiB" in out
     # The runtime line adds up: overhead + scratch + each further slot's logits and candidates.
     runtime = "runtime     88 MiB overhead + 32 MiB attention scratch + 3 x 4 MiB per further slot"
     assert runtime in out
     assert "= 132 MiB per worker" in out
     assert "for 2 worker(s) x 4 slots = 8 sequences" in out
-    assert "verdict     OK: 2 worker(s) asked, 13 fit (of 4 slots each)" in out
+    assert "verdict     OK: 2 worker(s) asked, 22 fit (of 4 slots each)" in out
     data = json.loads(run_cli(tmp_path, "--slots", "4", "--json", toml=MODEL_TOML).output)
-    assert (data["slots"], data["sequences"], data["per_worker"]) == (4, 8, 452 * MiB)
+    per_worker = 4 * KV + RUNTIME + 3 * SLOT + grammar(4)
+    assert (data["slots"], data["sequences"], data["per_worker"]) == (4, 8, per_worker)
 
 
 def test_cli_slots_auto_from_the_config(tmp_path: Path, gemma: ModelMeta) -> None:

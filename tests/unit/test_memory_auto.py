@@ -188,15 +188,16 @@ def test_start_and_capacity_agree_on_auto_slots_and_their_limits(
     # `edgenode capacity` resolve the same slots, so the limits they give agree.
     toml = (
         '[workers]\ncount = 2\nslots = "auto"\nthreads = 2\nmemory_max = "auto"\n'
-        '[capacity]\nmemory_budget = "2.3G"\nreserve = "1G"\nruntime_overhead = "88M"\n'
+        '[capacity]\nmemory_budget = "2000M"\nreserve = "1G"\nruntime_overhead = "88M"\n'
         "[model]\nflash_attn = false\n"  # the arithmetic below: plain attention's 32 MiB scratch
     )
     (tmp_path / "edgenode.toml").write_text(toml)
     started = check_fits(load_config(str(tmp_path / "edgenode.toml")))
     data = json.loads(run_cli(tmp_path, toml, "--json").output)
-    # 2.3G - 1G - 235.2 MiB = 1096 MiB for 2 workers of (40 MiB x S + 292 MiB) x 1.1
-    # (4 MiB of runtime per slot beyond the first): 5 slots (541.2 MiB each) fit,
-    # 6 (585.2 MiB) do not; the cap would allow 8.
+    # 2000M - 1G - 235.2 MiB = 740.8 MiB for 2 workers of (42 MiB x S + 116.3 MiB) x 1.1
+    # (4 MiB of runtime per slot beyond the first, 2 MiB of grammar per slot): 5 slots
+    # (359 MiB each) fit, 6 (405.2 MiB) do not; the cap would allow 8.
     assert started.slots == data["slots"] == 5
     assert data["worker_limits"]["memory_max"] == started.memory_max == data["memory_max"]
-    assert started.per_worker == 5 * 36 * MiB + (120 + 4 * 4) * MiB + 176 * MiB
+    grammar = 512 * 704 + 5 * 2 * MiB  # node.capacity.plan.grammar_allowance
+    assert started.per_worker == 5 * 36 * MiB + (120 + 4 * 4) * MiB + grammar
