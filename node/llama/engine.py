@@ -117,10 +117,11 @@ DEAD_END = (
     "written backwards, such as [z-a], is one cause)"
 )
 #: s of the engine thread's CPU time that a grammar may take to filter the vocabulary
-#: for one token. The intent schema's takes 25-70 ms here; an ambiguous pattern,
-#: ``([a-z ]{0,8}){0,8}``, took 2-5 s per token and ``([a-z ]{0,16}){0,16}``
-#: minutes, holding every other slot of the worker (docs/bench/figures.md,
-#: "Grammar cost"). CPU time, not wall time: a starved host does not count.
+#: for one token. The intent schema's takes 25-70 ms here; nested repetitions that
+#: pass ``node.llama.grammar``'s checks, ``([a-z ]{1,16}){0,16}``, took 3 s for an
+#: early token and minutes later on, holding every other slot of the worker
+#: (docs/bench/figures.md §node.llama.grammar). CPU time, not wall time: a starved
+#: host does not count.
 GRAMMAR_BUDGET_S = 1.0
 #: How a request ends whose grammar took more than ``GRAMMAR_BUDGET_S`` for a token.
 TOO_COSTLY = (
