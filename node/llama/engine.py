@@ -116,8 +116,9 @@ DEAD_END = (
     "json_schema is not usable: its grammar admits no next character (a character range "
     "written backwards, such as [z-a], is one cause)"
 )
-#: s of the engine thread's CPU time that a grammar may take to filter the vocabulary
-#: for one token. The intent schema's takes 25-70 ms here; nested repetitions that
+#: s of the engine thread's CPU time that a grammar may take for one token: judging
+#: the chain's token, filtering the vocabulary after a refusal, accepting the token.
+#: The intent schema's filter takes 25-70 ms here; nested repetitions that
 #: pass ``node.llama.grammar``'s checks, ``([a-z ]{1,16}){0,16}``, took 3 s for an
 #: early token and minutes later on, holding every other slot of the worker
 #: (docs/bench/figures.md §node.llama.grammar). CPU time, not wall time: a starved
@@ -125,8 +126,8 @@ DEAD_END = (
 GRAMMAR_BUDGET_S = 1.0
 #: How a request ends whose grammar took more than ``GRAMMAR_BUDGET_S`` for a token.
 TOO_COSTLY = (
-    "json_schema is too costly to follow: its grammar took over {budget_ms} ms of CPU to "
-    "check the vocabulary for one token (common causes: a repetition of a repeated group, "
+    "json_schema is too costly to follow: its grammar took over {budget_ms} ms of CPU "
+    "for one token (common causes: a repetition of a repeated group, "
     "such as ([a-z ]{{1,16}}){{0,16}}: write [a-z ]{{0,256}} or end the group with a "
     "separator its class does not match; an enum or anyOf of a thousand alternatives: "
     "shorten it)"
@@ -491,6 +492,7 @@ class LlamaEngine:
             try:
                 token = self._grammar_sample(job, row)
             except EdgeNodeError as error:
+                error.partial_text = job.out.text  # what the request wrote before its end
                 return self._end(slot, error)
         if llama_c.llama_vocab_is_eog(self._vocab, token):
             return self._finish(slot, "stop", flush=True)
@@ -535,9 +537,11 @@ class LlamaEngine:
 
         Raises:
             ProtocolError: the grammar admits no token at all (``DEAD_END``).
-            TooLarge: filtering took more than ``GRAMMAR_BUDGET_S`` (``TOO_COSTLY``).
+            TooLarge: the token's grammar work took more than ``GRAMMAR_BUDGET_S``
+                (``TOO_COSTLY``).
             InternalError: llama.cpp has no logits for ``row``.
         """
+        began = time.thread_time()
         token = self._chain_sample(job, row)
         one = llama_c.llama_token_data(token, 1.0, 0.0)
         alone = llama_c.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
@@ -550,7 +554,7 @@ class LlamaEngine:
             self._all_view["id"] = self._ids
             self._all_view["logit"] = logits
             self._all_view["p"] = 0.0
-            self._grammar_filter(job.grammar)
+            self._grammar_filter(job.grammar, began)
             array = llama_c.llama_token_data_array(self._all, self._n_vocab, -1, False)
             llama_c.llama_sampler_apply(job.sampler, ctypes.byref(array))
             if not 0 <= array.selected < array.size:
@@ -561,17 +565,23 @@ class LlamaEngine:
             token = int(chosen.id)
             llama_c.llama_sampler_accept(job.sampler, token)
         llama_c.llama_sampler_accept(job.grammar, token)
+        # Judging and accepting a token are single llama.cpp calls, not stopped midway;
+        # their cost grows with the text (twelve adjacent [a-z]{0,256} runs: 2-6 s per
+        # token after 250 characters, no refusal, so no filter; break-it pass, session
+        # 18). The token that crosses the budget ends the request.
+        if time.thread_time() - began > GRAMMAR_BUDGET_S:
+            raise TooLarge(TOO_COSTLY.format(budget_ms=round(GRAMMAR_BUDGET_S * 1000)))
         return token
 
-    def _grammar_filter(self, grammar: Any) -> None:
+    def _grammar_filter(self, grammar: Any, began: float) -> None:
         """Apply ``grammar`` to the whole vocabulary in ``self._all`` (its refused
         tokens' logits become -inf), ``GRAMMAR_CHUNK`` tokens at a time.
 
         Raises:
-            TooLarge: it took more than ``GRAMMAR_BUDGET_S`` of the thread's CPU time;
-                the worker's other slots waited at most that and one chunk more.
+            TooLarge: the token's grammar work since ``began`` (``time.thread_time``)
+                took more than ``GRAMMAR_BUDGET_S``; the worker's other slots waited
+                at most that and one chunk more.
         """
-        began = time.thread_time()
         base = ctypes.addressof(self._all)
         for start in range(0, self._n_vocab, GRAMMAR_CHUNK):
             data = ctypes.cast(base + start * _TOKEN_DATA_BYTES, llama_c.llama_token_data_p)

@@ -156,6 +156,29 @@ def test_a_grammar_too_costly_to_follow_ends_its_request_with_413(engine: LlamaE
     still_works(engine)
 
 
+def test_a_grammar_costly_to_accept_ends_its_request_with_413(engine: LlamaEngine) -> None:
+    """Twelve adjacent ``[a-z]{0,256}`` runs (no repeated group, within every bound) and a
+    prompt the model copies: the grammar never refuses a token, so it never filters, but
+    judging and accepting each token grew to 2-6 s after 250 characters, with every other
+    slot waiting (break-it pass, session 18). The budget counts that work too."""
+    word = "internationalizationcharacterization" * 8
+    job: dict[str, Any] = {
+        "op": "generate",
+        "prompt": "Records:\n" + f'{{"name": "{word}"}}\n' * 6,
+        "max_tokens": 250,
+        "temperature": 0.0,
+        "json_schema": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "pattern": "^" + "[a-z]{0,256}" * 12 + "$"}},
+            "required": ["name"],
+        },
+    }
+    with pytest.raises(TooLarge, match="too costly to follow") as info:
+        engine.run(job, threading.Event(), lambda _: None)
+    assert info.value.partial_text.startswith('{"name": "internationalization')
+    still_works(engine)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_token_the_grammar_refuses_is_drawn_again_from_the_tokens_it_admits(
     engine: LlamaEngine, temperature: float
