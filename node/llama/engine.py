@@ -557,12 +557,10 @@ class LlamaEngine:
             self._grammar_filter(job.grammar, began)
             array = llama_c.llama_token_data_array(self._all, self._n_vocab, -1, False)
             llama_c.llama_sampler_apply(job.sampler, ctypes.byref(array))
-            if not 0 <= array.selected < array.size:
+            at = array.selected
+            if not (0 <= at < array.size and math.isfinite(array.data[at].logit)):
                 raise ProtocolError(DEAD_END)
-            chosen = array.data[array.selected]
-            if not math.isfinite(chosen.logit):
-                raise ProtocolError(DEAD_END)
-            token = int(chosen.id)
+            token = int(array.data[at].id)
             llama_c.llama_sampler_accept(job.sampler, token)
         llama_c.llama_sampler_accept(job.grammar, token)
         # Judging and accepting a token are single llama.cpp calls, not stopped midway;

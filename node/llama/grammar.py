@@ -29,12 +29,13 @@ checks each vocabulary token against every one of them at every step: text
 that ``(a{0,64}){0,64}`` matches can be split into its groups in thousands of
 ways, and one such request took 0.7 s per token, holding every other slot of
 its worker; ``((a{0,256}){0,256}){0,256}`` never produced a token (found by a
-break-it pass, 2026-12-07). The product does not see how broad a class is:
-``([a-z ]{0,16}){0,16}`` passes it and still took minutes per token, so the
-engine also stops a grammar that takes too long over one token
-(``node.llama.engine.GRAMMAR_BUDGET_S``, 413). A schema no value can satisfy (``minLength`` above
-``maxLength`` and the like) gets 400: the grammar would force output that is not
-even JSON.
+break-it pass, 2026-12-07). The product does not see how broad a class is, nor
+groups that can match nothing: ``([a-z ]{0,16}){0,16}`` passed it and took
+minutes per token. A repeated group that can match nothing gets 413
+(``repeated_nullable``), and the engine stops a grammar that takes too long over
+one token (``node.llama.engine.GRAMMAR_BUDGET_S``, 413). A schema no value can
+satisfy (``minLength`` above ``maxLength`` and the like) gets 400: the grammar
+would force output that is not even JSON.
 
 ``schema_grammar`` converts with llama-cpp-python's converter, but writes its
 literals (``const``, ``enum`` values, property names) as GBNF expects: the
@@ -231,12 +232,10 @@ def nested_repeat(pattern: str) -> int:
             last = inside.pop()
             inside[-1] = max(inside[-1], last)
             i += 1
-        elif (match := _QUANTIFIER.match(pattern, i)) is not None:
-            low, comma, high = match.groups()
-            bound = 1 if comma and not high else int(high or low)
-            last *= max(bound, 1)
+        elif (quantified := _quantifier(pattern, i))[2] > i:
+            last *= max(quantified[1] or 1, 1)  # unbounded (None) and {0} count 1
             inside[-1] = max(inside[-1], last)
-            i = match.end()
+            i = quantified[2]
         else:
             i, last = i + 1, 1
     return max(inside)
