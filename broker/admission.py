@@ -63,6 +63,12 @@ class Shed:
     retry_after_ms: int | None = None
 
 
+#: The answer while the node stops, to new requests and to those still queued: none
+#: of them started, so the client may send it again, to this node after its
+#: restart or to another one.
+DRAINING = Shed(ErrorCode.UNAVAILABLE, "draining", "node is shutting down", 1000)
+
+
 @dataclass(frozen=True)
 class Admit:
     """An admitted request: the ``route`` it takes (the one asked for, or the rules
@@ -184,7 +190,7 @@ class AdmissionGate:
             message = f"id {req.id!r} is already in flight"
             return Shed(ErrorCode.BAD_REQUEST, "duplicate_id", message)
         if pool.draining:
-            return Shed(ErrorCode.UNAVAILABLE, "draining", "node is shutting down", 1000)
+            return DRAINING
         return None
 
     def _circuit(self, route: Route) -> Shed | None:

@@ -37,7 +37,7 @@ from dataclasses import replace
 from typing import Any
 
 from broker import protocol as p
-from broker.admission import AdmissionGate, Admit, Shed
+from broker.admission import DRAINING, AdmissionGate, Admit, Shed
 from broker.breaker import BreakerSettings
 from broker.client_request import ClientRequest, parse_client_request
 from broker.delivery import Delivery, GoneCause, ReplyKind
@@ -703,6 +703,16 @@ class Broker:
                 )
                 self._end(job, body, now)
             self.life.forget(job)
+
+    def drain(self, now: float) -> None:
+        """Begin a stop at ``now``: admit nothing new (503 ``draining``) and answer
+        every queued request the same way at once. Running requests go on; the node
+        gives them ``workers.stop_grace_ms``, then calls ``abort_all``. A queued
+        request would otherwise wait that whole grace for a slot it could not get in
+        time, then get 503 ``shutdown``."""
+        self.draining = True
+        for job in list(self.queue):
+            self._shed_job(job, DRAINING.message, DRAINING.reason, now, DRAINING.retry_after_ms)
 
     def pending_jobs(self) -> int:
         """Accepted requests without a final reply yet (0 means drained)."""

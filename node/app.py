@@ -660,7 +660,7 @@ class Node:
             while not self._stop_requested:
                 loop.turn(max_wait_s=turn_s)
                 self._stop_if_abandoned()
-            broker.draining = True
+            broker.drain(time.monotonic())  # queued requests: 503 draining now
             service.stopping(time.monotonic())
             self._drain(loop, broker, pool)
             self._stop_workers(loop, pool)
@@ -768,9 +768,9 @@ class Node:
         signal.signal(signal.SIGCHLD, lambda *_: None)
 
     def _drain(self, loop: BrokerLoop, broker: Broker, pool: WorkerPool) -> None:
-        """No new work; let in-flight requests finish within the grace, answer the rest."""
+        """Let the requests in flight finish within the grace, answer the rest (the
+        broker is draining: nothing new is admitted, nothing is queued)."""
         log.info("draining %d request(s)", broker.pending_jobs())
-        broker.draining = True
         pool.supervisor.stopping = True
         deadline = time.monotonic() + self.config.workers.stop_grace_ms / 1000
         while broker.pending_jobs() and time.monotonic() < deadline:

@@ -59,3 +59,39 @@ def test_requests_during_the_worker_stop_get_typed_replies(make_node: NodeFactor
         assert leftover_processes(node.run_dir) == []
     finally:
         col.close()
+
+
+def test_a_stop_answers_queued_requests_at_once_and_lets_the_running_one_finish(
+    make_node: NodeFactory,
+) -> None:
+    # Before: the queued requests were started one by one during the grace as the
+    # slot freed, and whatever was left at its end got 503 shutdown (a client
+    # behind a long queue waited the whole grace for nothing).
+    node = make_node(
+        workers={"count": 1, "slots": 1, "test_token_ms": 100, "stop_grace_ms": 8000},
+        routing={"mode": "full"},
+        fallback={"rules": ""},
+    )
+    col = Collector(node.frontend)
+    try:
+        # The test engine echoes "echo: " and the prompt a word per token: 30 tokens, ~3 s.
+        words = " ".join(f"w{i}" for i in range(30))
+        col.send(id="running", op="generate", prompt=words, max_tokens=30)
+        wait_for(lambda: node.status()["in_flight"] == 1)
+        for n in range(3):
+            col.send(id=f"queued-{n}", op="generate", prompt=f"waits {n}", max_tokens=20)
+        wait_for(lambda: node.status()["queue_depth"] == 3)
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGTERM)
+        col.collect(timeout=15, linger=0)
+        for n in range(3):
+            queued = col.final(f"queued-{n}")
+            assert (queued["code"], queued["reason"]) == (503, "draining"), queued
+            assert queued["retry_after_ms"] > 0, queued
+        running = col.final("running")
+        assert running["status"] == "ok", running
+        assert running["finish_reason"] == "length" and running["text"].endswith("w28"), running
+        assert node.stop(timeout=15) == 0
+        col.assert_exactly_one_final_each()
+    finally:
+        col.close()

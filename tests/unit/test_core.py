@@ -882,3 +882,28 @@ def test_abort_all_answers_every_pending_request_once(h: BrokerHarness) -> None:
         assert reply["message"] == "node is stopping"
     assert h.broker.pending_jobs() == 0
     h.assert_each_answered_once()
+
+
+def test_a_stop_answers_queued_requests_503_draining_at_once_and_lets_running_ones_finish(
+    h: BrokerHarness,
+) -> None:
+    # Queued requests used to wait the whole stop grace (5 s) and then get
+    # 503 shutdown although no worker would ever start them in time.
+    h.ready(W1, 0.0, slots=1)
+    h.send(generate("running"), 0.1)
+    (running,) = h.requests(W1)
+    for n in range(3):
+        h.send(generate(f"queued-{n}"), 0.2)
+    assert h.replies() == []
+    h.broker.drain(0.3)
+    replies = {r["id"]: r for r in h.replies()}
+    assert sorted(replies) == ["queued-0", "queued-1", "queued-2"]
+    for reply in replies.values():
+        assert (reply["code"], reply["reason"]) == (503, "draining"), reply
+        assert reply["retry_after_ms"] > 0
+    assert h.broker.pending_jobs() == 1
+    h.final(W1, running["rid"], 0.4)
+    assert [r["id"] for r in h.replies()] == ["running"]
+    assert h.broker.pending_jobs() == 0
+    assert h.drain_workers() == []  # nothing queued was dispatched
+    h.assert_each_answered_once()
