@@ -598,7 +598,7 @@ def stop(ctx: click.Context, timeout_s: float) -> None:
                 )
             time.sleep(0.1)
     if not stopped:
-        click.echo("edgenode is not running")
+        click.echo("edgenode is not running" + _not_a_dir(config.run_dir))
         return
     click.echo("edgenode stopped (" + "; ".join(stopped) + ")")
 
@@ -699,6 +699,15 @@ def status(
     click.echo(render_status(node))
 
 
+def _not_a_dir(run_dir: Path) -> str:
+    """A note for "not running" when ``run_dir`` exists but is no directory (a
+    mistyped --run-dir naming a file): no node can run there, and ``start`` refuses
+    it; else ""."""
+    if run_dir.exists() and not run_dir.is_dir():
+        return f"; run dir {run_dir} is not a directory: no node can use it"
+    return ""
+
+
 def _holder(run_dir: Path) -> psutil.Process | None:
     """The live process holding the run directory's lock (a node, or a start
     launching one), or None."""
@@ -755,7 +764,7 @@ def _not_running(
 ) -> NoReturn:
     """Say why no node answered (nothing with ``--ready``) and exit 3."""
     if not ready:
-        reason = _no_answer(holder, address)
+        reason = _no_answer(holder, address) + _not_a_dir(config.run_dir)
         click.echo(json.dumps(_unanswered(config, holder, reason)) if as_json else reason)
     sys.exit(EXIT_NOT_RUNNING)
 

@@ -140,3 +140,18 @@ def test_a_foreground_start_on_an_endpoint_in_use_removes_the_run_dir_it_made(
     assert done.returncode == 1, done
     assert "node.frontend" in done.stderr, done.stderr
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(("command", "code"), [("status", 3), ("stop", 0)])
+def test_status_and_stop_on_a_run_dir_that_is_a_file_say_so(
+    tmp_path: Path, engine_config: Path, command: str, code: int
+) -> None:
+    # Both said only "edgenode is not running", as for an empty run dir, so a
+    # mistyped --run-dir naming a file looked like a stopped node.
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    done = edgenode("-c", str(engine_config), "--run-dir", str(a_file), command, env={})
+    assert done.returncode == code, done
+    assert done.stdout.startswith("edgenode is not running"), done
+    assert f"run dir {a_file} is not a directory" in done.stdout, done
+    assert a_file.read_text() == ""  # left as it was
