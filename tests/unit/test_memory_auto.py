@@ -164,8 +164,8 @@ def test_status_shows_what_the_workers_got() -> None:
         "in_flight": 0,
         "credit": 2,
         "capacity": {
-            "per_worker": 332 * MiB,
-            "grammar": 176 * MiB,
+            "per_worker": 258 * MiB,  # the default 4-slot worker (grammar 8.3 MiB)
+            "grammar": 8 * MiB,
             "memory_max": 382_943_232,
             "total": GiB,
             "budget": 8 * GiB,
@@ -173,7 +173,7 @@ def test_status_shows_what_the_workers_got() -> None:
         },
     }
     line = next(x for x in render_status(status).splitlines() if x.startswith("capacity"))
-    assert "332 MiB per worker, 176 MiB of it for a json_schema" in line
+    assert "258 MiB per worker, 8 MiB of it for a json_schema" in line
     assert 'workers get memory.max 365.2 MiB (workers.memory_max = "auto")' in line
     status["capacity"]["worker_limits"] = {"setting": "max", "memory_max": None}
     line = next(x for x in render_status(status).splitlines() if x.startswith("capacity"))
