@@ -124,6 +124,13 @@ DEAD_END = (
 #: (docs/bench/figures.md §node.llama.grammar). CPU time, not wall time: a starved
 #: host does not count.
 GRAMMAR_BUDGET_S = 1.0
+#: s of grammar work (the engine thread's CPU time) in one step after which the
+#: step's other ``json_schema`` slots wait for the next step (``LlamaEngine._sample``).
+#: Without it S costly requests sampling in one step paused the other slots for up to
+#: S x GRAMMAR_BUDGET_S (three: 3.2 s; break-it pass, session 18); with it a step's
+#: grammar work stays under this plus one token's (1.25 s). The intent schema's
+#: refusals take 25-70 ms: four at once never wait.
+GRAMMAR_STEP_S = 0.25
 #: How a request ends whose grammar took more than ``GRAMMAR_BUDGET_S`` for a token.
 TOO_COSTLY = (
     "json_schema is too costly to follow: its grammar took over {budget_ms} ms of CPU "
@@ -241,6 +248,9 @@ class LlamaEngine:
         self._switch: Switch | None = None  # decided inside llama_decode, applied after it
         self._last_end = 0.0  # monotonic s at the end of the last llama_decode
         self.starved_aborts = 0  # batches stopped inside llama_decode to drop to one thread
+        self._step_grammar_s = 0.0  # CPU s the current step spent on grammars (_sample)
+        self._step_grammars = 0  # grammar samples in the current step
+        self.grammar_deferrals = 0  # json_schema samples moved to a later step (_sample)
 
     def _should_abort(self, _data: ctypes.c_void_p) -> bool:
         # ggml-cpu calls this after every graph node: it doubles as the proof
@@ -393,6 +403,8 @@ class LlamaEngine:
                 during = " during prompt evaluation" if slot.prefilling else ""
                 why = Cancelled(f"cancelled{during}", partial_text=slot.job.out.text)
                 ended.append(self._end(slot, why))
+        self._step_grammar_s, self._step_grammars = 0.0, 0
+        ended += self._sample_deferred()
         rows = self._fill_batch()
         if not rows:
             return ended
@@ -422,10 +434,29 @@ class LlamaEngine:
             return ended
         for slot, tokens, logits_at in rows:
             slot.cached += tokens
-            if logits_at is not None:
-                outcome = self._sample(slot, logits_at)
-                if outcome is not None:
-                    ended.append(outcome)
+            if logits_at is None:
+                continue
+            logits = self._logits(logits_at)
+            if logits is None:
+                error = InternalError(f"llama.cpp has no logits for batch row {logits_at}")
+                ended.append(self._end(slot, error))
+            elif (outcome := self._sample(slot, logits)) is not None:
+                ended.append(outcome)
+        return ended
+
+    def _sample_deferred(self) -> list[tuple[int, Outcome]]:
+        """Before a step's batch: sample the slots whose grammar waited (``_sample``),
+        longest waiting first, within the step's ``GRAMMAR_STEP_S``; those sampled
+        join the batch. Returns the requests that ended."""
+        ended: list[tuple[int, Outcome]] = []
+        waiting = [s for s in self._slots if s.job is not None and s.job.saved is not None]
+        for slot in sorted(waiting, key=lambda s: s.job.deferred if s.job else 0):
+            assert slot.job is not None and slot.job.saved is not None
+            if self._grammar_waits():
+                break
+            logits, slot.job.saved = slot.job.saved, None
+            if (outcome := self._sample(slot, logits)) is not None:
+                ended.append(outcome)
         return ended
 
     def _fill_batch(self) -> list[tuple[Slot, list[int], int | None]]:
@@ -482,18 +513,33 @@ class LlamaEngine:
             n += size
         return tokens
 
-    def _sample(self, slot: Slot, row: int) -> tuple[int, Outcome] | None:
-        """Sample ``slot``'s next token from batch row ``row``; its end, if it ended."""
+    def _sample(self, slot: Slot, logits: np.ndarray) -> tuple[int, Outcome] | None:
+        """Sample ``slot``'s next token from ``logits`` (its row, shape ``(n_vocab,)``);
+        its end, if it ended.
+
+        A ``json_schema`` slot whose step already spent ``GRAMMAR_STEP_S`` on grammars
+        keeps a copy of its row (1 MiB for Gemma 3) and samples it at the start of a
+        later step (``_sample_deferred``): one step carries one costly grammar's pause,
+        not every costly slot's. Its request is one step later; its token is the same.
+        """
         job = slot.job
         assert job is not None
         if job.grammar is None:
-            token = self._chain_sample(job, row)
+            token = self._chain_sample(job, logits)
+        elif self._grammar_waits():
+            job.saved, job.deferred, job.next_token = logits.copy(), next(self._uses), None
+            self.grammar_deferrals += 1
+            return None
         else:
+            began = time.thread_time()
             try:
-                token = self._grammar_sample(job, row)
+                token = self._grammar_sample(job, logits)
             except EdgeNodeError as error:
                 error.partial_text = job.out.text  # what the request wrote before its end
                 return self._end(slot, error)
+            finally:
+                self._step_grammar_s += time.thread_time() - began
+                self._step_grammars += 1
         if llama_c.llama_vocab_is_eog(self._vocab, token):
             return self._finish(slot, "stop", flush=True)
         job.generated += 1
@@ -507,16 +553,52 @@ class LlamaEngine:
         job.next_token = token
         return None
 
-    def _chain_sample(self, job: SlotJob, row: int) -> int:
-        """The token ``job``'s chain picks from batch row ``row``, accepted into it:
-        ``_argmax`` or ``_top_k``, or the chain itself where they cannot tell."""
-        token = self._argmax(row) if job.greedy else self._top_k(job, row)
-        if token is None:
-            token = llama_c.llama_sampler_sample(job.sampler, self._ctx, row)
-        return int(token)
+    def _grammar_waits(self) -> bool:
+        """Whether a ``json_schema`` slot's sample waits for a later step: this step's
+        grammars took ``GRAMMAR_STEP_S`` already. The first of a step always runs."""
+        return self._step_grammars > 0 and self._step_grammar_s >= GRAMMAR_STEP_S
 
-    def _grammar_sample(self, job: SlotJob, row: int) -> int:
-        """The token ``job``'s chain picks from batch row ``row`` among those its
+    def _chain_sample(self, job: SlotJob, logits: np.ndarray) -> int:
+        """The token ``job``'s chain picks from ``logits``, accepted into it:
+        ``_argmax`` or ``_top_k``, or the chain over the whole vocabulary where they
+        cannot tell (``_whole_chain``).
+
+        Raises:
+            InternalError: the chain selected no token.
+        """
+        token = self._argmax(logits) if job.greedy else self._top_k(job, logits)
+        if token is not None:
+            return token
+        self._fill_all(logits)
+        token = self._whole_chain(job)
+        if token is None:
+            raise InternalError("the sampler chain selected no token")
+        return token
+
+    def _fill_all(self, logits: np.ndarray) -> None:
+        """``self._all`` := every token of the vocabulary with its logit, as
+        ``llama_sampler_sample`` builds its candidates (ids in order, p 0)."""
+        # Every field afresh: the chain sorts and truncates the array in place.
+        self._all_view["id"] = self._ids
+        self._all_view["logit"] = logits
+        self._all_view["p"] = 0.0
+
+    def _whole_chain(self, job: SlotJob) -> int | None:
+        """``job``'s chain over ``self._all`` (``_fill_all``), its token accepted into
+        the chain: what ``llama_sampler_sample`` does with a context's row (the
+        vendored src/llama-sampler.cpp), on an array the grammar may have filtered.
+        None when the chain selected nothing or a -inf logit (every token refused)."""
+        array = llama_c.llama_token_data_array(self._all, self._n_vocab, -1, False)
+        llama_c.llama_sampler_apply(job.sampler, ctypes.byref(array))
+        at = array.selected
+        if not (0 <= at < array.size and math.isfinite(array.data[at].logit)):
+            return None
+        token = int(array.data[at].id)
+        llama_c.llama_sampler_accept(job.sampler, token)
+        return token
+
+    def _grammar_sample(self, job: SlotJob, logits: np.ndarray) -> int:
+        """The token ``job``'s chain picks from ``logits`` among those its
         grammar admits, accepted into both.
 
         As llama.cpp's own sampler does it (common/sampling.h, llama-server's
@@ -542,26 +624,17 @@ class LlamaEngine:
             InternalError: llama.cpp has no logits for ``row``.
         """
         began = time.thread_time()
-        token = self._chain_sample(job, row)
+        token = self._chain_sample(job, logits)
         one = llama_c.llama_token_data(token, 1.0, 0.0)
         alone = llama_c.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
         llama_c.llama_sampler_apply(job.grammar, ctypes.byref(alone))
         if not math.isfinite(one.logit):
-            logits = self._logits(row)
-            if logits is None:
-                raise InternalError(f"llama.cpp has no logits for batch row {row}")
-            # Every field afresh: the chain sorts and truncates the array in place.
-            self._all_view["id"] = self._ids
-            self._all_view["logit"] = logits
-            self._all_view["p"] = 0.0
+            self._fill_all(logits)
             self._grammar_filter(job.grammar, began)
-            array = llama_c.llama_token_data_array(self._all, self._n_vocab, -1, False)
-            llama_c.llama_sampler_apply(job.sampler, ctypes.byref(array))
-            at = array.selected
-            if not (0 <= at < array.size and math.isfinite(array.data[at].logit)):
+            chosen = self._whole_chain(job)
+            if chosen is None:
                 raise ProtocolError(DEAD_END)
-            token = int(array.data[at].id)
-            llama_c.llama_sampler_accept(job.sampler, token)
+            token = chosen
         llama_c.llama_sampler_accept(job.grammar, token)
         # Judging and accepting a token are single llama.cpp calls, not stopped midway;
         # their cost grows with the text (twelve adjacent [a-z]{0,256} runs: 2-6 s per
@@ -589,9 +662,9 @@ class LlamaEngine:
             if time.thread_time() - began > GRAMMAR_BUDGET_S:
                 raise TooLarge(TOO_COSTLY.format(budget_ms=round(GRAMMAR_BUDGET_S * 1000)))
 
-    def _argmax(self, row: int) -> int | None:
+    def _argmax(self, logits: np.ndarray) -> int | None:
         """The token a greedy chain (special-token mask, then ``llama_sampler_init_greedy``)
-        picks from batch row ``row``, or None if only that chain can tell.
+        picks from ``logits``, or None if only that chain can tell.
 
         ``llama_sampler_sample`` copies all the vocabulary's logits into candidates
         (262,144 for Gemma 3) and scans them once per sampler: about 1 ms of the
@@ -603,27 +676,21 @@ class LlamaEngine:
         those are its own); neither chain sampler keeps state, so skipping
         ``llama_sampler_accept`` changes nothing.
         """
-        logits = self._logits(row)
-        if logits is None:  # no logits at that row: the chain reports it as it always did
-            return None
         token = int(logits.argmax())
         if self._masked[token] or logits[token] != logits[token]:
             return None
         return token
 
-    def _top_k(self, job: SlotJob, row: int) -> int | None:
+    def _top_k(self, job: SlotJob, logits: np.ndarray) -> int | None:
         """The token ``job``'s chain (mask, top_k, top_p, min_p, temperature, seeded
-        draw; no grammar) picks from batch row ``row``, accepted into the chain; or
-        None, the chain untouched, if only ``llama_sampler_sample`` can tell.
+        draw; no grammar) picks from ``logits``, accepted into the chain; or None,
+        the chain untouched, if only the whole vocabulary can tell (``_whole_chain``).
 
         The chain runs over the row's ``TOP_K`` highest unmasked logits instead of
         all 262,144 (``node.llama.candidates``: why each sampler gives the same
         token, and when it declines: a NaN, or equal logits among the K+1 highest).
         A ``json_schema`` request's grammar judges the token after (``_grammar_sample``).
         """
-        logits = self._logits(row)
-        if logits is None:  # no logits at that row: the chain reports it as it always did
-            return None
         return self._candidates.sample(job.sampler, logits)
 
     def _logits(self, row: int) -> np.ndarray | None:

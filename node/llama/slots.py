@@ -64,6 +64,10 @@ class SlotJob:
     reused: int = 0
     generated: int = 0
     next_token: int | None = None
+    #: A copy of its last logits row while its grammar waits for a later step
+    #: (``LlamaEngine._sample``), and its place in that wait (lower: longer).
+    saved: Any = None
+    deferred: int = 0
 
 
 @dataclass(eq=False)  # a slot is itself: identity, hashable

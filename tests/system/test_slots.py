@@ -22,6 +22,7 @@ import pytest
 
 from broker.errors import Cancelled, EdgeNodeError
 from node.engine import EngineSpec, Outcome
+import node.llama.engine
 from node.llama.engine import SLOW_STEP_S, LlamaEngine
 from node.model import resolve_model
 
@@ -154,13 +155,10 @@ def slot_picks(
     picks: dict[int, list[tuple[int, float]]] = {}
     sample = engine._sample
 
-    def recorded(slot: Any, row: int) -> Any:
-        logits = np.ctypeslib.as_array(
-            llama_c.llama_get_logits_ith(engine._ctx, row), shape=(engine._n_vocab,)
-        )
+    def recorded(slot: Any, logits: np.ndarray) -> Any:
         second, first = np.partition(logits, -2)[-2:]
         picks.setdefault(slot.job.rid, []).append((int(np.argmax(logits)), float(first - second)))
-        return sample(slot, row)
+        return sample(slot, logits)
 
     monkeypatch.setattr(engine, "_sample", recorded)
     return picks
@@ -324,11 +322,8 @@ def greedy_picks(
     picks: list[tuple[int | None, float]] = []
     argmax = engine._argmax
 
-    def recorded(row: int) -> int | None:
-        token = argmax(row)
-        logits = np.ctypeslib.as_array(
-            llama_c.llama_get_logits_ith(engine._ctx, row), shape=(engine._n_vocab,)
-        )
+    def recorded(logits: np.ndarray) -> int | None:
+        token = argmax(logits)
         second, first = np.partition(logits, -2)[-2:]
         picks.append((token, float(first - second)))
         return token
@@ -422,25 +417,30 @@ def fast_and_chain(
 ) -> list[tuple[int | None, int]]:
     """Run ``requests`` in ``engine``'s slots together until all end. At every
     token, (what the engine's fast path ``fast`` picked: a method whose last
-    argument is the batch row, None if it declined; what ``llama_sampler_sample``
-    picks from the same row with a twin of the request's chain). A twin is made
-    from the same request (same seed) and draws once per token, as the request's
-    own chain does on either path, so the two stay in step."""
+    argument is the row's logits, None if it declined; what ``llama_sampler_sample``
+    picks from the same batch row with a twin of the request's chain). A twin is
+    made from the same request (same seed) and draws once per token, as the
+    request's own chain does on either path, so the two stay in step."""
     twins = [engine._sampler(request) for request in requests]
     pairs: list[tuple[int | None, int]] = []
-    current = [0]  # the rid being sampled: _sample is the one caller of the fast paths
-    sample, method = engine._sample, getattr(engine, fast)
+    current = [0, 0]  # the rid being sampled and its batch row (_logits, then _sample)
+    sample, method, logits_of = engine._sample, getattr(engine, fast), engine._logits
 
-    def sample_noting(slot: Any, row: int) -> Any:
+    def logits_noting(row: int) -> Any:
+        current[1] = row
+        return logits_of(row)
+
+    def sample_noting(slot: Any, logits: np.ndarray) -> Any:
         current[0] = slot.job.rid
-        return sample(slot, row)
+        return sample(slot, logits)
 
     def both(*args: Any) -> int | None:
         token: int | None = method(*args)
         twin = twins[current[0]]
-        pairs.append((token, llama_c.llama_sampler_sample(twin, engine._ctx, args[-1])))
+        pairs.append((token, llama_c.llama_sampler_sample(twin, engine._ctx, current[1])))
         return token
 
+    monkeypatch.setattr(engine, "_logits", logits_noting)
     monkeypatch.setattr(engine, "_sample", sample_noting)
     monkeypatch.setattr(engine, fast, both)
     ended: dict[int, Outcome] = {}
@@ -507,9 +507,9 @@ def test_a_schema_requests_grammar_judges_the_top_k_token(
     fast: list[int] = []
     top_k = four._top_k
 
-    def noting(job: Any, row: int) -> int | None:
+    def noting(job: Any, logits: np.ndarray) -> int | None:
         fast.append(job.rid)
-        return top_k(job, row)
+        return top_k(job, logits)
 
     monkeypatch.setattr(four, "_top_k", noting)
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
@@ -524,3 +524,55 @@ def test_a_schema_requests_grammar_judges_the_top_k_token(
     answer = ended[1]
     assert isinstance(answer, dict) and answer["finish_reason"] == "stop", answer
     assert isinstance(json.loads(answer["text"])["n"], int)
+
+
+def test_costly_grammars_in_one_step_take_turns_and_each_answer_still_fits(
+    four: LlamaEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One step runs at most one grammar once its grammars took ``GRAMMAR_STEP_S``;
+    the others sample from a copy of their row at a later step, longest waiting
+    first. Three requests each too costly to filter in the same step paused a
+    neighbour's stream 3.2 s (break-it pass, session 18): the pause was one budget
+    per costly request. With the bound at 0 every grammar after a step's first waits,
+    as a costly one's would; the answers still fit their schema."""
+    monkeypatch.setattr(node.llama.engine, "GRAMMAR_STEP_S", 0.0)
+    per_step: list[list[int]] = []
+    grammar_sample, step = four._grammar_sample, four.step
+
+    def noting(job: Any, logits: np.ndarray) -> int:
+        per_step[-1].append(job.rid)
+        return grammar_sample(job, logits)
+
+    def stepping() -> list[tuple[int, Outcome]]:
+        per_step.append([])
+        return step()
+
+    monkeypatch.setattr(four, "_grammar_sample", noting)
+    monkeypatch.setattr(four, "step", stepping)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+    }
+    before = four.grammar_deferrals
+    for rid in (1, 2, 3):
+        ask = greedy(f"{PROMPTS[rid]} As JSON:", 40) | {"json_schema": schema}
+        four.submit(rid, ask, threading.Event(), lambda _: None)
+    four.submit(4, greedy(PROMPTS[0], 40), threading.Event(), lambda _: None)
+    ended: dict[int, Outcome] = {}
+    while four.busy:
+        ended.update(four.step())
+    assert four.grammar_deferrals - before >= 20
+    assert max(len(rids) for rids in per_step) == 1
+    ran = [rid for rids in per_step for rid in rids]
+    # Each waited its turn: while all three ran, no request had two samples in a row
+    # of three (longest waiting first).
+    while_all = ran[: 3 * min(ran.count(rid) for rid in (1, 2, 3))]
+    assert all(len(set(while_all[i : i + 3])) == 3 for i in range(0, len(while_all) - 2, 3))
+    for rid in (1, 2, 3):
+        answer = ended[rid]
+        assert isinstance(answer, dict) and answer["finish_reason"] == "stop", answer
+        value = json.loads(answer["text"])
+        assert isinstance(value["name"], str) and isinstance(value["n"], int), value
+    plain = ended[4]
+    assert isinstance(plain, dict) and plain["usage"]["completion_tokens"] == 40, plain
