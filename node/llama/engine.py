@@ -21,7 +21,9 @@ llama.cpp's own server does it (tools/server: slots, ``update_slots``):
   only (the chain's token, without the chain's copy of the whole vocabulary:
   ``LlamaEngine._argmax``, ``LlamaEngine._top_k``). A ``json_schema``'s grammar
   judges the chain's token, and only a token it refuses makes it filter the
-  whole vocabulary, within a CPU budget (``LlamaEngine._grammar_sample``);
+  whole vocabulary, within a CPU budget (``LlamaEngine._grammar_sample``), and
+  once a step's grammars took ``GRAMMAR_STEP_S`` the step's other schema slots
+  sample at a later step (``LlamaEngine._sample``);
   a finished, cancelled or failed request leaves its slot at once;
 * a slot keeps its sequence's KV after a request: the next request goes to the
   free slot sharing the longest prompt prefix, and only the rest is evaluated
@@ -621,7 +623,7 @@ class LlamaEngine:
             ProtocolError: the grammar admits no token at all (``DEAD_END``).
             TooLarge: the token's grammar work took more than ``GRAMMAR_BUDGET_S``
                 (``TOO_COSTLY``).
-            InternalError: llama.cpp has no logits for ``row``.
+            InternalError: the chain selected no token (``_chain_sample``).
         """
         began = time.thread_time()
         token = self._chain_sample(job, logits)
