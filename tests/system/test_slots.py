@@ -20,9 +20,9 @@ import llama_cpp.llama_cpp as llama_c
 import numpy as np
 import pytest
 
+import node.llama.engine
 from broker.errors import Cancelled, EdgeNodeError
 from node.engine import EngineSpec, Outcome
-import node.llama.engine
 from node.llama.engine import SLOW_STEP_S, LlamaEngine
 from node.model import resolve_model
 
