@@ -131,8 +131,9 @@ class Stream:
     Leaving the stream before its end cancels the request on the node (a ``cancel``
     sent without waiting; its 499 is dropped): ``break`` out of ``for piece in
     stream`` (the loop's iterator is closed), ``close()``, the end of a ``with
-    stream:`` block, or dropping the last reference to the stream. An iteration after
-    that yields nothing and ``result`` stays None.
+    stream:`` block, dropping the last reference to the stream, or an exception
+    raised while it waits for a reply (Ctrl-C, a signal handler's). An iteration
+    after that yields nothing and ``result`` stays None.
 
     A client that does not read a stream as fast as it comes loses pieces: the
     node drops partials it cannot queue for it (never the final reply). Then
@@ -650,7 +651,12 @@ class Client(_Base):
                     yield from call.timed_out(now, self.endpoint)
                 else:
                     yield from call.replied(reply, now)
-        except GeneratorExit:  # closed before its end: the stream was left
+        except BaseException:
+            # Closed before its end (the stream was left: GeneratorExit), or the app's
+            # own exception arrived during the wait (Ctrl-C, a signal handler's): the
+            # request is cancelled on the node, unless it ended (the node's error
+            # reply raised here). Before ``finally`` ends the call: after it, nothing
+            # would cancel it, and it held its slot to max_tokens.
             self._abandon(call)
             raise
         finally:
@@ -910,8 +916,8 @@ class AsyncClient(_Base):
                 )
                 for item in items:
                     yield item
-        except (asyncio.CancelledError, GeneratorExit):  # task cancelled, or stream left
-            self._abandon(call, arrived)
+        except BaseException:  # task cancelled, stream left, or the app's own exception
+            self._abandon(call, arrived)  # as in Client._course
             raise
         finally:
             self._forget(call, arrived)

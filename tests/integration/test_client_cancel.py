@@ -9,14 +9,17 @@ seconds instead of hanging for the default two minutes.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable
+from types import FrameType
 
 import pytest
 from clientkit import AnyClient
 
+from broker.client import Client
 from broker.errors import Cancelled, ErrorCode, NotFound, ProtocolError, Unavailable
-from node.testing import NodeProcess
+from node.testing import NodeProcess, wait_for
 
 NodeFactory = Callable[..., NodeProcess]
 Connect = Callable[..., AnyClient]
@@ -158,3 +161,40 @@ def test_a_finished_stream_frees_its_id_while_the_stream_object_lives(
         assert "".join(stream) == "echo: tell me"
         again = c.stream_generate("x", max_tokens=2, id="s6")
         assert "".join(again) == "echo: x" and stream.id == again.id == "s6"
+
+
+class Interrupted(Exception):
+    """What the test's SIGALRM handler raises, as Ctrl-C raises KeyboardInterrupt."""
+
+
+@pytest.mark.parametrize("call", ["stream", "generate"])
+def test_an_exception_from_a_signal_handler_during_the_wait_cancels_the_request(
+    two_workers: NodeProcess, call: str
+) -> None:
+    """A Ctrl-C (or any signal handler's exception) while the sync client waits for a
+    reply leaves the call: the request is cancelled on the node, as a ``break`` does.
+    Before, the generator's ``finally`` ended the call first, so leaving the stream
+    sent no cancel and the request held its slot to ``max_tokens`` (break-it pass,
+    session 19: five Ctrl-Cs took a 4-slot worker's every slot)."""
+
+    def interrupt(_signum: int, _frame: FrameType | None) -> None:
+        raise Interrupted
+
+    # 30 pieces at 200 ms: 6 s, far past the interrupt and the wait for the cancel.
+    slow = "!slow 200 " + " ".join(f"w{i}" for i in range(28))
+    before = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with Client(two_workers.frontend, timeout_ms=WAIT_MS) as c:
+            signal.setitimer(signal.ITIMER_REAL, 0.6)
+            with pytest.raises(Interrupted):
+                if call == "stream":
+                    with c.stream_generate(slow, max_tokens=100, route="llm") as stream:
+                        for _ in stream:
+                            pass
+                else:
+                    c.generate(slow, max_tokens=100, route="llm")
+            wait_for(lambda: c.status()["in_flight"] == 0, timeout=3.5)
+            assert c.generate("still here", max_tokens=3).text == "echo: still here"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
