@@ -170,9 +170,12 @@ class AdmissionGate:
             return shed
         counted = client if owner is None else owner
         verdict = self._engine(counted, req, route, pool, now)
-        if isinstance(verdict, Shed) and route.hedge:
+        late = isinstance(verdict, Shed) and verdict.reason == "deadline_unmeetable"
+        if isinstance(verdict, Shed) and (route.hedge or (late and route.rules_if_late)):
             # The model cannot take it at all (too large for it, or too late): then the
-            # rules answer, whatever they say, as for the model's failures.
+            # rules answer, whatever they say, as for the model's failures. An idle
+            # model too slow for the deadline too: before, an idle node refused what a
+            # busy one gave the rules (break-it pass, session 19).
             hedge = Route("rules", degraded="latency_budget")
             return self._engine(counted, req, hedge, pool, now)
         return verdict
@@ -234,7 +237,9 @@ class AdmissionGate:
             )
         tokens = self.estimator.prompt_tokens(req, route.kind, counted.low, counted.high)
         budget_s = self._budget_s(req)
-        shed = self._deadline(req, tokens, route.kind, engine, budget_s, now)
+        # A probe would make a request the rules can answer wait for its deadline.
+        probe = not route.rules_if_late
+        shed = self._deadline(req, tokens, route.kind, engine, budget_s, now, probe)
         if shed is not None:
             return shed
         evict_retry_ms = None
@@ -316,6 +321,7 @@ class AdmissionGate:
         engine: EnginePool,
         deadline_s: float,
         now: float,
+        probe: bool = True,
     ) -> Shed | None:
         """503 ``deadline_unmeetable`` if ``req`` could not be done by ``deadline_s``
         (s from now) after its wait on ``engine``: sized, finish in time (a stream:
@@ -323,7 +329,7 @@ class AdmissionGate:
         in time. Without workers or a measured service time there is no basis to
         refuse. ``retry_after_ms`` only if an idle pool could do it in time. A
         request refused only by its own estimate on an idle pool may be admitted
-        as a probe of that estimate (``_probe``)."""
+        as a probe of that estimate (``_probe``), if ``probe``."""
         level = engine.level
         own_s = self.estimator.due_s(req, tokens or 0.0, kind, level)
         if not engine.slots or not self.estimator.samples(kind):
@@ -333,7 +339,7 @@ class AdmissionGate:
         what = "first token" if req.stream else "service"
         budget = f"the {deadline_s * 1000:.0f} ms budget"
         alone_s = own_s if level == 1 else self.estimator.due_s(req, tokens or 0.0, kind, 1)
-        if alone_s > deadline_s and self._probe(kind, engine, now):
+        if alone_s > deadline_s and probe and self._probe(kind, engine, now):
             return None
         if alone_s > deadline_s:  # even an idle pool could not: retrying cannot help
             message = f"expected {what} {alone_s * 1000:.0f} ms alone exceeds {budget}"

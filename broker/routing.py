@@ -11,7 +11,9 @@ Devices adopt a model beside their legacy rule engine in stages:
   model misses the latency budget to its first token (or is sure to, because
   it would have to queue), the rules are asked *as well* — a hedge: a rule
   that matches answers and the model's job is cancelled; a rule miss is
-  dropped and the model answers (``usable_rules_answer``);
+  dropped and the model answers (``usable_rules_answer``). A request the model
+  could not finish by its deadline even idle goes to the rules alone, whatever
+  they say (admission's ``deadline_unmeetable``);
 * ``full``: the model only; typed errors when it cannot serve.
 
 Only ``route: "auto"`` requests follow the mode; ``llm`` and ``rules`` are
@@ -56,7 +58,9 @@ class Route:
     (``copy_skipped``: ``no_credit``, ``no_model_worker``; None if none was due).
     ``ttft_budget_s``: arm the latency budget to the first token, this many s
     (None: not watched); ``hedge``: the model's wait already exceeds it, so ask
-    the rules at once as well.
+    the rules at once as well. ``rules_if_late``: degrade mode; if the model could
+    not finish it by its deadline even alone (admission's ``deadline_unmeetable``),
+    the rules answer it instead (``latency_budget``), as a busy model's hedge does.
     ``circuit_open_ms``: only the model may serve it and its breaker is open (no
     permit): admission refuses it, retry after this many ms."""
 
@@ -68,6 +72,7 @@ class Route:
     copy_skipped: CopySkipReason | None = None
     hedge: bool = False
     circuit_open_ms: int | None = None
+    rules_if_late: bool = False
 
 
 class Router:
@@ -115,7 +120,7 @@ class Router:
         # request and the rules are only asked in parallel (a hedge), as at the budget.
         late = budget > 0 and pool.llm.wait_s * 1000 > budget
         watched = budget / 1000 if budget > 0 else None
-        return Route("llm", permit=permit, ttft_budget_s=watched, hedge=late)
+        return Route("llm", permit=permit, ttft_budget_s=watched, hedge=late, rules_if_late=True)
 
     def _model_only(self, now: float) -> Route:
         permit = self.breaker.allow(now)

@@ -288,6 +288,62 @@ def test_a_request_the_model_cannot_take_is_left_to_the_rules_whatever_they_say(
     h.assert_each_answered_once()
 
 
+def one_second_answers(h: BrokerHarness, at: float) -> None:
+    """The model serves one request at ``at``: 16 tokens (the default max_tokens)
+    in 1 s, so its size model predicts 1 s for the next one alone."""
+    h.send(generate("warm", prompt="warm up"), at)
+    (warm,) = bodies(h.drain_workers(), W1, REQUEST)
+    h.partial(W1, warm["rid"], "w", at + 0.05)
+    usage = {"prompt_tokens": 4, "completion_tokens": 16}
+    h.final(W1, warm["rid"], at + 1.0, text="w" * 16, usage=usage)
+    assert [r["id"] for r in h.replies() if r["status"] != "partial"] == ["warm"]
+    assert h.broker.estimator.sized("llm")
+
+
+def test_an_idle_model_too_slow_for_the_deadline_leaves_the_request_to_the_rules() -> None:
+    # An idle node refused it 503 deadline_unmeetable while a busy one answered the
+    # same request from the rules: a defensive client's breaker opened against an
+    # idle, healthy node (break-it pass, session 19). No probe either: in degrade mode
+    # the rules answer, where a probe would make the client wait to its deadline.
+    h = harness()
+    one_second_answers(h, 0.0)  # 300 ms is too short
+    for n, at in enumerate((2.0, 5.0, 8.0)):  # idle each time, past the probe interval
+        h.send(generate(f"q{n}", prompt="turn on the kitchen lights", timeout_ms=300), at)
+        out = h.drain_workers()
+        assert bodies(out, W1, REQUEST) == []
+        (asked,) = bodies(out, RULES, REQUEST)
+        h.final(RULES, asked["rid"], at + 0.01, **MATCH)
+        (reply,) = h.replies()
+        assert (reply["id"], reply["served_by"], reply["degrade_reason"]) == (
+            f"q{n}",
+            "rules",
+            "latency_budget",
+        )
+        assert reply["text"] == KITCHEN
+    # What the model can do in time is still the model's.
+    h.send(generate("slow", prompt="tell me a story", timeout_ms=5000), 11.0)
+    (model,) = bodies(h.drain_workers(), W1, REQUEST)
+    h.final(W1, model["rid"], 12.0, text="a story")
+    (reply,) = h.replies()
+    assert (reply["served_by"], reply["degraded"]) == ("llm", False)
+    h.assert_each_answered_once()
+
+
+def test_in_full_mode_the_deadline_refusal_stays_a_503() -> None:
+    h = BrokerHarness(FAST, RoutingSettings("full", 200), QUICK_BREAKER)
+    h.ready(W1, 0.0)
+    h.ready(RULES, 0.0, engine="rules")
+    one_second_answers(h, 0.0)
+    h.send(generate("probe", prompt="turn on the kitchen lights", timeout_ms=300), 3.0)
+    (probe,) = bodies(h.drain_workers(), W1, REQUEST)  # an idle model tests its estimate
+    h.send(generate("q", prompt="turn on the kitchen lights", timeout_ms=300), 3.0)
+    (reply,) = h.replies()
+    assert (reply["id"], reply["code"], reply["reason"]) == ("q", 503, "deadline_unmeetable")
+    assert h.drain_workers() == []
+    h.final(W1, probe["rid"], 3.2)
+    h.assert_each_answered_once()
+
+
 # --------------------------------------------------------------------------- model failures
 
 
