@@ -160,6 +160,9 @@ BAD: list[tuple[str, Any]] = [
     ("broker.heartbeat_interval_ms", 2**30),  # x 3 misses: above the longest duration
     ("broker.heartbeat_liveness", 2**31),
     ("broker.heartbeat_liveness", 2**23),  # x the 500 ms default: above the longest duration
+    # Below the shortest silence (x the default liveness 3: 99 ms): every worker was
+    # declared dead right after READY, and the node never became ready.
+    ("broker.heartbeat_interval_ms", 33),
     ("broker.stall_timeout_ms", 2**31),
     ("broker.cancel_grace_ms", 2**31),
     ("broker.max_in_flight_per_client", cfg.MAX_IN_FLIGHT + 1),
@@ -233,6 +236,7 @@ def test_kv_type_names_follow_the_capacity_model() -> None:
         '[node]\nfrontend = "tcp://localhost:5555"\n',
         f"[broker]\ndefault_max_tokens = {MAX_TOKENS_LIMIT}\nmax_queue = 65536\n",
         "[broker]\nheartbeat_interval_ms = 715827882\nmax_timeout_ms = 2147483647\n",
+        "[broker]\nheartbeat_interval_ms = 100\nheartbeat_liveness = 1\n",  # the shortest
         "[workers]\ncount = 1024\ntest_token_ms = 2147483647\n[fallback]\nlog_backups = 1000\n",
     ],
 )
