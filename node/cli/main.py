@@ -27,6 +27,7 @@ import psutil
 
 from broker.client import Client
 from broker.errors import EdgeNodeError
+from broker.protocol import error_reply
 from node.app import READY_FD_ENV, Node, log_path
 from node.capacity.plan import check_fits
 from node.cli.capacity import capacity
@@ -858,7 +859,7 @@ def ask(
     cache_prompt: bool,
 ) -> None:
     """Ask the running node TEXT and print the answer with its usage counts
-    (``--json``: the whole final reply as JSON)."""
+    (``--json``: the whole final reply as JSON, an error reply's too, exit 1)."""
     as_json = wants_json(ctx)
     config = node_config(ctx)
     fields: dict[str, Any] = {"max_tokens": max_tokens, "route": route}
@@ -891,6 +892,17 @@ def ask(
                 if not as_json:
                     click.echo(reply.text)
     except EdgeNodeError as exc:
+        if as_json:  # the error reply's fields, as the final reply's on success
+            body = error_reply(
+                None,
+                exc.code,
+                exc.message,
+                retry_after_ms=exc.retry_after_ms,
+                text=exc.partial_text,
+                reason=exc.reason,
+            )
+            del body["id"]  # the client made it up; the reply's fields are what apps read
+            click.echo(json.dumps(body, indent=2))
         partial = f"\npartial text: {exc.partial_text}" if exc.partial_text else ""
         retry = f" (retry after {exc.retry_after_ms} ms)" if exc.retry_after_ms else ""
         reason = f" [{exc.reason}]" if exc.reason else ""

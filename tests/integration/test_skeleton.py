@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Callable
@@ -171,6 +172,12 @@ def test_cli_background_start_status_ask_stop(make_node: NodeFactory) -> None:
     refused = node.cli("ask", "too long", "--raw", "--max-tokens", "4096")
     assert refused.returncode == 1
     assert "413 TOO_LARGE [too_large]: prompt " in refused.stderr, refused.stderr
+    # --json prints the error reply too (it printed nothing on stdout).
+    as_json = node.cli("--json", "ask", "too long", "--raw", "--max-tokens", "4096")
+    assert as_json.returncode == 1
+    body = json.loads(as_json.stdout)
+    assert (body["status"], body["code"], body["reason"]) == ("error", 413, "too_large"), body
+    assert body["message"].startswith("prompt "), body
     stopped = node.cli("stop")
     assert stopped.returncode == 0, stopped.stderr
     assert leftover_processes(node.run_dir) == []
