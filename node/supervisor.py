@@ -152,6 +152,9 @@ class WorkerHandle:
     started_at: float = 0.0
     restarts: int = 0
     failures_in_row: int = 0
+    #: When the current process registered (monotonic s; None: not yet, or a host
+    #: agent's, whose good run ``good_run`` reports).
+    ready_at: float | None = None
     restart_at: float | None = None
     last_exit: str = ""
     #: Why the node killed the current process (broker verdict, READY timeout);
@@ -258,6 +261,7 @@ class Supervisor:
         handle.state = "starting"
         handle.kill_cause = None
         handle.started_at = self.clock()
+        handle.ready_at = None
         handle.progress = None
         handle.progress_at = handle.started_at
         handle.restart_at = None
@@ -266,15 +270,17 @@ class Supervisor:
     # ------------------------------------------------------------------ events
 
     def worker_ready(self, worker_id: str, pid: int | None, reset_backoff: bool = True) -> None:
-        """The broker registered this worker: it is serving. ``reset_backoff``: its
-        next restart starts from the first delay again (a host agent waits for a good
-        run instead, ``good_run``)."""
+        """The broker registered this worker: it is serving. ``reset_backoff``: if it
+        stays up ``backoff_max_s`` from now, its next restart starts from the first
+        delay again (a host agent reports its good run itself, ``good_run``). Not at
+        once: a worker killed right after READY each time (every heartbeat missed at
+        1 x 1 ms, a crash at its first decode) was restarted every 0.5 s for minutes."""
         handle = self.handles.get(worker_id)
         if handle is None or handle.pid is None or (pid is not None and pid != handle.pid):
             return
         handle.state = "ready"
-        if reset_backoff:
-            handle.failures_in_row = 0
+        if reset_backoff and handle.ready_at is None:
+            handle.ready_at = self.clock()
 
     def good_run(self, worker_id: str, pid: int) -> None:
         """This worker's process ``pid`` has served long enough: its next restart
@@ -421,6 +427,8 @@ class Supervisor:
         elif cause.deterministic:
             handle.state = "failed"  # a new process would fail the same way
         else:
+            if handle.ready_at is not None and now - handle.ready_at >= self.backoff_max_s:
+                handle.failures_in_row = 0  # a good run: restarted at the first delay
             handle.failures_in_row += 1
             delay = min(self.backoff_max_s, self.backoff_s * 2 ** (handle.failures_in_row - 1))
             handle.state = "restarting"

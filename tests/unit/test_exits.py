@@ -229,3 +229,38 @@ def test_every_error_code_has_its_outcome() -> None:
     assert set(ERROR_OUTCOMES) == set(ErrorCode)
     assert {f"error_{code.name.lower()}" for code in ErrorCode} == set(ERROR_OUTCOMES.values())
     assert set(get_args(FinalOutcome)) == {"ok", *ERROR_OUTCOMES.values()}
+
+
+def test_a_worker_lost_soon_after_ready_backs_off_and_a_good_run_starts_anew(
+    tmp_path: Path,
+) -> None:
+    # The backoff started anew at every READY, so a worker killed right after it each
+    # time (heartbeats of 1 ms x 1) was restarted every 0.5 s: 284 times in 2.5 min
+    # (break-it pass, session 19). Now a local worker needs a good run, as a host
+    # agent's does: registered for restart_backoff_max_ms.
+    engine = EngineSpec(kind="test", model_path="test", n_ctx=64, n_batch=64, threads=1)
+    now = [0.0]
+    sup = Supervisor(
+        [WorkerSpec("llm-0", "ipc:///nowhere", engine)],
+        tmp_path,
+        ready_timeout_s=30,
+        backoff_s=0.5,
+        backoff_max_s=30,
+        clock=lambda: now[0],
+    )
+    handle = sup.handles["llm-0"]
+    delays = []
+    for up_s in (1.0, 1.0, 1.0, 31.0, 1.0):
+        handle.proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+        try:
+            handle.ready_at = None  # as at a spawn
+            sup.worker_ready("llm-0", handle.proc.pid)
+            now[0] += up_s
+        finally:
+            handle.proc.kill()
+            handle.proc.wait()
+        sup._reaped(handle, -9, now[0])
+        assert handle.restart_at is not None
+        delays.append(handle.restart_at - now[0])
+        now[0] = handle.restart_at
+    assert delays == [0.5, 1.0, 2.0, 0.5, 1.0]
