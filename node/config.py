@@ -327,7 +327,8 @@ MAX_DURATION_MS = INT32_MAX
 #: busy host wakes late by milliseconds to tens of them: at 1 x 1 every worker was
 #: declared dead right after READY, restarted and killed again, 284 times in 2.5
 #: min, and the node never became ready (break-it pass, session 19; 5 x 2 served
-#: on an idle host, the default 500 x 3 on a loaded one, docs/bench/figures.md).
+#: on an idle host, the default 500 x 3 on a loaded one: docs/bench/figures.md,
+#: "Heartbeat defaults").
 MIN_SILENCE_MS = 100
 #: ``workers.count`` ceiling: each worker is a process with an interpreter, an
 #: engine and a cgroup of its own (tens of MiB even for the test engine); 1024 is
