@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 import pytest
 
@@ -165,15 +165,17 @@ def test_the_supervisor_states_a_returncode_as_a_cause() -> None:
     assert config.deterministic and config.describe() == "exit 78: bad worker configuration"
 
 
-def _supervisor(tmp_path: Path) -> tuple[Supervisor, WorkerHandle, list[tuple[str, ExitCause]]]:
+def _supervisor(
+    tmp_path: Path, **settings: Any
+) -> tuple[Supervisor, WorkerHandle, list[tuple[str, ExitCause]]]:
+    """One test-engine worker ``llm-0`` (never spawned); ``settings`` override the
+    Supervisor's (no restart delay by default)."""
     engine = EngineSpec(kind="test", model_path="test", n_ctx=64, n_batch=64, threads=1)
     exits: list[tuple[str, ExitCause]] = []
     sup = Supervisor(
         [WorkerSpec("llm-0", "ipc:///nowhere", engine)],
         tmp_path,
-        ready_timeout_s=30,
-        backoff_s=0,
-        backoff_max_s=0,
+        **({"ready_timeout_s": 30, "backoff_s": 0, "backoff_max_s": 0} | settings),
         on_exit=lambda wid, cause: exits.append((wid, cause)),
     )
     return sup, sup.handles["llm-0"], exits
@@ -238,17 +240,8 @@ def test_a_worker_lost_soon_after_ready_backs_off_and_a_good_run_starts_anew(
     # time (heartbeats of 1 ms x 1) was restarted every 0.5 s: 284 times in 2.5 min
     # (break-it pass, session 19). Now a local worker needs a good run, as a host
     # agent's does: registered for restart_backoff_max_ms.
-    engine = EngineSpec(kind="test", model_path="test", n_ctx=64, n_batch=64, threads=1)
     now = [0.0]
-    sup = Supervisor(
-        [WorkerSpec("llm-0", "ipc:///nowhere", engine)],
-        tmp_path,
-        ready_timeout_s=30,
-        backoff_s=0.5,
-        backoff_max_s=30,
-        clock=lambda: now[0],
-    )
-    handle = sup.handles["llm-0"]
+    sup, handle, _ = _supervisor(tmp_path, backoff_s=0.5, backoff_max_s=30, clock=lambda: now[0])
     delays = []
     for up_s in (1.0, 1.0, 1.0, 31.0, 1.0):
         handle.proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
