@@ -551,7 +551,8 @@ class Broker:
             if job is None:
                 continue
             self.jobs.disarm("ack", rid)
-            rerun = _can_rerun(job, now, blamed)
+            # A stopping node starts no worker: a re-run would wait out the grace.
+            rerun = _can_rerun(job, now, blamed) and not self.draining
             if not (pool_failure and rerun) or job.settled:
                 self.router.release(job, now)
             if job.settled:

@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import pytest
 from clientkit import AnyClient
@@ -198,3 +199,29 @@ def test_an_exception_from_a_signal_handler_during_the_wait_cancels_the_request(
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, before)
+
+
+def test_an_exception_as_the_request_went_out_still_cancels_it(
+    two_workers: NodeProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pyzmq may raise a signal handler's exception (Ctrl-C) from ``send`` after the
+    frames went out: the client took the request for unsent and left it running to
+    max_tokens (2 in 150 interrupted calls, break-it pass, session 19). A cancel goes
+    after any such exception; for an id the node never got it is a dropped 404."""
+    slow = "!slow 200 " + " ".join(f"w{i}" for i in range(28))  # 6 s
+    with Client(two_workers.frontend, timeout_ms=WAIT_MS) as c:
+        send = c._sock.send_multipart
+        interrupted: list[bool] = []
+
+        def send_then_interrupt(frames: Any, *args: Any) -> Any:
+            sent = send(frames, *args)
+            if not interrupted:
+                interrupted.append(True)
+                raise Interrupted
+            return sent
+
+        monkeypatch.setattr(c._sock, "send_multipart", send_then_interrupt)
+        with pytest.raises(Interrupted):
+            c.generate(slow, max_tokens=100, route="llm")
+        wait_for(lambda: c.status()["in_flight"] == 0, timeout=3.5)
+        assert c.generate("still here", max_tokens=3).text == "echo: still here"

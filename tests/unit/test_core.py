@@ -907,3 +907,19 @@ def test_a_stop_answers_queued_requests_503_draining_at_once_and_lets_running_on
     assert h.broker.pending_jobs() == 0
     assert h.drain_workers() == []  # nothing queued was dispatched
     h.assert_each_answered_once()
+
+
+def test_a_request_whose_worker_is_lost_during_a_stop_is_answered_at_once(
+    h: BrokerHarness,
+) -> None:
+    # It was queued to run again, but a stopping node starts no worker: it waited
+    # out the whole stop grace for 503 shutdown (break-it pass, session 19).
+    h.ready(W1, 0.0)
+    h.send(generate("r"), 0.1)
+    assert len(h.requests(W1)) == 1
+    h.broker.drain(0.2)
+    h.broker.worker_exited(W1.decode(), ExitCause(signal="SIGKILL"), 0.3)
+    reply = only_reply(h)
+    assert (reply["id"], reply["code"], reply["reason"]) == ("r", 503, "worker_lost"), reply
+    assert h.broker.pending_jobs() == 0
+    h.assert_each_answered_once()
