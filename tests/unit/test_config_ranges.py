@@ -86,6 +86,7 @@ BAD: list[tuple[str, Any]] = [
     ("broker.default_max_tokens", 0),
     ("broker.heartbeat_interval_ms", 0),
     ("broker.heartbeat_liveness", 0),
+    ("broker.heartbeat_liveness", 1),  # the normal gap between heartbeats is the limit
     ("broker.stall_timeout_ms", 0),
     ("broker.cancel_grace_ms", -1),
     ("broker.max_in_flight_per_client", 0),
@@ -236,7 +237,7 @@ def test_kv_type_names_follow_the_capacity_model() -> None:
         '[node]\nfrontend = "tcp://localhost:5555"\n',
         f"[broker]\ndefault_max_tokens = {MAX_TOKENS_LIMIT}\nmax_queue = 65536\n",
         "[broker]\nheartbeat_interval_ms = 715827882\nmax_timeout_ms = 2147483647\n",
-        "[broker]\nheartbeat_interval_ms = 100\nheartbeat_liveness = 1\n",  # the shortest
+        "[broker]\nheartbeat_interval_ms = 50\nheartbeat_liveness = 2\n",  # the shortest
         "[workers]\ncount = 1024\ntest_token_ms = 2147483647\n[fallback]\nlog_backups = 1000\n",
     ],
 )
