@@ -93,7 +93,8 @@ class Call:
         reason = self.guard.failed(self.permit, now, exc)
         if reason is None:
             raise exc
-        return self.local(reason, now, exc)
+        # A timeout is the client's own verdict: no reply of the node to report.
+        return self.local(reason, now, None if reason == "node_timeout" else exc)
 
     def timed_out(self, now: float, endpoint: str) -> list[dict[str, Any]]:
         """No reply by ``deadline``: a guarded call answers locally (``node_timeout``).

@@ -64,7 +64,7 @@ from broker.queue import ClientCounts, RequestQueue
 from broker.records import BrokerSettings, Job, JobState, WorkerEvent
 from broker.replies import ERROR_OUTCOMES, final_reply
 from broker.reply_cache import ReplyCache, fingerprint
-from broker.routing import Route, Router, RoutingSettings
+from broker.routing import LATE_HEDGE_S, Route, Router, RoutingSettings
 from broker.service_time import ServiceEstimator
 from broker.snapshot import PoolSnapshot, PoolView
 from broker.stats import Stats
@@ -231,6 +231,9 @@ class Broker:
         self.jobs.bind(job)
         if route.ttft_budget_s is not None and not route.hedge:
             self.jobs.arm("ttft", job.rid, now + route.ttft_budget_s)
+        if route.rules_if_late and not route.hedge:
+            margin = min(LATE_HEDGE_S, (verdict.deadline - now) / 2)
+            self.jobs.arm("late", job.rid, verdict.deadline - margin)
         self.clients.opened(job.owner)
         self.queue.push(job)
         if route.hedge:
@@ -598,8 +601,11 @@ class Broker:
             if timer == "job" and not job.settled:
                 self.stats.count("deadline_exceeded")
                 self._finish_early(job, ErrorCode.DEADLINE_EXCEEDED, "deadline exceeded", now)
-            elif timer == "ttft" and not job.settled and job.first_token_at is None:
-                if job.hedged_by is None and self.handover.can_fall_back(job):
+            elif timer in ("ttft", "late") and not job.settled:
+                # ttft: no first token within the latency budget; late: no answer near
+                # the deadline, where the rules' answer beats a 504.
+                due = timer == "late" or job.first_token_at is None
+                if due and job.hedged_by is None and self.handover.can_fall_back(job):
                     self.handover.hedge(job)
                     self.dispatcher.dispatch(now)
             elif timer == "ack":

@@ -24,8 +24,10 @@ from broker.records import OPEN_STATES, Job, JobState
 ClientKey = tuple[bytes, str | int]
 
 #: A job's timers: ``job`` = the request's deadline, ``ttft`` = degrade mode's
-#: first-token budget, ``ack`` = the grace a cancelled worker has to acknowledge.
-Timer = Literal["job", "ttft", "ack"]
+#: first-token budget, ``late`` = degrade mode's last chance to ask the rules before
+#: the deadline (``broker.routing.LATE_HEDGE_S``), ``ack`` = the grace a cancelled
+#: worker has to acknowledge.
+Timer = Literal["job", "ttft", "late", "ack"]
 
 #: The states a job may be settled into (``JobTable.settle``).
 SETTLED_STATES = frozenset({JobState.ANSWERED, JobState.HANDED_OVER, JobState.DROPPED})

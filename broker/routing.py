@@ -13,7 +13,8 @@ Devices adopt a model beside their legacy rule engine in stages:
   that matches answers and the model's job is cancelled; a rule miss is
   dropped and the model answers (``usable_rules_answer``). A request the model
   could not finish by its deadline even idle goes to the rules alone, whatever
-  they say (admission's ``deadline_unmeetable``);
+  they say (admission's ``deadline_unmeetable``), and one the model has not
+  answered ``LATE_HEDGE_S`` before its deadline is hedged too;
 * ``full``: the model only; typed errors when it cannot serve.
 
 Only ``route: "auto"`` requests follow the mode; ``llm`` and ``rules`` are
@@ -39,6 +40,13 @@ from broker.snapshot import PoolView
 
 #: How much of a prompt a migration record keeps (chars).
 PROMPT_CHARS = 500
+#: s before a degrade-mode request's deadline at which the rules are asked if the
+#: model has not answered yet (``Route.rules_if_late``; at most half its budget). The
+#: rule worker answers in milliseconds; the rest is the way back to the client. A
+#: first token within the latency budget asked nothing of the rules, and a model that
+#: then ran to max_tokens answered 504: 25 of 30 requests of the README's 300 ms
+#: defensive client on an idle node (break-it pass, session 19).
+LATE_HEDGE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,9 @@ class Route:
     (None: not watched); ``hedge``: the model's wait already exceeds it, so ask
     the rules at once as well. ``rules_if_late``: degrade mode; if the model could
     not finish it by its deadline even alone (admission's ``deadline_unmeetable``),
-    the rules answer it instead (``latency_budget``), as a busy model's hedge does.
+    the rules answer it instead (``latency_budget``), as a busy model's hedge does;
+    and if it has not answered ``LATE_HEDGE_S`` before its deadline, the rules are
+    asked as at the latency budget (a hedge).
     ``circuit_open_ms``: only the model may serve it and its breaker is open (no
     permit): admission refuses it, retry after this many ms."""
 

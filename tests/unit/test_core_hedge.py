@@ -329,6 +329,50 @@ def test_an_idle_model_too_slow_for_the_deadline_leaves_the_request_to_the_rules
     h.assert_each_answered_once()
 
 
+def test_a_model_not_done_near_the_deadline_asks_the_rules_whose_match_answers() -> None:
+    # The first token came within the latency budget, so nothing asked the rules, and
+    # a model that ran on to max_tokens answered 504 at the deadline: 25 of 30
+    # requests of the README's 300 ms defensive client on an idle node, whose size
+    # model had learned only from the answers that stopped early (break-it pass 2,
+    # session 19).
+    h = harness()
+    h.send(generate("m", prompt="turn on the kitchen lights", timeout_ms=300), 0.0)
+    (model,) = bodies(h.drain_workers(), W1, REQUEST)
+    h.partial(W1, model["rid"], "The", 0.03)  # a first token in time: no hedge
+    h.tick(0.2, keepalive=(W1, RULES))
+    assert h.drain_workers() == []
+    h.tick(0.25, keepalive=(W1, RULES))  # 50 ms before the deadline
+    out = h.drain_workers()
+    assert cancels(out, W1) == []
+    (asked,) = bodies(out, RULES, REQUEST)
+    h.final(RULES, asked["rid"], 0.26, **MATCH)
+    (reply,) = [r for r in h.replies() if r["status"] != "partial"]
+    assert (reply["id"], reply["served_by"], reply["degrade_reason"]) == (
+        "m",
+        "rules",
+        "latency_budget",
+    )
+    assert cancels(h.drain_workers(), W1) == [model["rid"]]
+    h.final(W1, model["rid"], 0.27, status="error", code=499, message="cancelled")
+    h.assert_each_answered_once()
+
+
+def test_a_rule_miss_near_the_deadline_leaves_the_model_its_504() -> None:
+    h = harness()
+    h.send(generate("q", prompt="sing me a song", timeout_ms=300), 0.0)
+    (model,) = bodies(h.drain_workers(), W1, REQUEST)
+    h.partial(W1, model["rid"], "La", 0.03)
+    h.tick(0.25, keepalive=(W1, RULES))
+    (asked,) = bodies(h.drain_workers(), RULES, REQUEST)
+    h.final(RULES, asked["rid"], 0.26, **NO_MATCH)
+    assert [r for r in h.replies() if r["status"] != "partial"] == []
+    h.tick(0.3, keepalive=(W1, RULES))
+    (reply,) = [r for r in h.replies() if r["status"] != "partial"]
+    assert (reply["id"], reply["code"]) == ("q", 504)
+    h.final(W1, model["rid"], 0.31, status="error", code=499, message="cancelled")
+    h.assert_each_answered_once()
+
+
 def test_in_full_mode_the_deadline_refusal_stays_a_503() -> None:
     h = BrokerHarness(FAST, RoutingSettings("full", 200), QUICK_BREAKER)
     h.ready(W1, 0.0)
