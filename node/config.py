@@ -500,6 +500,15 @@ def validate(config: NodeConfig) -> NodeConfig:
             f"a worker dead) must be {MIN_SILENCE_MS} .. {MAX_DURATION_MS} ms, got "
             f"{b.heartbeat_interval_ms} x {b.heartbeat_liveness}"
         )
+    if b.stall_timeout_ms < 2 * b.heartbeat_interval_ms:
+        # A worker's progress reaches the broker with its heartbeats, one an interval:
+        # shorter, a busy worker is judged between two reports. At 1 ms every request
+        # killed its worker as stalled (break-it pass 2, session 19).
+        raise ConfigError(
+            "broker.stall_timeout_ms must be at least 2 x broker.heartbeat_interval_ms (a "
+            "worker reports its progress with its heartbeats), got "
+            f"{b.stall_timeout_ms} < 2 x {b.heartbeat_interval_ms}"
+        )
     if w.restart_backoff_max_ms < w.restart_backoff_ms:
         raise ConfigError(
             "workers.restart_backoff_max_ms must be >= workers.restart_backoff_ms, "

@@ -87,6 +87,7 @@ BAD: list[tuple[str, Any]] = [
     ("broker.heartbeat_interval_ms", 0),
     ("broker.heartbeat_liveness", 0),
     ("broker.heartbeat_liveness", 1),  # the normal gap between heartbeats is the limit
+    ("broker.stall_timeout_ms", 999),  # below 2 x the 500 ms interval: judged between reports
     ("broker.stall_timeout_ms", 0),
     ("broker.cancel_grace_ms", -1),
     ("broker.max_in_flight_per_client", 0),
@@ -236,8 +237,10 @@ def test_kv_type_names_follow_the_capacity_model() -> None:
         "[security]\nallow_plaintext = true\n",
         '[node]\nfrontend = "tcp://localhost:5555"\n',
         f"[broker]\ndefault_max_tokens = {MAX_TOKENS_LIMIT}\nmax_queue = 65536\n",
-        "[broker]\nheartbeat_interval_ms = 715827882\nmax_timeout_ms = 2147483647\n",
+        "[broker]\nheartbeat_interval_ms = 715827882\nmax_timeout_ms = 2147483647\n"
+        "stall_timeout_ms = 2147483647\n",
         "[broker]\nheartbeat_interval_ms = 50\nheartbeat_liveness = 2\n",  # the shortest
+        "[broker]\nstall_timeout_ms = 1000\n",  # 2 x the default heartbeat interval
         "[workers]\ncount = 1024\ntest_token_ms = 2147483647\n[fallback]\nlog_backups = 1000\n",
     ],
 )
