@@ -152,8 +152,7 @@ class WorkerHandle:
     started_at: float = 0.0
     restarts: int = 0
     failures_in_row: int = 0
-    #: When the current process registered (monotonic s; None: not yet, or a host
-    #: agent's, whose good run ``good_run`` reports).
+    #: When the current process first registered (monotonic s; None: not yet).
     ready_at: float | None = None
     restart_at: float | None = None
     last_exit: str = ""
@@ -269,24 +268,33 @@ class Supervisor:
 
     # ------------------------------------------------------------------ events
 
-    def worker_ready(self, worker_id: str, pid: int | None, reset_backoff: bool = True) -> None:
-        """The broker registered this worker: it is serving. ``reset_backoff``: if it
-        stays up ``backoff_max_s`` from now, its next restart starts from the first
-        delay again (a host agent reports its good run itself, ``good_run``). Not at
-        once: a worker killed right after READY each time (every heartbeat missed at
-        1 x 1 ms, a crash at its first decode) was restarted every 0.5 s for minutes."""
+    def worker_ready(self, worker_id: str, pid: int | None) -> None:
+        """The broker (or, for a host agent, its note) registered this worker: it is
+        serving. Once it has stayed up ``backoff_max_s`` since its first registration
+        (a good run, ``_good_run``), its next restart starts from the first delay
+        again. Not at once: a worker killed right after READY each time (every
+        heartbeat missed at 1 x 1 ms, a crash at its first decode) was restarted
+        every 0.5 s for minutes."""
         handle = self.handles.get(worker_id)
         if handle is None or handle.pid is None or (pid is not None and pid != handle.pid):
             return
         handle.state = "ready"
-        if reset_backoff and handle.ready_at is None:
+        if handle.ready_at is None:
             handle.ready_at = self.clock()
 
-    def good_run(self, worker_id: str, pid: int) -> None:
-        """This worker's process ``pid`` has served long enough: its next restart
-        starts from the first delay again."""
-        handle = self.handles.get(worker_id)
-        if handle is not None and handle.pid == pid:
+    def _good_run(self, handle: WorkerHandle, now: float) -> None:
+        """If ``handle``'s process has been registered ``backoff_max_s`` by ``now``,
+        its failures in a row are forgotten (the next restart waits the first delay)."""
+        if (
+            handle.failures_in_row
+            and handle.ready_at is not None
+            and now - handle.ready_at >= self.backoff_max_s
+        ):
+            log.info(
+                "%s up for %.0f s since it registered: next restart without delay",
+                handle.spec.worker_id,
+                now - handle.ready_at,
+            )
             handle.failures_in_row = 0
 
     def worker_lost(self, worker_id: str, pid: int | None, cause: ExitCause) -> None:
@@ -312,6 +320,7 @@ class Supervisor:
     def tick(self, now: float) -> None:
         """Reap exited workers, enforce the READY timeout, start due restarts."""
         for handle in self.handles.values():
+            self._good_run(handle, now)
             proc = handle.proc
             if proc is not None and proc.poll() is not None:
                 self._reaped(handle, proc.returncode, now)
@@ -396,6 +405,8 @@ class Supervisor:
     def _reaped(self, handle: WorkerHandle, code: int, now: float) -> None:
         pid = handle.proc.pid if handle.proc is not None else None
         handle.proc = None
+        self._good_run(handle, now)  # a run that ended between two ticks
+        handle.ready_at = None  # its run is over: none to count while it waits
         message = self._exit_message(handle) if code in DETERMINISTIC_EXITS else ""
         cause = exit_cause(code, handle.spec.engine.kind, message)
         if self.explain is not None:
@@ -427,8 +438,6 @@ class Supervisor:
         elif cause.deterministic:
             handle.state = "failed"  # a new process would fail the same way
         else:
-            if handle.ready_at is not None and now - handle.ready_at >= self.backoff_max_s:
-                handle.failures_in_row = 0  # a good run: restarted at the first delay
             handle.failures_in_row += 1
             delay = min(self.backoff_max_s, self.backoff_s * 2 ** (handle.failures_in_row - 1))
             handle.state = "restarting"

@@ -188,9 +188,7 @@ class HostAgent:
                 old.unlink()
         # Inherited by the workers it spawns (and by nothing else: the agent runs no node).
         os.environ[REGISTERED_DIR_ENV] = str(notes)
-        self._registrations = Registrations(
-            pool.supervisor, notes, c.workers.restart_backoff_max_ms / 1000
-        )
+        self._registrations = Registrations(pool.supervisor, notes)
         wake_r, wake_w = socket.socketpair()
         wake_w.setblocking(False)
         signal.set_wakeup_fd(wake_w.fileno())
@@ -264,23 +262,18 @@ class Registrations:
     notes (``node.remote.registration``), and what follows from it for the supervisor.
 
     Args:
-        supervisor: the pool's; told ``worker_ready`` (without a backoff reset) when
-            a worker's current process registers, which ends its READY timeout, and
-            ``good_run`` once it stayed up ``good_run_s`` after that.
+        supervisor: the pool's; told ``worker_ready`` when a worker's current process
+            registers, which ends its READY timeout and starts its good run (the
+            supervisor's, as for a node's own workers: registered for
+            ``workers.restart_backoff_max_ms``, its next restart waits the first delay).
         notes: the notes' directory.
-        good_run_s: how long a registered process must stay up for its next restart
-            to start from the first delay again (s): ``workers.restart_backoff_max_ms``,
-            so that a worker failing soon after registering keeps backing off up to
-            the longest delay, and one that ran that long is restarted at once.
     """
 
-    def __init__(self, supervisor: Supervisor, notes: Path, good_run_s: float) -> None:
+    def __init__(self, supervisor: Supervisor, notes: Path) -> None:
         self.supervisor = supervisor
         self.notes = notes
-        self.good_run_s = good_run_s
-        #: worker_id -> (pid, when it first registered (monotonic s), registrations,
-        #: whether its good run was counted).
-        self.known: dict[str, tuple[int, float, int, bool]] = {}
+        #: worker_id -> (pid, registrations).
+        self.known: dict[str, tuple[int, int]] = {}
 
     def tick(self, now: float) -> None:
         """Read every worker's note; tell the supervisor what is new."""
@@ -297,26 +290,15 @@ class Registrations:
                 continue
             if known is None:
                 log.info("%s registered with the gateway (pid %d)", worker_id, pid)
-                self.supervisor.worker_ready(worker_id, pid, reset_backoff=False)
-                self.known[worker_id] = (pid, now, note[1], False)
-                continue
-            _, since, count, good = known
-            if note[1] != count:
+                self.supervisor.worker_ready(worker_id, pid)
+            elif note[1] != known[1]:
                 log.info("%s registered again (pid %d, %d times)", worker_id, pid, note[1])
-            if not good and now - since >= self.good_run_s:
-                log.info(
-                    "%s up for %.0f s since it registered: next restart without delay",
-                    worker_id,
-                    now - since,
-                )
-                self.supervisor.good_run(worker_id, pid)
-                good = True
-            self.known[worker_id] = (pid, since, note[1], good)
+            self.known[worker_id] = (pid, note[1])
 
     def registrations(self, worker_id: str) -> int:
         """How many times the worker's current process registered (0: not yet)."""
         known = self.known.get(worker_id)
-        return known[2] if known is not None else 0
+        return known[1] if known is not None else 0
 
 
 def agent_status(
