@@ -63,7 +63,8 @@ runs at ``--nice`` (default 0, for the node ``workers.nice``): the node's defaul
 nice 10 would let outside load fall on the node alone. Every backend is started,
 warmed up (8 tokens for every client and every node slot at once: a worker's
 first request pages the weights in), measured and stopped for each level of each
-round. Rounds are interleaved (round r: every level, every backend), and the
+round. Rounds are interleaved (round r: every level, every backend; the script's
+backends run in reverse order in odd rounds, ABC CBA), and the
 report takes per level the median over rounds of each number and of each same-round
 ratio, so outside load falls on each backend alike. Outside load is measured too
 (CPU time on ``--cpus`` spent by neither this process nor the backend, in cores): a

@@ -50,6 +50,7 @@ import json
 import logging
 import math
 import re
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -88,6 +89,7 @@ from node.llama.log import LLAMA_LOG as _LOG
 from node.llama.log import LOG_QUIET
 from node.llama.slots import Slot, SlotJob, TextOut, batch_order, pick_slot
 from node.llama.threads import WINDOW_S, Switch, ThreadPolicy, read_task_times
+from node.llama.ubatch import DecodePlan
 from node.llama.vocab import TooManyTokens, Vocab, around_text, special_tokens
 
 log = logging.getLogger(__name__)
@@ -145,6 +147,8 @@ TOO_COSTLY = (
 _TOKEN_DATA_BYTES = ctypes.sizeof(llama_c.llama_token_data)
 #: llama_decode's return code when the abort callback stopped it (llama.h).
 DECODE_ABORTED = 2
+#: Timed decode steps per ubatch size when the engine loads (``_ubatch_costs``).
+UBATCH_TIMINGS = 3
 #: s; after a step this slow, decode-only steps run with the abort callback too. A
 #: decode step takes 20-150 ms here (1-8 slots); one of seconds means the host
 #: starves the worker's threads, and a cancel must not wait for the step to end:
@@ -236,6 +240,20 @@ class LlamaEngine:
         self._chat = _chat_formatter(self.llm, spec.chat_format)  # ValueError: unknown name
         self._slots = [Slot(seq) for seq in range(self.slots)]
         self._batch = llama_c.llama_batch_init(self.n_batch, 0, 1)
+        #: How runs of decoding slots are cut into ubatches (``node.llama.ubatch``),
+        #: from ``ubatch_ms``: ms per ubatch of 1..S rows, timed at load.
+        self.plan = DecodePlan.together(self.slots)
+        self.ubatch_ms: dict[int, float] = {}
+        if self.slots > 1 and self.n_batch >= self.slots:
+            costs = self._ubatch_costs()
+            self.plan = DecodePlan.from_costs(costs)
+            self.ubatch_ms = {g: round(c * 1000, 1) for g, c in costs.items()}
+            log.info(
+                "decode plan (slots decoding: ubatches): %s; ms per ubatch of 1..%d rows: %s",
+                self.plan.describe(),
+                self.slots,
+                ", ".join(f"{ms:g}" for ms in self.ubatch_ms.values()),
+            )
         self._uses = itertools.count(1)
         self._in_batch: list[threading.Event] = []
         self.steps = 0
@@ -253,6 +271,35 @@ class LlamaEngine:
         self._step_grammar_s = 0.0  # CPU s the current step spent on grammars (_sample)
         self._step_grammars = 0  # grammar samples in the current step
         self.grammar_deferrals = 0  # json_schema samples moved to a later step (_sample)
+
+    def _ubatch_costs(self) -> dict[int, float]:
+        """s per ``llama_decode`` of one ubatch of g one-row sequences (g = 1..S), the
+        median of ``UBATCH_TIMINGS`` steps, sizes interleaved, after one untimed pass
+        (it pages the weights in). Each row is a BOS at position 0 of sequence 0..g-1,
+        removed after: the slots start empty, as they would without it. About
+        ``UBATCH_TIMINGS + 1`` decode steps of every size: ~0.8 s for 4 slots on one
+        core here.
+
+        Raises:
+            ValueError: a step failed (llama_decode's code).
+        """
+        bos = llama_c.llama_vocab_bos(self._vocab)
+        times: dict[int, list[float]] = {g: [] for g in range(1, self.slots + 1)}
+        for timed in [False] + [True] * UBATCH_TIMINGS:
+            for g in times:
+                for seq in range(g):  # ascending: one ubatch (``batch_order``)
+                    _put(self._batch, seq, bos, 0, seq, True)
+                self._batch.n_tokens = g
+                began = time.perf_counter()
+                code = llama_c.llama_decode(self._ctx, self._batch)
+                took = time.perf_counter() - began
+                for seq in range(g):
+                    llama_c.llama_memory_seq_rm(self._mem, seq, 0, -1)
+                if code != 0:
+                    raise ValueError(f"llama_decode returned {code} timing a ubatch of {g}")
+                if timed:
+                    times[g].append(took)
+        return {g: statistics.median(t) for g, t in times.items()}
 
     def _should_abort(self, _data: ctypes.c_void_p) -> bool:
         # ggml-cpu calls this after every graph node: it doubles as the proof
@@ -467,7 +514,7 @@ class LlamaEngine:
         tokens = self._step_tokens()
         rows: list[tuple[Slot, list[int], int | None]] = []
         n = 0
-        for seq in batch_order({seq: len(chunk) for seq, chunk in tokens.items()}):
+        for seq in batch_order({seq: len(chunk) for seq, chunk in tokens.items()}, self.plan):
             slot, chunk = self._slots[seq], tokens[seq]
             assert slot.job is not None
             start = len(slot.cached)

@@ -11,7 +11,8 @@ becomes text; the engine owns the context and the batches.
   a new prompt (llama-server's ``cache_prompt``; it also prefers the least
   recently used slot among equals, as here).
 * ``batch_order``: the order of the slots' rows in one batch, so that llama.cpp's
-  split of it into ubatches never cuts a slot's rows.
+  split of it into ubatches never cuts a slot's rows, and cuts runs of decoding
+  slots where the decode plan says (``node.llama.ubatch``).
 * ``TextOut``: token bytes to text, one piece per token: UTF-8 split over byte
   tokens joins whole, and text that may begin a stop string is held back until
   it cannot (llama-cpp-python's ``create_completion`` does the same).
@@ -24,6 +25,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from node.llama.ubatch import DecodePlan
 
 #: Callback a request's partial text goes to (one call per piece of text).
 Emit = Callable[[str], None]
@@ -126,7 +129,7 @@ def pick_slot(slots: Sequence[Slot], prompt: Sequence[int], reuse: bool = True) 
     return best, min(common_prefix(best.cached, prompt), len(prompt) - 1)
 
 
-def batch_order(rows: Mapping[int, int]) -> list[int]:
+def batch_order(rows: Mapping[int, int], plan: DecodePlan | None = None) -> list[int]:
     """The order of the sequences in one ``llama_batch``, each sequence's rows
     together, so that llama.cpp evaluates every prompt chunk whole in a ubatch of its
     own and the one-row sequences together in runs of consecutive ids. ``rows`` maps
@@ -154,6 +157,10 @@ def batch_order(rows: Mapping[int, int]) -> list[int]:
     the next id belongs to a run placed before it, already used. So each run is one
     ubatch, and a step of decoding slots with consecutive ids is one ubatch, as in
     ascending order.
+
+    ``plan`` (default: none, every run whole) cuts each run of decoding slots into
+    the pieces it names (``node.llama.ubatch``): each piece is a run of its own,
+    so one ubatch, placed as runs are.
     """
     runs: list[list[int]] = []
     for seq in sorted(rows):
@@ -161,7 +168,18 @@ def batch_order(rows: Mapping[int, int]) -> list[int]:
             runs[-1].append(seq)
         else:
             runs.append([seq])
+    if plan is not None:
+        runs = [piece for run in runs for piece in _cut(run, plan.cut(len(run)))]
     return [seq for run in reversed(runs) for seq in run]
+
+
+def _cut(run: list[int], sizes: Sequence[int]) -> list[list[int]]:
+    """``run`` in consecutive pieces of ``sizes`` (which sum to its length)."""
+    pieces, at = [], 0
+    for size in sizes:
+        pieces.append(run[at : at + size])
+        at += size
+    return pieces
 
 
 class TextOut:
