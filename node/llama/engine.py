@@ -50,7 +50,6 @@ import json
 import logging
 import math
 import re
-import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -147,8 +146,11 @@ TOO_COSTLY = (
 _TOKEN_DATA_BYTES = ctypes.sizeof(llama_c.llama_token_data)
 #: llama_decode's return code when the abort callback stopped it (llama.h).
 DECODE_ABORTED = 2
-#: Timed decode steps per ubatch size when the engine loads (``_ubatch_costs``).
-UBATCH_TIMINGS = 3
+#: Decode steps per ubatch size when the engine loads (``_ubatch_costs``): untimed
+#: ones first (the first steps after a load ran 20-50 % slower here), then timed ones,
+#: of which the fastest counts (outside work only ever adds time).
+UBATCH_WARMUPS = 2
+UBATCH_TIMINGS = 5
 #: s; after a step this slow, decode-only steps run with the abort callback too. A
 #: decode step takes 20-150 ms here (1-8 slots); one of seconds means the host
 #: starves the worker's threads, and a cancel must not wait for the step to end:
@@ -241,18 +243,17 @@ class LlamaEngine:
         self._slots = [Slot(seq) for seq in range(self.slots)]
         self._batch = llama_c.llama_batch_init(self.n_batch, 0, 1)
         #: How runs of decoding slots are cut into ubatches (``node.llama.ubatch``),
-        #: from ``ubatch_ms``: ms per ubatch of 1..S rows, timed at load.
+        #: from ``ubatch_s``: s per ubatch of 1..S one-row sequences, timed at load.
         self.plan = DecodePlan.together(self.slots)
-        self.ubatch_ms: dict[int, float] = {}
+        self.ubatch_s: dict[int, float] = {}
         if self.slots > 1 and self.n_batch >= self.slots:
-            costs = self._ubatch_costs()
-            self.plan = DecodePlan.from_costs(costs)
-            self.ubatch_ms = {g: round(c * 1000, 1) for g, c in costs.items()}
+            self.ubatch_s = self._ubatch_costs()
+            self.plan = DecodePlan.from_costs(self.ubatch_s)
             log.info(
                 "decode plan (slots decoding: ubatches): %s; ms per ubatch of 1..%d rows: %s",
                 self.plan.describe(),
                 self.slots,
-                ", ".join(f"{ms:g}" for ms in self.ubatch_ms.values()),
+                ", ".join(f"{s * 1000:.1f}" for s in self.ubatch_s.values()),
             )
         self._uses = itertools.count(1)
         self._in_batch: list[threading.Event] = []
@@ -274,18 +275,18 @@ class LlamaEngine:
 
     def _ubatch_costs(self) -> dict[int, float]:
         """s per ``llama_decode`` of one ubatch of g one-row sequences (g = 1..S), the
-        median of ``UBATCH_TIMINGS`` steps, sizes interleaved, after one untimed pass
-        (it pages the weights in). Each row is a BOS at position 0 of sequence 0..g-1,
-        removed after: the slots start empty, as they would without it. About
-        ``UBATCH_TIMINGS + 1`` decode steps of every size: ~0.8 s for 4 slots on one
-        core here.
+        fastest of ``UBATCH_TIMINGS`` steps, sizes interleaved, after
+        ``UBATCH_WARMUPS`` untimed passes (they page the weights in). Each row is a BOS
+        at position 0 of sequence 0..g-1, removed after: the slots start empty, as
+        they would without it. ~1.3 s of a 4-slot worker's load on one core here
+        (docs/bench/figures.md, "Issue 10: the decode plan").
 
         Raises:
             ValueError: a step failed (llama_decode's code).
         """
         bos = llama_c.llama_vocab_bos(self._vocab)
         times: dict[int, list[float]] = {g: [] for g in range(1, self.slots + 1)}
-        for timed in [False] + [True] * UBATCH_TIMINGS:
+        for timed in [False] * UBATCH_WARMUPS + [True] * UBATCH_TIMINGS:
             for g in times:
                 for seq in range(g):  # ascending: one ubatch (``batch_order``)
                     _put(self._batch, seq, bos, 0, seq, True)
@@ -299,7 +300,7 @@ class LlamaEngine:
                     raise ValueError(f"llama_decode returned {code} timing a ubatch of {g}")
                 if timed:
                     times[g].append(took)
-        return {g: statistics.median(t) for g, t in times.items()}
+        return {g: min(t) for g, t in times.items()}
 
     def _should_abort(self, _data: ctypes.c_void_p) -> bool:
         # ggml-cpu calls this after every graph node: it doubles as the proof

@@ -24,6 +24,8 @@ import node.llama.engine
 from broker.errors import Cancelled, EdgeNodeError
 from node.engine import EngineSpec, Outcome
 from node.llama.engine import SLOW_STEP_S, LlamaEngine
+from node.llama.slots import batch_order
+from node.llama.ubatch import DecodePlan
 from node.model import resolve_model
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(240)]
@@ -576,3 +578,30 @@ def test_costly_grammars_in_one_step_take_turns_and_each_answer_still_fits(
         assert isinstance(value["name"], str) and isinstance(value["n"], int), value
     plain = ended[4]
     assert isinstance(plain, dict) and plain["usage"]["completion_tokens"] == 40, plain
+
+
+def test_the_decode_plan_comes_from_the_load_timings_and_orders_a_decode_step(
+    four: LlamaEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine timed a ubatch of each size 1..4 at load, its plan is the one
+    those timings give, and a step of four decoding slots is ordered by it: each
+    piece one ubatch (``node.llama.ubatch``; which plan depends on the CPU)."""
+    assert sorted(four.ubatch_s) == [1, 2, 3, 4]
+    assert all(0 < s < 5 for s in four.ubatch_s.values())
+    assert four.plan == DecodePlan.from_costs(four.ubatch_s)
+    orders: list[list[int]] = []
+    decode = llama_c.llama_decode
+
+    def recorded(ctx: Any, batch: Any) -> int:
+        orders.append([batch.seq_id[i][0] for i in range(batch.n_tokens)])
+        return int(decode(ctx, batch))
+
+    monkeypatch.setattr(llama_c, "llama_decode", recorded)
+    ended: dict[int, Outcome] = {}
+    for rid in range(4):
+        four.submit(rid, greedy(PROMPTS[rid], 8), threading.Event(), lambda _: None)
+    step_until_idle(four, ended)
+    assert len(ended) == 4
+    four_decoding = [o for o in orders if sorted(o) == [0, 1, 2, 3]]
+    assert four_decoding, orders
+    assert all(o == batch_order(dict.fromkeys(range(4), 1), four.plan) for o in four_decoding)
